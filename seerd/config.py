@@ -1,0 +1,89 @@
+"""The run's configuration: what `seerd run` was asked to do, persisted so `resume` can repeat it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+DEFAULT_CHUNK_TOKENS = 8192
+
+
+class ConfigError(ValueError):
+    """An impossible setting: reported to the user before any state is created."""
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Settings of each worker's vLLM engine."""
+
+    kv_cache_gib: float = 1.0
+    max_model_len: int | None = None  # None: the model's own maximum
+    max_num_seqs: int = 64
+    extra_args: dict = field(default_factory=dict)  # passed to AsyncEngineArgs as given
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    input_path: str
+    model_path: str
+    policy: str = "divided"
+    workers: int = 2
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    n: int = 4
+    max_tokens: int = 1024
+    seed: int = 0
+    sampling: SamplingDefaults = SamplingDefaults()
+    engine: EngineConfig = EngineConfig()
+    lease_ttl_s: float = 30.0
+    # `group` binds groups to workers once; wait this long for every worker to register first.
+    worker_wait_s: float = 300.0
+    sqlite_synchronous: str = "FULL"
+
+    def validate(self) -> None:
+        problems = []
+        if self.workers < 1:
+            problems.append(f"--workers must be >= 1 (got {self.workers})")
+        if self.chunk_tokens < 1:
+            problems.append(f"--chunk-tokens must be >= 1 (got {self.chunk_tokens})")
+        if self.n < 1:
+            problems.append(f"--n must be >= 1 (got {self.n})")
+        if self.max_tokens < 1:
+            problems.append(f"--max-tokens must be >= 1 (got {self.max_tokens})")
+        if self.sampling.temperature < 0:
+            problems.append(f"--temperature must be >= 0 (got {self.sampling.temperature})")
+        if not 0 < self.sampling.top_p <= 1:
+            problems.append(f"--top-p must be in (0, 1] (got {self.sampling.top_p})")
+        if self.lease_ttl_s <= 0:
+            problems.append(f"lease TTL must be > 0 (got {self.lease_ttl_s})")
+        if self.engine.kv_cache_gib <= 0:
+            problems.append(f"--kv-cache-gib must be > 0 (got {self.engine.kv_cache_gib})")
+        if self.engine.max_num_seqs < 1:
+            problems.append(f"--max-num-seqs must be >= 1 (got {self.engine.max_num_seqs})")
+        if problems:
+            raise ConfigError("; ".join(problems))
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> RunConfig:
+        raw = json.loads(text)
+        known = {f.name for f in fields(cls)}
+        raw = {k: v for k, v in raw.items() if k in known}
+        sampling = dict(raw.pop("sampling", {}))
+        sampling["stop_token_ids"] = tuple(sampling.get("stop_token_ids", ()))
+        engine = EngineConfig(**raw.pop("engine", {}))
+        return cls(sampling=SamplingDefaults(**sampling), engine=engine, **raw)
+
+    @property
+    def model_dir(self) -> Path:
+        return Path(self.model_path)

@@ -1,0 +1,73 @@
+"""Turn a validated prompt file into a rollout's groups and requests (one transaction)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+
+from sqlalchemy import insert, select, update
+from sqlalchemy.orm import Session
+
+from seerd.config import RunConfig
+from seerd.db import Group, Request, RequestStatus, Rollout, RolloutStatus, add_event
+from seerd.io.codec import pack_ints
+from seerd.io.prompts import PromptRow
+
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "seed", "stop_token_ids")
+
+
+def prompt_hash(token_ids: Sequence[int]) -> str:
+    return hashlib.sha256(pack_ints(token_ids)).hexdigest()
+
+
+def group_sampling(config: RunConfig, row: PromptRow) -> dict:
+    sampling = {
+        "temperature": config.sampling.temperature,
+        "top_p": config.sampling.top_p,
+        "top_k": config.sampling.top_k,
+        "stop_token_ids": list(config.sampling.stop_token_ids),
+        "seed": None,
+    }
+    sampling.update({k: v for k, v in row.sampling.items() if k in SAMPLING_KEYS})
+    return sampling
+
+
+def create_rollout(session: Session, config: RunConfig, rows: Sequence[PromptRow], *,
+                   input_sha256: str, now: float) -> int:
+    """Insert the rollout, a group per row and n requests per group; the caller commits."""
+    rollout = Rollout(status=RolloutStatus.CREATED, policy=config.policy, seed=config.seed,
+                      model_path=config.model_path, input_path=config.input_path,
+                      input_sha256=input_sha256, config_json=config.to_json(), created_at=now)
+    session.add(rollout)
+    session.flush()
+    session.execute(insert(Group), [
+        {
+            "rollout_id": rollout.id, "group_index": index, "prompt_id": row.prompt_id,
+            "prompt_token_ids": pack_ints(row.prompt_token_ids), "prompt_len": len(row.prompt_token_ids),
+            "prompt_hash": prompt_hash(row.prompt_token_ids), "n": row.n, "max_tokens": row.max_tokens,
+            "sampling_json": json.dumps(group_sampling(config, row)),
+            # Until a response of the group finishes, assume it is long (the paper's rule).
+            "length_estimate": row.max_tokens, "finished_requests": 0,
+        }
+        for index, row in enumerate(rows)
+    ])
+    group_ids = session.execute(
+        select(Group.group_index, Group.id).where(Group.rollout_id == rollout.id)
+    ).all()
+    id_of = dict(group_ids)
+    session.execute(insert(Request), [
+        {
+            "rollout_id": rollout.id, "group_id": id_of[index], "response_index": k,
+            "status": RequestStatus.QUEUED, "is_probe": k == 0, "generated_tokens": 0,
+            "num_chunks": 0, "queued_at": now,
+        }
+        for index, row in enumerate(rows) for k in range(row.n)
+    ])
+    probes = session.execute(
+        select(Request.group_id, Request.id).where(Request.rollout_id == rollout.id, Request.is_probe)
+    ).all()
+    session.execute(update(Group), [{"id": gid, "probe_request_id": rid} for gid, rid in probes])
+    add_event(session, rollout.id, now, "rollout_created",
+              data={"groups": len(rows), "requests": sum(r.n for r in rows), "policy": config.policy})
+    return rollout.id

@@ -1,0 +1,173 @@
+"""The coordinator daemon: opens the run's database, serves the API, expires leases, finishes.
+
+One process, one asyncio loop. The lease book owns the state; this module only wires it to the
+network, the clock and the end of the run (export, then mark finished).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import uvicorn
+from sqlalchemy import Engine, select
+
+from seerd.config import RunConfig
+from seerd.coordinator.api import CoordinatorControl, create_app
+from seerd.coordinator.book import LeaseBook
+from seerd.db import Rollout, RolloutStatus, add_event, make_engine, make_sessionmaker
+from seerd.db.migrate import upgrade
+from seerd.io.export import ExportResult, export_run
+from seerd.rundir import RunDir
+from seerd.scheduler import make_policy
+
+log = logging.getLogger("seerd.coordinator")
+
+EXPIRY_INTERVAL_S = 0.5
+# After the last response, keep answering for this long so that every worker hears "done".
+DONE_LINGER_S = 5.0
+
+
+class RunNotFound(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class CoordinatorResult:
+    status: RolloutStatus
+    export: ExportResult | None
+    reason: str | None = None
+
+
+def open_database(run_dir: RunDir, *, synchronous: str = "FULL") -> Engine:
+    engine = make_engine(run_dir.db_path, synchronous=synchronous)
+    upgrade(engine)
+    return engine
+
+
+def load_rollout(engine: Engine) -> Rollout:
+    with make_sessionmaker(engine).begin() as session:
+        rollout = session.scalars(select(Rollout).order_by(Rollout.id.desc()).limit(1)).first()
+    if rollout is None:
+        raise RunNotFound("the run's database holds no rollout")
+    return rollout
+
+
+class Coordinator:
+    def __init__(self, run_dir: RunDir, *, host: str = "127.0.0.1", port: int = 0,
+                 clock: Callable[[], float] = time.time) -> None:
+        if not run_dir.exists():
+            raise RunNotFound(f"no run at {run_dir.path} (no {run_dir.db_path.name})")
+        self.run_dir = run_dir
+        self.clock = clock
+        self.host, self.port = host, port
+        probe_engine = make_engine(run_dir.db_path)
+        upgrade(probe_engine)
+        rollout = load_rollout(probe_engine)
+        probe_engine.dispose()
+        self.config = RunConfig.from_json(rollout.config_json)
+        self.engine = open_database(run_dir, synchronous=self.config.sqlite_synchronous)
+        self.sessions = make_sessionmaker(self.engine)
+        self.rollout_id = rollout.id
+        self.book = LeaseBook(self.sessions, rollout.id, make_policy(self.config.policy),
+                              chunk_tokens=self.config.chunk_tokens, lease_ttl_s=self.config.lease_ttl_s,
+                              seed=self.config.seed)
+        self.control = CoordinatorControl()
+        self.started_at = clock()
+        self._stop_reason: str | None = None
+        self._server: uvicorn.Server | None = None
+        self.initial_status = rollout.status
+
+    # The group policy binds every group once, so it waits for the expected workers (or a timeout).
+    def _gate(self) -> bool:
+        if self.config.policy != "group":
+            return True
+        if len(self.book.live_workers()) >= self.config.workers:
+            return True
+        return self.clock() - self.started_at > self.config.worker_wait_s
+
+    def request_stop(self, reason: str) -> None:
+        """Stop handing out work and shut down; the run stays resumable."""
+        if self._stop_reason is None:
+            self._stop_reason = reason
+            self.control.accepting = False
+            log.warning("stopping: %s", reason)
+
+    def engine_settings(self) -> dict:
+        return {"model_path": self.config.model_path, "engine": self.config.engine.__dict__,
+                "seed": self.config.seed}
+
+    async def serve(self, on_tick: Callable[[LeaseBook], None] | None = None,
+                    on_ready: Callable[[str, int], None] | None = None) -> CoordinatorResult:
+        now = self.clock()
+        if self.initial_status == RolloutStatus.FINISHED:
+            return CoordinatorResult(RolloutStatus.FINISHED, None, "already finished")
+        self.book.load(now)
+        if self.initial_status in (RolloutStatus.RUNNING, RolloutStatus.INTERRUPTED, RolloutStatus.FAILED):
+            with self.sessions.begin() as session:
+                add_event(session, self.rollout_id, now, "rollout_resumed",
+                          data={"previous_status": self.initial_status.value, **self.book.counts()})
+        self.book.set_rollout_status(RolloutStatus.RUNNING, now)
+
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, self.port))
+        host, port = sock.getsockname()[:2]
+        app = create_app(self.book, self.run_dir.read_secret(), self.control, self.clock)
+        app.state.engine_settings = self.engine_settings()
+        self.control.scheduling_gate = self._gate
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
+        self._server = uvicorn.Server(config)
+        self._server.install_signal_handlers = lambda: None  # ours are below, in one place
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, self.request_stop, f"signal {signal.Signals(signum).name}")
+        server_task = asyncio.create_task(self._server.serve(sockets=[sock]))
+        while not self._server.started and not server_task.done():
+            await asyncio.sleep(0.01)
+        self.run_dir.write_address(host, port, os.getpid())
+        if on_ready:
+            on_ready(host, port)
+        try:
+            result = await self._watch(on_tick)
+        finally:
+            self._server.should_exit = True
+            await server_task
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(signum)
+            self.run_dir.address_path.unlink(missing_ok=True)
+        return result
+
+    async def _watch(self, on_tick: Callable[[LeaseBook], None] | None) -> CoordinatorResult:
+        while True:
+            now = self.clock()
+            self.book.expire(now)
+            if on_tick:
+                on_tick(self.book)
+            if self.book.is_complete():
+                return await self._finish()
+            if self._stop_reason is not None:
+                self.book.set_rollout_status(RolloutStatus.INTERRUPTED, self.clock(), self._stop_reason)
+                return CoordinatorResult(RolloutStatus.INTERRUPTED, None, self._stop_reason)
+            await asyncio.sleep(EXPIRY_INTERVAL_S)
+
+    async def _finish(self) -> CoordinatorResult:
+        with self.sessions.begin() as session:
+            export = export_run(session, self.rollout_id, self.run_dir)
+        # Outputs are on disk before the run is marked finished: a crash in between re-exports.
+        self.book.set_rollout_status(RolloutStatus.FINISHED, self.clock())
+        deadline = self.clock() + DONE_LINGER_S
+        while self.clock() < deadline and self._stop_reason is None:
+            if not any(w not in self.control.told_done for w in (x.id for x in self.book.live_workers())):
+                break
+            await asyncio.sleep(0.1)
+        return CoordinatorResult(RolloutStatus.FINISHED, export)
+
+    def mark_failed(self, reason: str) -> None:
+        self.book.set_rollout_status(RolloutStatus.FAILED, self.clock(), reason)

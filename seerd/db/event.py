@@ -1,0 +1,37 @@
+"""The event log: an append-only record of what happened, read by monitoring and reports."""
+
+from __future__ import annotations
+
+import json
+
+from sqlalchemy import Float, ForeignKey, Integer, String, Text
+from sqlalchemy.orm import Mapped, mapped_column
+
+from seerd.db.base import Base
+
+
+class Event(Base):
+    __tablename__ = "events"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    rollout_id: Mapped[int] = mapped_column(ForeignKey("rollouts.id", ondelete="CASCADE"), index=True)
+    ts: Mapped[float] = mapped_column(Float, index=True)
+    kind: Mapped[str] = mapped_column(String(32), index=True)
+    worker_id: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    request_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    chunk_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    data_json: Mapped[str | None] = mapped_column(Text, nullable=True)
+
+
+def add_event(session, rollout_id: int, ts: float, kind: str, **fields) -> None:  # noqa: ANN001
+    """Append an event in the caller's transaction."""
+    data = fields.pop("data", None)
+    session.add(
+        Event(
+            rollout_id=rollout_id,
+            ts=ts,
+            kind=kind,
+            data_json=json.dumps(data, separators=(",", ":")) if data is not None else None,
+            **fields,
+        )
+    )

@@ -1,0 +1,113 @@
+"""Write a run's responses to `rollouts.parquet` and `rollouts.jsonl`, atomically.
+
+One row per finished response. An unfinished run exports what is finished and says so, in the
+returned result and in `rollouts.meta.json` (`"complete": false`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from seerd.db import Chunk, ChunkStatus, Group, Request, RequestStatus
+from seerd.io.codec import unpack_floats, unpack_ints
+from seerd.rundir import RunDir
+
+SCHEMA = pa.schema([
+    ("prompt_id", pa.string()),
+    ("group_index", pa.int32()),
+    ("response_index", pa.int32()),
+    ("token_ids", pa.list_(pa.int32())),
+    ("logprobs", pa.list_(pa.float32())),
+    ("finish_reason", pa.string()),
+    ("length", pa.int32()),
+    ("num_chunks", pa.int32()),
+    ("prompt_len", pa.int32()),
+    ("started_at", pa.float64()),
+    ("finished_at", pa.float64()),
+    ("generation_s", pa.float64()),  # summed wall time of the chunks that produced it
+])
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    responses: int
+    responses_total: int
+
+    @property
+    def complete(self) -> bool:
+        return self.responses == self.responses_total
+
+
+def collect_rows(session: Session, rollout_id: int) -> tuple[list[dict], int]:
+    total = 0
+    finished: dict[int, dict] = {}
+    query = (
+        select(Request, Group.prompt_id, Group.group_index, Group.prompt_len)
+        .join(Group, Group.id == Request.group_id)
+        .where(Request.rollout_id == rollout_id)
+        .order_by(Group.group_index, Request.response_index)
+    )
+    for request, prompt_id, group_index, prompt_len in session.execute(query):
+        total += 1
+        if request.status != RequestStatus.FINISHED:
+            continue
+        finished[request.id] = {
+            "prompt_id": prompt_id, "group_index": group_index, "response_index": request.response_index,
+            "token_ids": [], "logprobs": [], "finish_reason": request.finish_reason,
+            "length": request.generated_tokens, "num_chunks": request.num_chunks, "prompt_len": prompt_len,
+            "started_at": request.started_at, "finished_at": request.finished_at, "generation_s": 0.0,
+        }
+    chunks = session.execute(
+        select(Chunk.request_id, Chunk.token_ids, Chunk.logprobs, Chunk.leased_at, Chunk.finished_at)
+        .join(Request, Request.id == Chunk.request_id)
+        .where(Request.rollout_id == rollout_id, Chunk.status == ChunkStatus.DONE)
+        .order_by(Chunk.request_id, Chunk.seq)
+    )
+    for request_id, token_blob, logprob_blob, leased_at, finished_at in chunks:
+        row = finished.get(request_id)
+        if row is None:
+            continue
+        row["token_ids"].extend(unpack_ints(token_blob))
+        row["logprobs"].extend(unpack_floats(logprob_blob))
+        row["generation_s"] += (finished_at or 0.0) - (leased_at or 0.0)
+    rows = list(finished.values())
+    for row in rows:
+        if len(row["token_ids"]) != row["length"]:
+            raise RuntimeError(f"response {row['prompt_id']}/{row['response_index']}: "
+                               f"{len(row['token_ids'])} tokens stored but {row['length']} counted")
+    return rows, total
+
+
+def write_outputs(run_dir: RunDir, rows: list[dict], total: int) -> ExportResult:
+    table = pa.Table.from_pylist(rows, schema=SCHEMA)
+    _atomic(run_dir.parquet_path, lambda tmp: pq.write_table(table, tmp))
+    _atomic(run_dir.jsonl_path, lambda tmp: tmp.write_text(
+        "".join(json.dumps(row, separators=(",", ":")) + "\n" for row in rows)))
+    result = ExportResult(len(rows), total)
+    meta = {"complete": result.complete, "responses": len(rows), "responses_total": total,
+            "exported_at": time.time()}
+    _atomic(run_dir.meta_path, lambda tmp: tmp.write_text(json.dumps(meta, indent=1) + "\n"))
+    return result
+
+
+def export_run(session: Session, rollout_id: int, run_dir: RunDir) -> ExportResult:
+    rows, total = collect_rows(session, rollout_id)
+    return write_outputs(run_dir, rows, total)
+
+
+def _atomic(path: Path, write) -> None:  # noqa: ANN001
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    write(tmp)
+    os.chmod(tmp, 0o600)
+    with open(tmp, "rb") as handle:
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)

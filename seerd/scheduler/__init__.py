@@ -1,0 +1,20 @@
+"""Scheduling policies behind one interface (`Policy.plan(snapshot) -> Plan`)."""
+
+from seerd.scheduler.base import Assignment, Plan, Policy, QueuedRequest, Snapshot, WorkerLoad
+from seerd.scheduler.divided import DividedPolicy
+from seerd.scheduler.group import GroupPolicy
+
+POLICIES: dict[str, type] = {"divided": DividedPolicy, "group": GroupPolicy}
+
+
+def make_policy(name: str) -> Policy:
+    try:
+        return POLICIES[name]()
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(sorted(POLICIES))}") from None
+
+
+__all__ = [
+    "Assignment", "DividedPolicy", "GroupPolicy", "POLICIES", "Plan", "Policy", "QueuedRequest",
+    "Snapshot", "WorkerLoad", "make_policy",
+]

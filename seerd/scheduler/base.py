@@ -1,0 +1,89 @@
+"""The scheduler interface: a policy is a pure function from a snapshot to a plan.
+
+The coordinator builds a `Snapshot` when a worker asks for work and applies the returned `Plan`;
+the simulator (a later issue) drives the very same policies with a simulated clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class QueuedRequest:
+    """A request waiting in the buffer for its next chunk."""
+
+    request_id: int
+    group_id: int
+    group_index: int
+    response_index: int
+    prompt_len: int
+    generated: int  # tokens committed so far
+    max_tokens: int  # the request's original budget
+    is_probe: bool
+    group_estimate: int  # expected final length of the group's responses
+    last_worker: str | None
+    queued_at: float
+
+    @property
+    def remaining(self) -> int:
+        return self.max_tokens - self.generated
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    worker_id: str
+    rank: int
+    running_chunks: int
+    reserved_kv_tokens: int  # sum over its leases of context + chunk budget
+    max_chunks: int
+    kv_capacity_tokens: int
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    now: float
+    worker_id: str  # the worker asking for work; plans assign to it only
+    wanted: int  # free sequence slots the worker reports
+    workers: tuple[WorkerLoad, ...]  # every live worker, the asking one included
+    queued: tuple[QueuedRequest, ...]
+    group_binding: Mapping[int, str]  # group_id -> worker_id (group policy)
+    group_indices: Mapping[int, int]  # group_id -> group_index, for every unfinished group
+    chunk_tokens: int
+
+    def worker(self, worker_id: str) -> WorkerLoad:
+        for load in self.workers:
+            if load.worker_id == worker_id:
+                return load
+        raise KeyError(worker_id)
+
+
+@dataclass(frozen=True)
+class Assignment:
+    request_id: int
+    worker_id: str
+    max_tokens: int  # this chunk's budget
+
+
+@dataclass(frozen=True)
+class Plan:
+    assignments: tuple[Assignment, ...] = ()
+    new_bindings: Mapping[int, str] = field(default_factory=dict)  # group_id -> worker_id
+
+
+class Policy(Protocol):
+    name: str
+
+    def plan(self, snapshot: Snapshot) -> Plan: ...
+
+
+def chunk_budget(request: QueuedRequest, chunk_tokens: int) -> int:
+    """The paper's rule: max_tokens = min(chunk_size, original_max_tokens - generated)."""
+    return min(chunk_tokens, request.remaining)
+
+
+def kv_need(request: QueuedRequest, budget: int) -> int:
+    """KV tokens a chunk can occupy at its end: the whole context plus its budget."""
+    return request.prompt_len + request.generated + budget

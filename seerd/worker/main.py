@@ -1,0 +1,202 @@
+"""A worker process: one engine, leasing chunks up to its capacity until the rollout is done.
+
+Workers hold no state that matters: a report is retried until acknowledged (reports are
+idempotent), and a killed worker's leases expire and run elsewhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from seerd.rundir import RunDir
+from seerd.worker.client import CoordinatorClient, CoordinatorGone, NotRegistered
+from seerd.worker.engine import ChunkEngine
+
+log = logging.getLogger("seerd.worker")
+
+
+@dataclass
+class WorkerStats:
+    chunks_done: int = 0
+    tokens_out: int = 0
+    started: float = field(default_factory=time.time)
+
+
+class Worker:
+    def __init__(self, client: CoordinatorClient, engine: ChunkEngine, rank: int) -> None:
+        self.client = client
+        self.engine = engine
+        self.rank = rank
+        self.worker_id = f"w{rank}-{socket.gethostname()}-{os.getpid()}"
+        self.running: dict[int, tuple[int, asyncio.Task]] = {}  # chunk_id -> (epoch, task)
+        self.reports: asyncio.Queue[dict] = asyncio.Queue()
+        self.done = asyncio.Event()
+        self.slot_freed = asyncio.Event()
+        self.stats = WorkerStats()
+        self.heartbeat_interval_s = 2.0
+
+    async def register(self) -> None:
+        reply = await self.client.call("POST", "register", {
+            "worker_id": self.worker_id, "rank": self.rank, "address": f"{socket.gethostname()}:{os.getpid()}",
+            "max_chunks": self.engine.max_chunks, "kv_capacity_tokens": self.engine.kv_capacity_tokens,
+        })
+        self.worker_id = reply["worker_id"]
+        self.heartbeat_interval_s = float(reply["heartbeat_interval_s"])
+        log.info("registered as %s (capacity %d chunks, %d KV tokens)", self.worker_id,
+                 self.engine.max_chunks, self.engine.kv_capacity_tokens)
+
+    async def run(self) -> None:
+        await self.register()
+        loops = [asyncio.create_task(coro) for coro in (self._lease_loop(), self._report_loop(),
+                                                         self._heartbeat_loop())]
+        done_wait = asyncio.create_task(self.done.wait())
+        finished, _ = await asyncio.wait([done_wait, *loops], return_when=asyncio.FIRST_COMPLETED)
+        for task in [done_wait, *loops]:
+            task.cancel()
+        for task in finished:
+            if task is not done_wait and task.exception() is not None:
+                raise task.exception()
+
+    async def _lease_loop(self) -> None:
+        while not self.done.is_set():
+            wanted = self.engine.max_chunks - len(self.running)
+            retry_after = 0.2
+            if wanted > 0:
+                try:
+                    reply = await self.client.call("POST", "lease", {"worker_id": self.worker_id, "wanted": wanted})
+                except NotRegistered:
+                    await self._reregister()
+                    continue
+                if reply.get("done"):
+                    self.done.set()
+                    return
+                for grant in reply["chunks"]:
+                    task = asyncio.create_task(self._run_chunk(grant))
+                    self.running[grant["chunk_id"]] = (grant["epoch"], task)
+                retry_after = float(reply.get("retry_after_s", 0.2))
+                if reply["chunks"]:
+                    continue
+            self.slot_freed.clear()
+            try:
+                await asyncio.wait_for(self.slot_freed.wait(), timeout=retry_after)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _run_chunk(self, grant: dict) -> None:
+        chunk_id, epoch = grant["chunk_id"], grant["epoch"]
+        try:
+            result = await self.engine.run(f"c{chunk_id}e{epoch}", grant["prompt_token_ids"],
+                                           grant["max_tokens"], grant["sampling"])
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the engine failed this chunk: give it back, it runs elsewhere
+            log.exception("chunk %d failed", chunk_id)
+            self.running.pop(chunk_id, None)
+            self.slot_freed.set()
+            try:
+                await self.client.call("POST", "release", {"worker_id": self.worker_id, "chunk_id": chunk_id,
+                                                           "epoch": epoch, "reason": repr(exc)[:200]})
+            except NotRegistered:
+                pass
+            return
+        self.stats.chunks_done += 1
+        self.stats.tokens_out += len(result.token_ids)
+        await self.reports.put({"chunk_id": chunk_id, "epoch": epoch, "token_ids": result.token_ids,
+                                "logprobs": result.logprobs, "finish_reason": result.finish_reason,
+                                "cached_tokens": result.cached_tokens})
+
+    async def _report_loop(self) -> None:
+        while True:
+            batch = [await self.reports.get()]
+            while not self.reports.empty():
+                batch.append(self.reports.get_nowait())
+            try:
+                reply = await self.client.call("POST", "report", {"worker_id": self.worker_id, "reports": batch})
+            except NotRegistered:
+                log.warning("coordinator restarted: dropping %d reports of void leases", len(batch))
+                reply = {"results": []}
+                await self._reregister()
+            for item in reply["results"]:
+                if not item["accepted"]:
+                    log.warning("report of chunk %d rejected: %s", item["chunk_id"], item["reason"])
+            for report in batch:
+                self.running.pop(report["chunk_id"], None)
+            self.slot_freed.set()
+            if reply.get("done"):
+                self.done.set()
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_interval_s)
+            elapsed = max(time.time() - self.stats.started, 1e-9)
+            try:
+                reply = await self.client.call("POST", "heartbeat", {
+                    "worker_id": self.worker_id, "running": list(self.running),
+                    "stats": {"chunks_done": self.stats.chunks_done, "tokens_out": self.stats.tokens_out,
+                              "tokens_per_s": self.stats.tokens_out / elapsed},
+                })
+            except NotRegistered:
+                await self._reregister()
+                continue
+            for chunk_id in reply.get("abort", []):
+                await self._abort(chunk_id)
+            if reply.get("done"):
+                self.done.set()
+
+    async def _abort(self, chunk_id: int) -> None:
+        entry = self.running.pop(chunk_id, None)
+        if entry is None:
+            return
+        epoch, task = entry
+        task.cancel()
+        await self.engine.abort(f"c{chunk_id}e{epoch}")
+        self.slot_freed.set()
+
+    async def _reregister(self) -> None:
+        for chunk_id in list(self.running):
+            await self._abort(chunk_id)
+        await self.register()
+
+
+async def amain(run_dir: RunDir, rank: int, patience_s: float) -> int:
+    client = await CoordinatorClient.from_run_dir(run_dir, patience_s=patience_s)
+    settings = await client.call("GET", "config")
+    started = time.monotonic()
+    engine = ChunkEngine.start(settings["model_path"], settings["engine"], settings["seed"])
+    log.info("engine ready in %.1fs", time.monotonic() - started)
+    worker = Worker(client, engine, rank)
+    try:
+        await worker.run()
+    finally:
+        engine.shutdown()
+        await client.close()
+    log.info("done: %d chunks, %d tokens", worker.stats.chunks_done, worker.stats.tokens_out)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m seerd.worker", description="seerd worker (one vLLM engine)")
+    parser.add_argument("--run-dir", required=True)
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--patience", type=float, default=60.0,
+                        help="seconds without an answer from the coordinator before giving up")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        return asyncio.run(amain(RunDir(Path(args.run_dir).resolve()),
+                                 args.rank, args.patience))
+    except CoordinatorGone as exc:
+        log.error("%s", exc)
+        return 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())

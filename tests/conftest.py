@@ -1,0 +1,20 @@
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# tools/ is a scripts dir, not a package; make make_tiny_model importable.
+# The repo root is added so `seerd` imports under plain `pytest` too.
+sys.path.insert(0, str(REPO_ROOT / "tools"))
+sys.path.insert(0, str(REPO_ROOT))
+
+from make_tiny_model import make_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama model + tokenizer, built once per test session."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_model") / "model", seed=0)

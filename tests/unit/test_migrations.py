@@ -1,0 +1,46 @@
+"""Migrations: one head, upgrade from empty, and the ORM models match the migrated schema."""
+
+from __future__ import annotations
+
+import sqlite3
+
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+from sqlalchemy import inspect
+
+from seerd.db import Base, make_engine
+from seerd.db.migrate import current_revision, head_revisions, upgrade
+from tests.unit.helpers import make_book
+
+
+def test_there_is_exactly_one_head():
+    assert len(head_revisions()) == 1
+
+
+def test_upgrade_from_empty_reaches_head_and_matches_the_models(tmp_path):
+    engine = make_engine(tmp_path / "state.db")
+    assert current_revision(engine) is None
+    upgrade(engine)
+    assert current_revision(engine) == head_revisions()[0]
+    with engine.connect() as connection:
+        diff = compare_metadata(MigrationContext.configure(connection), Base.metadata)
+    assert diff == [], f"models and migrations differ: {diff}"
+    assert set(inspect(engine).get_table_names()) >= {
+        "rollouts", "prompt_groups", "requests", "chunks", "workers", "events", "alembic_version"}
+
+
+def test_upgrade_is_idempotent_and_keeps_rows(tmp_path):
+    book = make_book(tmp_path)
+    upgrade(book.sessions.kw["bind"])
+    with sqlite3.connect(tmp_path / "state.db") as raw:
+        assert raw.execute("select count(*) from requests").fetchone()[0] == 4
+
+
+def test_database_pragmas_and_file_mode(tmp_path):
+    engine = make_engine(tmp_path / "state.db")
+    upgrade(engine)
+    with engine.connect() as connection:
+        assert connection.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+        assert connection.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
+        assert connection.exec_driver_sql("PRAGMA busy_timeout").scalar() >= 1000
+    assert (tmp_path / "state.db").stat().st_mode & 0o777 == 0o600

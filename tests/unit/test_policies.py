@@ -1,0 +1,53 @@
+"""The pure policies on hand-made snapshots (no database, no engine)."""
+
+from __future__ import annotations
+
+from seerd.scheduler import DividedPolicy, GroupPolicy, QueuedRequest, Snapshot, WorkerLoad
+
+
+def req(rid, gid, gidx, generated=0, max_tokens=100, prompt_len=10, queued_at=0.0, resp=0):
+    return QueuedRequest(rid, gid, gidx, resp, prompt_len, generated, max_tokens, resp == 0, max_tokens,
+                         None, queued_at)
+
+
+def load(wid, rank, running=0, reserved=0, max_chunks=4, kv=10_000):
+    return WorkerLoad(wid, rank, running, reserved, max_chunks, kv)
+
+
+def snap(worker, workers, queued, wanted=100, binding=None, groups=None, chunk=32):
+    groups = groups if groups is not None else {r.group_id: r.group_index for r in queued}
+    return Snapshot(0.0, worker, wanted, tuple(workers), tuple(queued), binding or {}, groups, chunk)
+
+
+def test_divided_is_fcfs_and_respects_slots_and_chunk_budget():
+    queued = [req(3, 1, 1, queued_at=3.0), req(1, 0, 0, queued_at=1.0), req(2, 0, 0, queued_at=2.0, resp=1,
+                                                                            generated=90)]
+    plan = DividedPolicy().plan(snap("a", [load("a", 0, running=2)], queued))
+    assert [(a.request_id, a.max_tokens) for a in plan.assignments] == [(1, 32), (2, 10)]
+
+
+def test_divided_never_admits_more_kv_than_the_budget():
+    queued = [req(i, i, i, queued_at=float(i)) for i in range(5)]  # each needs 10 + 0 + 32 = 42
+    plan = DividedPolicy().plan(snap("a", [load("a", 0, reserved=100, kv=200, max_chunks=10)], queued))
+    assert len(plan.assignments) == 2
+
+
+def test_divided_honours_the_workers_wanted_count():
+    queued = [req(i, i, i, queued_at=float(i)) for i in range(5)]
+    assert len(DividedPolicy().plan(snap("a", [load("a", 0)], queued, wanted=1)).assignments) == 1
+
+
+def test_group_binds_round_robin_by_group_index_and_ignores_kv():
+    queued = [req(10 * g + k, g, g, resp=k) for g in range(4) for k in range(2)]
+    workers = [load("b", 1, kv=1, max_chunks=1), load("a", 0, kv=1, max_chunks=1)]
+    plan = GroupPolicy().plan(snap("a", workers, queued))
+    assert dict(plan.new_bindings) == {0: "a", 1: "b", 2: "a", 3: "b"}
+    assert [a.request_id for a in plan.assignments] == [0, 1, 20, 21]
+    assert all(a.max_tokens == 100 for a in plan.assignments)  # never chunked
+
+
+def test_group_rebinds_groups_of_a_gone_worker():
+    queued = [req(0, 0, 0), req(1, 1, 1)]
+    plan = GroupPolicy().plan(snap("a", [load("a", 0)], queued, binding={0: "a", 1: "dead"}))
+    assert dict(plan.new_bindings) == {1: "a"}
+    assert [a.request_id for a in plan.assignments] == [0, 1]
