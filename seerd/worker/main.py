@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import socket
 import sys
 import time
@@ -42,6 +43,23 @@ class Worker:
         self.slot_freed = asyncio.Event()
         self.stats = WorkerStats()
         self.heartbeat_interval_s = 2.0
+        self.stopped_by: str | None = None
+
+    def stop(self, why: str) -> None:
+        """A signal: stop leasing; in-flight chunks are given back so they run elsewhere at once."""
+        log.warning("stopping on %s with %d chunks in flight", why, len(self.running))
+        self.stopped_by = why
+        self.done.set()
+
+    async def release_all(self, why: str) -> None:
+        for chunk_id, (epoch, task) in list(self.running.items()):
+            task.cancel()
+            try:
+                await asyncio.wait_for(self.client.call("POST", "release", {
+                    "worker_id": self.worker_id, "chunk_id": chunk_id, "epoch": epoch,
+                    "reason": f"worker stopped ({why})"}), timeout=2.0)
+            except Exception:  # best effort: the coordinator may be gone; the lease then expires
+                return
 
     async def register(self) -> None:
         reply = await self.client.call("POST", "register", {
@@ -173,8 +191,13 @@ async def amain(run_dir: RunDir, rank: int, patience_s: float) -> int:
     engine = ChunkEngine.start(settings["model_path"], settings["engine"], settings["seed"])
     log.info("engine ready in %.1fs", time.monotonic() - started)
     worker = Worker(client, engine, rank)
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, worker.stop, signal.Signals(signum).name)
     try:
         await worker.run()
+        if worker.stopped_by:
+            await worker.release_all(worker.stopped_by)
     finally:
         engine.shutdown()
         await client.close()
@@ -190,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds without an answer from the coordinator before giving up")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per call drowns the log
     try:
         return asyncio.run(amain(RunDir(Path(args.run_dir).resolve()),
                                  args.rank, args.patience))

@@ -1,0 +1,72 @@
+"""The coordinator's HTTP API: the secret on every endpoint, and the lease/report round trip."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+from seerd.coordinator.api import CoordinatorControl, create_app
+from tests.unit.helpers import FakeClock, make_book, rows
+
+SECRET = "s3cret-token"
+ENDPOINTS = [
+    ("GET", "/v1/config", None),
+    ("GET", "/v1/status", None),
+    ("POST", "/v1/register", {"worker_id": "w", "rank": 0, "address": "x", "max_chunks": 1,
+                              "kv_capacity_tokens": 100}),
+    ("POST", "/v1/lease", {"worker_id": "w", "wanted": 1}),
+    ("POST", "/v1/report", {"worker_id": "w", "reports": []}),
+    ("POST", "/v1/release", {"worker_id": "w", "chunk_id": 1, "epoch": 1}),
+    ("POST", "/v1/heartbeat", {"worker_id": "w", "running": []}),
+    ("GET", "/v1/does-not-exist", None),
+    ("GET", "/docs", None),
+]
+
+
+@pytest.fixture
+def client(tmp_path):
+    clock = FakeClock()
+    book = make_book(tmp_path, prompt_rows=rows(groups=1, n=1, max_tokens=20), now=clock())
+    app = create_app(book, SECRET, CoordinatorControl(), clock)
+    app.state.engine_settings = {"model_path": "m", "engine": {}, "seed": 0}
+    with TestClient(app) as test_client:
+        test_client.clock = clock
+        test_client.book = book
+        yield test_client
+
+
+@pytest.mark.parametrize("method,path,body", ENDPOINTS)
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": SECRET},
+                                     {"Authorization": f"Basic {SECRET}"}])
+def test_missing_or_wrong_token_is_401_everywhere(client, method, path, body, headers):
+    response = client.request(method, path, json=body, headers=headers)
+    assert response.status_code == 401
+    assert client.book.workers == {}  # nothing happened
+
+
+def test_round_trip_with_the_token(client):
+    auth = {"Authorization": f"Bearer {SECRET}"}
+    reg = client.post("/v1/register", json=ENDPOINTS[2][2], headers=auth).json()
+    lease = client.post("/v1/lease", json={"worker_id": reg["worker_id"], "wanted": 4}, headers=auth).json()
+    (grant,) = lease["chunks"]
+    report = {"chunk_id": grant["chunk_id"], "epoch": grant["epoch"], "token_ids": [5] * 16,
+              "logprobs": [-0.1] * 16, "finish_reason": "length"}
+    body = {"worker_id": reg["worker_id"], "reports": [report, report]}
+    results = client.post("/v1/report", json=body, headers=auth).json()["results"]
+    assert [(r["accepted"], r["duplicate"]) for r in results] == [(True, False), (True, True)]
+    status = client.get("/v1/status", headers=auth).json()
+    assert status["output_tokens"] == 16 and status["requests_done"] == 0
+
+
+def test_unknown_worker_gets_404_and_bad_report_422(client):
+    auth = {"Authorization": f"Bearer {SECRET}"}
+    response = client.post("/v1/lease", json={"worker_id": "ghost", "wanted": 1}, headers=auth)
+    assert response.status_code == 404 and "register again" in response.text
+    reg = client.post("/v1/register", json=ENDPOINTS[2][2], headers=auth).json()
+    (grant,) = client.post("/v1/lease", json={"worker_id": reg["worker_id"], "wanted": 1},
+                           headers=auth).json()["chunks"]
+    too_long = {"chunk_id": grant["chunk_id"], "epoch": grant["epoch"], "token_ids": [1] * 999,
+                "logprobs": [0.0] * 999, "finish_reason": "length"}
+    response = client.post("/v1/report", json={"worker_id": reg["worker_id"], "reports": [too_long]},
+                           headers=auth)
+    assert response.status_code == 422 and "budget" in response.text

