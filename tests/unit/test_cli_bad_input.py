@@ -1,0 +1,97 @@
+"""`seerd run` on bad input: non-zero exit, a message naming the row or path, and no run state."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from seerd.cli.main import EXIT_BAD_INPUT, cli
+
+
+def jsonl(*rows) -> bytes:
+    return b"".join((r if isinstance(r, bytes) else json.dumps(r).encode()) + b"\n" for r in rows)
+
+
+GOOD = {"id": "a", "prompt_token_ids": [5, 6, 7]}
+FILE_CASES = {
+    "wrong type": (jsonl(GOOD, {"id": "b", "prompt_token_ids": "5 6 7"}), ":2:", "prompt_token_ids"),
+    "n is a string": (jsonl(GOOD, {"id": "b", "prompt_token_ids": [1], "n": "4"}), ":2:", "n"),
+    "missing prompt": (jsonl({"id": "a"}), ":1:", "prompt"),
+    "missing id": (jsonl(GOOD, {"prompt_token_ids": [1]}), ":2:", "id"),
+    "empty prompt": (jsonl({"id": "a", "prompt": ""}), ":1:", "empty"),
+    "empty token list": (jsonl({"id": "a", "prompt_token_ids": []}), ":1:", "empty"),
+    "too long for the model": (jsonl({"id": "a", "prompt_token_ids": [5] * 5000}), ":1:", "length"),
+    "n <= 0": (jsonl({"id": "a", "prompt_token_ids": [5], "n": 0}), ":1:", "n"),
+    "max_tokens <= 0": (jsonl({"id": "a", "prompt_token_ids": [5], "max_tokens": -3}), ":1:", "max_tokens"),
+    "duplicate ids": (jsonl(GOOD, {"id": "x", "prompt_token_ids": [1]}, GOOD), ":3:", "duplicate"),
+    "broken json": (jsonl(GOOD, b'{"id": "b", "prompt_token_ids": [1'), ":2:", "JSON"),
+    "non-utf8 bytes": (jsonl(GOOD, b'{"id": "\xff\xfe", "prompt_token_ids": [1]}'), ":2:", "UTF-8"),
+    "empty file": (b"", "prompts.jsonl", "no prompts"),
+}
+
+
+def invoke(tmp_path, *extra, input_path=None, model=None):
+    run_dir = tmp_path / "run"
+    args = ["run", "--input", str(input_path or tmp_path / "prompts.jsonl"), "--model", str(model),
+            "--run-dir", str(run_dir), "--no-progress", *extra]
+    result = CliRunner().invoke(cli, args)
+    return result, run_dir
+
+
+@pytest.mark.parametrize("case", sorted(FILE_CASES))
+def test_bad_prompt_file(case, tmp_path, tiny_model_dir):
+    content, where, reason = FILE_CASES[case]
+    (tmp_path / "prompts.jsonl").write_bytes(content)
+    result, run_dir = invoke(tmp_path, model=tiny_model_dir)
+    assert result.exit_code == EXIT_BAD_INPUT, result.output
+    assert where in result.output and reason.lower() in result.output.lower(), result.output
+    assert not run_dir.exists()
+
+
+def test_every_bad_row_is_reported_together(tmp_path, tiny_model_dir):
+    (tmp_path / "prompts.jsonl").write_bytes(jsonl({"id": "a"}, GOOD, {"id": "c", "prompt_token_ids": [1], "n": -1}))
+    result, run_dir = invoke(tmp_path, model=tiny_model_dir)
+    assert result.exit_code == EXIT_BAD_INPUT
+    assert ":1:" in result.output and ":3:" in result.output
+    assert not run_dir.exists()
+
+
+def test_missing_input_file(tmp_path, tiny_model_dir):
+    result, run_dir = invoke(tmp_path, input_path=tmp_path / "nope.jsonl", model=tiny_model_dir)
+    assert result.exit_code == EXIT_BAD_INPUT and "nope.jsonl" in result.output
+    assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("model", ["missing", "empty", "unreadable"])
+def test_unusable_model_directory(model, tmp_path):
+    (tmp_path / "prompts.jsonl").write_bytes(jsonl(GOOD))
+    model_dir = tmp_path / "model"
+    if model != "missing":
+        model_dir.mkdir()
+    if model == "unreadable":
+        (model_dir / "config.json").write_text("{not json")
+    result, run_dir = invoke(tmp_path, model=model_dir)
+    assert result.exit_code == EXIT_BAD_INPUT and str(model_dir) in result.output, result.output
+    assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("flags,word", [
+    (["--workers", "0"], "--workers"), (["--n", "0"], "--n"), (["--max-tokens", "0"], "--max-tokens"),
+    (["--chunk-tokens", "0"], "--chunk-tokens"), (["--temperature", "-1"], "--temperature"),
+    (["--top-p", "0"], "--top-p"), (["--kv-cache-gib", "0"], "--kv-cache-gib"),
+])
+def test_impossible_settings(flags, word, tmp_path, tiny_model_dir):
+    (tmp_path / "prompts.jsonl").write_bytes(jsonl(GOOD))
+    result, run_dir = invoke(tmp_path, *flags, model=tiny_model_dir)
+    assert result.exit_code == EXIT_BAD_INPUT and word in result.output, result.output
+    assert not run_dir.exists()
+
+
+def test_resume_and_export_of_an_unknown_run(tmp_path):
+    for command in ("resume", "export"):
+        result = CliRunner().invoke(cli, [command, str(tmp_path / "nowhere")])
+        assert result.exit_code == EXIT_BAD_INPUT and "no run at" in result.output
+    result = CliRunner().invoke(cli, ["db", "upgrade", str(tmp_path / "nowhere")])
+    assert result.exit_code == EXIT_BAD_INPUT
