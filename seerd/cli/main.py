@@ -133,8 +133,12 @@ def _drive(rundir: RunDir, workers: int, progress: bool | None) -> None:
     elapsed = time.monotonic() - started
     if result.status == RolloutStatus.FINISHED and result.export is not None:
         ui.info(f"finished in {elapsed:.1f}s")
-        ui.summary({"responses": result.export.responses, "parquet": rundir.parquet_path,
-                    "jsonl": rundir.jsonl_path})
+        figures = {"responses": result.export.responses, "parquet": rundir.parquet_path,
+                   "jsonl": rundir.jsonl_path}
+        if result.load:
+            figures["coordinator"] = (f"busy {result.load['busy_share']:.2%} of the generation phase "
+                                      f"({result.load['api_calls']} API calls, {result.load['busy_s']:.2f}s)")
+        ui.summary(figures)
         return
     if result.status == RolloutStatus.FINISHED:
         ui.info(f"run {rundir.path} is already finished")

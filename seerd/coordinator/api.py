@@ -68,6 +68,8 @@ class CoordinatorControl:
         self.scheduling_gate: Callable[[], bool] = lambda: True  # e.g. wait for every worker
         self.worker_stats: dict[str, dict] = {}
         self.told_done: set[str] = set()  # workers that have heard the rollout is complete
+        self.busy_s = 0.0  # time spent handling API calls: the coordinator's cost to the rollout
+        self.calls = 0
 
 
 def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
@@ -80,7 +82,12 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
         given = request.headers.get("authorization", "").encode()
         if not hmac.compare_digest(given, expected):
             return JSONResponse({"detail": "missing or wrong token"}, status_code=401)
-        return await call_next(request)
+        started = time.perf_counter()
+        try:
+            return await call_next(request)
+        finally:
+            control.busy_s += time.perf_counter() - started
+            control.calls += 1
 
     def known(worker_id: str) -> None:
         try:
@@ -143,6 +150,7 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
     @app.get(f"{API_PREFIX}/status")
     async def status() -> dict:
         return {"rollout_id": book.rollout_id, "policy": book.policy.name, **book.counts(),
-                "complete": book.is_complete(), "accepting": control.accepting}
+                "complete": book.is_complete(), "accepting": control.accepting,
+                "coordinator_busy_s": control.busy_s, "api_calls": control.calls}
 
     return app

@@ -136,6 +136,7 @@ class LeaseBook:
         self.leases: dict[int, LeaseState] = {}
         self.workers: dict[str, WorkerState] = {}
         self.output_tokens = 0
+        self.first_lease_at: float | None = None  # this session's; generation starts here
 
     # ----------------------------------------------------------------- loading
     def load(self, now: float) -> None:
@@ -273,6 +274,8 @@ class LeaseBook:
                 new_leases.append(lease)
         for group_id, bound in plan.new_bindings.items():
             self.groups[group_id].bound_worker = bound
+        if new_leases and self.first_lease_at is None:
+            self.first_lease_at = now
         for lease in new_leases:
             self.leases[lease.chunk_id] = lease
             worker.leases.add(lease.chunk_id)

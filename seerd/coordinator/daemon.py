@@ -43,6 +43,7 @@ class CoordinatorResult:
     status: RolloutStatus
     export: ExportResult | None
     reason: str | None = None
+    load: dict | None = None  # where the coordinator's time went (see `_load_figures`)
 
 
 def open_database(run_dir: RunDir, *, synchronous: str = "FULL") -> Engine:
@@ -147,7 +148,9 @@ class Coordinator:
     async def _watch(self, on_tick: Callable[[LeaseBook], None] | None) -> CoordinatorResult:
         while True:
             now = self.clock()
+            tick_started = time.perf_counter()
             self.book.expire(now)
+            self.control.busy_s += time.perf_counter() - tick_started
             if on_tick:
                 on_tick(self.book)
             if self.book.is_complete():
@@ -158,8 +161,12 @@ class Coordinator:
             await asyncio.sleep(EXPIRY_INTERVAL_S)
 
     async def _finish(self) -> CoordinatorResult:
+        export_started = time.perf_counter()
         with self.sessions.begin() as session:
             export = export_run(session, self.rollout_id, self.run_dir)
+        load = self._load_figures(export_s=time.perf_counter() - export_started)
+        with self.sessions.begin() as session:
+            add_event(session, self.rollout_id, self.clock(), "coordinator_load", data=load)
         # Outputs are on disk before the run is marked finished: a crash in between re-exports.
         self.book.set_rollout_status(RolloutStatus.FINISHED, self.clock())
         deadline = self.clock() + DONE_LINGER_S
@@ -167,7 +174,17 @@ class Coordinator:
             if not any(w not in self.control.told_done for w in (x.id for x in self.book.live_workers())):
                 break
             await asyncio.sleep(0.1)
-        return CoordinatorResult(RolloutStatus.FINISHED, export)
+        return CoordinatorResult(RolloutStatus.FINISHED, export, load=load)
+
+    def _load_figures(self, export_s: float) -> dict:
+        """The coordinator's share of this session's wall time (API handling + expiry scans)."""
+        now = self.clock()
+        wall = max(now - self.started_at, 1e-9)
+        # Engines take tens of seconds to start; the share that matters is of the generation phase.
+        generating = max(now - (self.book.first_lease_at or self.started_at), 1e-9)
+        return {"wall_s": wall, "generation_s": generating, "busy_s": self.control.busy_s,
+                "export_s": export_s, "api_calls": self.control.calls,
+                "busy_share": self.control.busy_s / generating}
 
     def mark_failed(self, reason: str) -> None:
         self.book.set_rollout_status(RolloutStatus.FAILED, self.clock(), reason)

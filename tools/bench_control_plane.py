@@ -1,0 +1,311 @@
+"""Benchmark of the coordinator's control plane: lease/report round trips over real HTTP.
+
+What is measured: the real `Coordinator` (FastAPI on uvicorn, lease book, SQLite in WAL mode with
+the configured `synchronous`) runs in its own process on 127.0.0.1. No vLLM engine runs; this
+process plays C simulated workers that each loop
+
+    POST /v1/lease {wanted: B}  ->  POST /v1/report with all granted chunks (16 tokens each)
+
+as fast as the coordinator answers. One *round trip* is one chunk leased and then acknowledged by
+a report; requests have a huge `max_tokens`, so no request finishes during the measurement and
+every chunk is a fresh 16-token continuation (policy `divided`, 500 groups x n=8 by default).
+
+Each configuration (batch B x SQLite synchronous FULL/NORMAL) gets a fresh run directory and a
+fresh coordinator, a warm-up, then a fixed measurement window; configurations are interleaved and
+repeated R times. After each sample the coordinator is stopped and the database is checked: done
+chunks must equal acknowledged round trips, and no chunk may stay leased (nothing lost, nothing
+counted twice), so the figure only counts durable, acknowledged work.
+
+How to read the table: `rt/s` is the median over repeats of acknowledged round trips per second in
+the window (all samples in brackets); `lease`/`report` are p50/p99 latencies in ms of single HTTP
+calls, pooled over repeats (one report call carries B chunks); `srv cpu` is the coordinator
+process's CPU use in % of one core (~100% means the single-threaded coordinator is the
+bottleneck; the load generator shares the machine); `x2000` is the ratio to the 2,000 round trips/s
+target and `xbase` the ratio to the first config (B=1, FULL).
+
+    python tools/bench_control_plane.py [--duration 8] [--repeats 3] [--concurrency 4] [--quick]
+                                        [--json] [--profile DIR]   # cProfile of each coordinator
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+TARGET_RT_S = 2000.0
+CHUNK_TOKENS = 16
+PROMPT_TOKENS = 64
+HUGE_MAX_TOKENS = 1_000_000
+
+
+def build_run(path: Path, mode: str, groups: int, n: int) -> None:
+    from seerd.config import RunConfig
+    from seerd.coordinator.create import create_rollout
+    from seerd.db import make_engine, make_sessionmaker
+    from seerd.db.migrate import upgrade
+    from seerd.io.prompts import PromptRow
+    from seerd.rundir import RunDir
+
+    RunDir(path).create()
+    engine = make_engine(RunDir(path).db_path, synchronous=mode)
+    upgrade(engine)
+    config = RunConfig(input_path="bench.jsonl", model_path="none", policy="divided",
+                       chunk_tokens=CHUNK_TOKENS, sqlite_synchronous=mode, lease_ttl_s=60)
+    rows = [PromptRow(f"p{g}", tuple((g * 7 + i) % 1000 for i in range(PROMPT_TOKENS)), n,
+                      HUGE_MAX_TOKENS, {}, g + 1) for g in range(groups)]
+    with make_sessionmaker(engine).begin() as session:
+        create_rollout(session, config, rows, input_sha256="0" * 64, now=time.time())
+    engine.dispose()
+
+
+def serve(path: Path, profile: str | None) -> None:
+    """Child process: the real coordinator until SIGTERM (optionally under cProfile)."""
+    from seerd.coordinator.daemon import Coordinator
+    from seerd.rundir import RunDir
+
+    coordinator = Coordinator(RunDir(path))
+    if profile is None:
+        asyncio.run(coordinator.serve())
+        return
+    import cProfile
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        asyncio.run(coordinator.serve())
+    finally:
+        profiler.disable()
+        profiler.dump_stats(profile)
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+class Stats:
+    def __init__(self) -> None:
+        self.acked_total = 0  # every acknowledged chunk, warm-up and tail included
+        self.acked_window = 0  # acknowledged inside the measurement window
+        self.lease_ms: list[float] = []
+        self.report_ms: list[float] = []
+        self.rejected: list[str] = []
+
+
+async def simulated_worker(base: str, secret: str, index: int, batch: int, stats: Stats,
+                           window: tuple[float, float]) -> None:
+    import httpx
+
+    start, end = window
+    async with httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {secret}"},
+                                 timeout=30.0) as http:
+        worker_id = f"bench-{index}"
+        response = await http.post("/v1/register", json={
+            "worker_id": worker_id, "rank": index, "address": "127.0.0.1:0", "max_chunks": batch,
+            "kv_capacity_tokens": 10**12})
+        response.raise_for_status()
+        while time.monotonic() < end:
+            t0 = time.monotonic()
+            response = await http.post("/v1/lease", json={"worker_id": worker_id, "wanted": batch})
+            t1 = time.monotonic()
+            response.raise_for_status()
+            grants = response.json()["chunks"]
+            if not grants:
+                await asyncio.sleep(response.json().get("retry_after_s", 0.05))
+                continue
+            reports = [{"chunk_id": g["chunk_id"], "epoch": g["epoch"], "token_ids": [7] * CHUNK_TOKENS,
+                        "logprobs": [-1.0] * CHUNK_TOKENS, "finish_reason": "length"} for g in grants]
+            t2 = time.monotonic()
+            response = await http.post("/v1/report", json={"worker_id": worker_id, "reports": reports})
+            t3 = time.monotonic()
+            response.raise_for_status()
+            accepted = 0
+            for result in response.json()["results"]:
+                if result["accepted"] and not result["duplicate"]:
+                    accepted += 1
+                else:
+                    stats.rejected.append(f"chunk {result['chunk_id']}: {result}")
+            stats.acked_total += accepted
+            if start <= t0 and t3 <= end:
+                stats.acked_window += accepted
+                stats.lease_ms.append((t1 - t0) * 1e3)
+                stats.report_ms.append((t3 - t2) * 1e3)
+
+
+def verify(db_path: Path, stats: Stats) -> str | None:
+    """Compare the database with what the workers saw acknowledged; None when they agree."""
+    with sqlite3.connect(f"file:{db_path}?mode=ro", uri=True) as db:
+        done, tokens = db.execute("SELECT count(*), coalesce(sum(num_tokens), 0) FROM chunks "
+                                  "WHERE status = 'done'").fetchone()
+        leased = db.execute("SELECT count(*) FROM chunks WHERE status = 'leased'").fetchone()[0]
+        generated = db.execute("SELECT coalesce(sum(generated_tokens), 0) FROM requests").fetchone()[0]
+    problems = []
+    if done != stats.acked_total:
+        problems.append(f"{done} done chunks in the database but {stats.acked_total} acknowledged")
+    if leased:
+        problems.append(f"{leased} chunks still leased")
+    if not tokens == generated == CHUNK_TOKENS * done:
+        problems.append(f"token totals disagree: chunks {tokens}, requests {generated}, expected {CHUNK_TOKENS * done}")
+    if stats.rejected:
+        problems.append(f"{len(stats.rejected)} rejected reports, e.g. {stats.rejected[0]}")
+    return "; ".join(problems) or None
+
+
+def run_sample(batch: int, mode: str, args: argparse.Namespace, tag: str) -> dict:
+    from seerd.rundir import RunDir, RunDirError
+
+    path = Path(tempfile.mkdtemp(prefix="seerd-bench-"))
+    run_dir = RunDir(path)
+    build_run(path, mode, args.groups, args.n)
+    command = [sys.executable, os.path.abspath(__file__), "--serve", str(path)]
+    if args.profile:
+        Path(args.profile).mkdir(parents=True, exist_ok=True)
+        command += ["--profile", str(Path(args.profile) / f"{tag}.prof")]
+    log = open(path / "coordinator.log", "w")
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                host, port = run_dir.read_address()
+                break
+            except RunDirError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"coordinator did not start: {(path / 'coordinator.log').read_text()}")
+                time.sleep(0.05)
+        assert host == "127.0.0.1", host
+        stats = Stats()
+
+        async def drive() -> tuple[float, float]:
+            start = time.monotonic() + args.warmup
+            window = (start, start + args.duration)
+            tasks = [simulated_worker(f"http://{host}:{port}", run_dir.read_secret(), i, batch, stats, window)
+                     for i in range(args.concurrency)]
+            cpu = asyncio.create_task(measure_cpu(server.pid, window))
+            await asyncio.wait_for(asyncio.gather(*tasks), timeout=args.warmup + args.duration + 60)
+            return await cpu
+
+        server_cpu, client_cpu = asyncio.run(drive())
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        log.close()
+    problem = verify(run_dir.db_path, stats)
+    if problem is None and not args.keep:
+        shutil.rmtree(path, ignore_errors=True)
+    return {"batch": batch, "synchronous": mode, "rt_per_s": stats.acked_window / args.duration,
+            "acked_total": stats.acked_total, "lease_ms": stats.lease_ms, "report_ms": stats.report_ms,
+            "server_cpu_pct": server_cpu, "client_cpu_pct": client_cpu, "verified": problem is None,
+            "problem": problem, "run_dir": str(path) if problem or args.keep else None}
+
+
+async def measure_cpu(pid: int, window: tuple[float, float]) -> tuple[float, float]:
+    """CPU use in % of one core of the coordinator and of this process during the window."""
+    await asyncio.sleep(max(0.0, window[0] - time.monotonic()))
+    server0, client0 = cpu_seconds(pid), time.process_time()
+    await asyncio.sleep(max(0.0, window[1] - time.monotonic()))
+    span = window[1] - window[0]
+    return (100 * (cpu_seconds(pid) - server0) / span, 100 * (time.process_time() - client0) / span)
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def summarize(samples: list[dict], configs: list[tuple[int, str]]) -> list[dict]:
+    rows = []
+    for batch, mode in configs:
+        mine = [s for s in samples if s["batch"] == batch and s["synchronous"] == mode]
+        lease = [x for s in mine for x in s["lease_ms"]]
+        report = [x for s in mine for x in s["report_ms"]]
+        rows.append({
+            "config": f"B={batch} {mode}", "batch": batch, "synchronous": mode,
+            "rt_per_s_median": statistics.median(s["rt_per_s"] for s in mine),
+            "rt_per_s_samples": [round(s["rt_per_s"], 1) for s in mine],
+            "lease_p50_ms": pct(lease, 0.5), "lease_p99_ms": pct(lease, 0.99),
+            "report_p50_ms": pct(report, 0.5), "report_p99_ms": pct(report, 0.99),
+            "server_cpu_pct": statistics.median(s["server_cpu_pct"] for s in mine),
+            "client_cpu_pct": statistics.median(s["client_cpu_pct"] for s in mine),
+            "verified": all(s["verified"] for s in mine),
+            "problems": [s["problem"] for s in mine if s["problem"]],
+        })
+    base = rows[0]["rt_per_s_median"] or float("nan")
+    for row in rows:
+        row["vs_target"] = row["rt_per_s_median"] / TARGET_RT_S
+        row["vs_base"] = row["rt_per_s_median"] / base
+    return rows
+
+
+def print_table(rows: list[dict], args: argparse.Namespace) -> None:
+    print(f"coordinator control plane: C={args.concurrency} workers, {args.groups}x{args.n} requests, "
+          f"{CHUNK_TOKENS}-token chunks, {args.duration:g}s window after {args.warmup:g}s warm-up, "
+          f"{args.repeats} repeat(s)")
+    header = (f"{'config':<11} {'rt/s':>7}  {'samples':<24} {'lease p50/p99 ms':>17} {'report p50/p99 ms':>18}"
+              f" {'srv cpu':>7} {'x2000':>6} {'xbase':>6}  verified")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        samples = ",".join(f"{x:.0f}" for x in r["rt_per_s_samples"])
+        print(f"{r['config']:<11} {r['rt_per_s_median']:>7.0f}  [{samples}]{'':<{22 - len(samples)}}"
+              f" {r['lease_p50_ms']:>8.2f}/{r['lease_p99_ms']:<8.2f} {r['report_p50_ms']:>9.2f}/{r['report_p99_ms']:<8.2f}"
+              f" {r['server_cpu_pct']:>6.0f}% {r['vs_target']:>6.2f} {r['vs_base']:>6.2f}  "
+              f"{'ok' if r['verified'] else 'FAILED: ' + '; '.join(r['problems'])}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--serve", metavar="RUN_DIR", help=argparse.SUPPRESS)
+    parser.add_argument("--duration", type=float, default=8.0, help="measurement window per sample (s)")
+    parser.add_argument("--warmup", type=float, default=1.0, help="warm-up before the window (s)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--concurrency", type=int, default=4, help="simulated workers")
+    parser.add_argument("--batches", default="1,8", help="chunks per lease/report call, comma-separated")
+    parser.add_argument("--modes", default="FULL,NORMAL", help="SQLite synchronous modes, comma-separated")
+    parser.add_argument("--groups", type=int, default=500)
+    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--quick", action="store_true", help="smoke run: 1 repeat, 2 s windows")
+    parser.add_argument("--json", action="store_true", help="print the summary and samples as JSON")
+    parser.add_argument("--keep", action="store_true", help="keep the run directories")
+    parser.add_argument("--profile", metavar="DIR", help="cProfile each coordinator into DIR (slows it)")
+    args = parser.parse_args()
+    if args.serve:
+        serve(Path(args.serve), args.profile)
+        return 0
+    if args.quick:
+        args.duration, args.warmup, args.repeats = 2.0, 0.5, 1
+    configs = [(int(b), m.upper()) for m in args.modes.split(",") for b in args.batches.split(",")]
+    samples = []
+    for repeat in range(args.repeats):
+        for batch, mode in configs:  # interleaved, so that drift hits every config alike
+            samples.append(run_sample(batch, mode, args, f"B{batch}-{mode}-r{repeat}"))
+            print(f"  repeat {repeat + 1}/{args.repeats} B={batch} {mode}: {samples[-1]['rt_per_s']:.0f} rt/s",
+                  file=sys.stderr)
+    rows = summarize(samples, configs)
+    if args.json:
+        compact = [{k: v for k, v in s.items() if not k.endswith("_ms")} for s in samples]
+        print(json.dumps({"target_rt_per_s": TARGET_RT_S, "concurrency": args.concurrency,
+                          "duration_s": args.duration, "summary": rows, "samples": compact}, indent=2))
+    else:
+        print_table(rows, args)
+    return 0 if all(r["verified"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,188 @@
+#!/usr/bin/env python
+"""Local rollout throughput: `seerd run --workers 2` against the same two engines driven directly.
+
+Configurations, each repeated and run side by side in one invocation on the same prompt file:
+  vllm-direct   veRL-style: the batch split into two contiguous shards of groups, each shard handed
+                whole to an offline `vllm.LLM.generate` (n samples per prompt) in its own process;
+                both start together after loading. Throughput = output tokens / makespan.
+  seerd-group   `seerd run --policy group` (groups bound round-robin, no chunking).
+  seerd-divided `seerd run --policy divided --chunk-tokens K`.
+For seerd, the time counted is the generation phase read from the run's database (first lease to
+the rollout's end, export included); engine start-up is excluded for every configuration.
+Lengths: the tiny random model almost never emits EOS, so each group's length is its max_tokens,
+drawn heavy-tailed (lognormal) so that a few groups form a tail, as in RL rollouts.
+
+    python tools/bench_rollout.py [--groups 32] [--n 4] [--repeats 3] [--chunk-tokens 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+ENGINE = {"kv_cache_gib": 0.5, "max_num_seqs": 64, "dtype": "auto"}
+
+
+def make_prompts(path: Path, groups: int, seed: int, mean_tokens: int, max_tokens: int) -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    for g in range(groups):
+        length = int(min(max_tokens, max(16, rng.lognormvariate(math.log(mean_tokens) - 0.5, 1.0))))
+        rows.append({"id": f"g{g}", "prompt_token_ids": [rng.randrange(4, 1000) for _ in range(rng.randrange(16, 64))],
+                     "max_tokens": length})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return rows
+
+
+def env() -> dict[str, str]:
+    e = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind", PYTHONPATH=str(REPO))
+    return e
+
+
+# --------------------------------------------------------------------------- direct vLLM (veRL-like)
+SHARD_SCRIPT = r"""
+import json, os, sys, time
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+if __name__ == "__main__":
+    model, shard_file, n, kv_gib, max_seqs, dtype, go_file, out_file, seed = sys.argv[1:]
+    rows = [json.loads(l) for l in open(shard_file)]
+    llm = LLM(model=model, skip_tokenizer_init=True, enforce_eager=True, dtype=dtype,
+              kv_cache_memory_bytes=int(float(kv_gib) * (1 << 30)), max_num_seqs=int(max_seqs),
+              enable_chunked_prefill=False, max_num_batched_tokens=4096, seed=int(seed))
+    prompts = [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in rows]
+    params = [SamplingParams(n=int(n), max_tokens=r["max_tokens"], temperature=1.0, logprobs=0,
+                             flat_logprobs=True, detokenize=False) for r in rows]
+    open(out_file + ".ready", "w").close()
+    while not os.path.exists(go_file):
+        time.sleep(0.01)
+    start = time.time()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    end = time.time()
+    tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    json.dump({"start": start, "end": end, "tokens": tokens}, open(out_file, "w"))
+"""
+
+
+def run_direct(model: str, rows: list[dict], n: int, work: Path, seed: int) -> dict:
+    script = work / "shard.py"
+    script.write_text(SHARD_SCRIPT)
+    half = (len(rows) + 1) // 2
+    shards = [rows[:half], rows[half:]]  # veRL splits the batch into contiguous DP shards
+    go = work / "go"
+    go.unlink(missing_ok=True)
+    procs, outs = [], []
+    for i, shard in enumerate(shards):
+        shard_file = work / f"shard{i}.jsonl"
+        shard_file.write_text("".join(json.dumps(r) + "\n" for r in shard))
+        out = work / f"shard{i}.json"
+        out.unlink(missing_ok=True)
+        Path(str(out) + ".ready").unlink(missing_ok=True)
+        outs.append(out)
+        procs.append(subprocess.Popen(
+            [sys.executable, str(script), model, str(shard_file), str(n), str(ENGINE["kv_cache_gib"]),
+             str(ENGINE["max_num_seqs"]), ENGINE["dtype"], str(go), str(out), str(seed)],
+            env=env(), stdout=subprocess.DEVNULL, stderr=open(work / f"shard{i}.log", "w")))
+    deadline = time.time() + 600
+    while not all(Path(str(o) + ".ready").exists() for o in outs):
+        if time.time() > deadline or any(p.poll() not in (None, 0) for p in procs):
+            raise RuntimeError(f"direct vLLM shard failed to start; see {work}/shard*.log")
+        time.sleep(0.1)
+    go.touch()
+    for p in procs:
+        if p.wait(timeout=1200) != 0:
+            raise RuntimeError(f"direct vLLM shard failed; see {work}/shard*.log")
+    results = [json.loads(o.read_text()) for o in outs]
+    span = max(r["end"] for r in results) - min(r["start"] for r in results)
+    return {"tokens": sum(r["tokens"] for r in results), "seconds": span}
+
+
+# --------------------------------------------------------------------------- seerd
+def run_seerd(model: str, prompts: Path, policy: str, chunk_tokens: int, n: int, work: Path, seed: int) -> dict:
+    run_dir = work / f"run-{policy}-{time.time_ns()}"
+    cmd = [sys.executable, "-m", "seerd.cli.main", "run", "--input", str(prompts), "--model", model,
+           "--run-dir", str(run_dir), "--workers", "2", "--policy", policy, "--chunk-tokens", str(chunk_tokens),
+           "--n", str(n), "--max-tokens", "100000", "--temperature", "1.0", "--seed", str(seed),
+           "--kv-cache-gib", str(ENGINE["kv_cache_gib"]), "--max-num-seqs", str(ENGINE["max_num_seqs"]),
+           "--dtype", ENGINE["dtype"], "--no-progress"]
+    done = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        raise RuntimeError(f"seerd run failed: {done.stderr[-2000:]}")
+    with sqlite3.connect(f"file:{run_dir / 'state.db'}?mode=ro", uri=True) as db:
+        first = db.execute("select min(leased_at) from chunks").fetchone()[0]
+        end = db.execute("select finished_at from rollouts").fetchone()[0]
+        tokens = db.execute("select sum(generated_tokens) from requests").fetchone()[0]
+        load = json.loads(db.execute("select data_json from events where kind='coordinator_load'").fetchone()[0])
+        chunks = db.execute("select count(*) from chunks").fetchone()[0]
+    return {"tokens": tokens, "seconds": end - first, "busy_share": load["busy_share"], "chunks": chunks}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="model dir (default: a tiny model made in a temp dir)")
+    parser.add_argument("--groups", type=int, default=32)
+    parser.add_argument("--n", type=int, default=4)
+    parser.add_argument("--mean-tokens", type=int, default=160)
+    parser.add_argument("--max-tokens", type=int, default=1536)
+    parser.add_argument("--chunk-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="seerd-bench-"))
+    model = args.model
+    if model is None:
+        sys.path.insert(0, str(REPO / "tools"))
+        from make_tiny_model import make_tiny_model
+        model = str(make_tiny_model(work / "model"))
+    prompts = work / "prompts.jsonl"
+    rows = make_prompts(prompts, args.groups, args.seed, args.mean_tokens, args.max_tokens)
+    configs = {
+        "vllm-direct": lambda s: run_direct(model, rows, args.n, work, s),
+        "seerd-group": lambda s: run_seerd(model, prompts, "group", 10**6, args.n, work, s),
+        "seerd-divided": lambda s: run_seerd(model, prompts, "divided", args.chunk_tokens, args.n, work, s),
+    }
+    samples: dict[str, list[dict]] = {name: [] for name in configs}
+    for repeat in range(args.repeats):  # interleaved, so drift on a noisy machine hits all alike
+        for name, fn in configs.items():
+            result = fn(args.seed + repeat)
+            result["tok_s"] = result["tokens"] / result["seconds"]
+            samples[name].append(result)
+            print(f"# repeat {repeat + 1} {name}: {result['tokens']} tokens in {result['seconds']:.2f}s "
+                  f"= {result['tok_s']:.0f} tok/s", file=sys.stderr, flush=True)
+    base = statistics.median(s["tok_s"] for s in samples["vllm-direct"])
+    table = []
+    for name, runs in samples.items():
+        med = statistics.median(r["tok_s"] for r in runs)
+        busy = [r["busy_share"] for r in runs if "busy_share" in r]
+        table.append({"config": name, "median_tok_s": med, "ratio_to_direct": med / base,
+                      "samples_tok_s": [round(r["tok_s"]) for r in runs],
+                      "coordinator_busy_share": statistics.median(busy) if busy else None})
+    if args.json:
+        print(json.dumps({"args": vars(args), "table": table}, indent=1))
+        return 0
+    lengths = sorted(r["max_tokens"] for r in rows)
+    print(f"{args.groups} groups x n={args.n}, lengths median {lengths[len(lengths) // 2]} max {lengths[-1]}, "
+          f"chunk {args.chunk_tokens}, {args.repeats} repeats, 2 engines (OMP_NUM_THREADS=1)")
+    print(f"{'config':<14} {'median tok/s':>12} {'x direct':>9} {'coord busy':>10}  samples")
+    for row in table:
+        busy = f"{row['coordinator_busy_share']:.2%}" if row["coordinator_busy_share"] is not None else "-"
+        print(f"{row['config']:<14} {row['median_tok_s']:>12.0f} {row['ratio_to_direct']:>9.2f} {busy:>10}  "
+              f"{row['samples_tok_s']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
