@@ -18,10 +18,13 @@ counted twice), so the figure only counts durable, acknowledged work.
 
 How to read the table: `rt/s` is the median over repeats of acknowledged round trips per second in
 the window (all samples in brackets); `lease`/`report` are p50/p99 latencies in ms of single HTTP
-calls, pooled over repeats (one report call carries B chunks); `srv cpu` is the coordinator
-process's CPU use in % of one core (~100% means the single-threaded coordinator is the
-bottleneck; the load generator shares the machine); `x2000` is the ratio to the 2,000 round trips/s
-target and `xbase` the ratio to the first config (B=1, FULL).
+calls, pooled over repeats (one report call carries B chunks); `cpu srv/cli` is the CPU use, in %
+of one core, of the coordinator process (~100%: the single-threaded coordinator is the bottleneck)
+and of this load generator (both share the machine's cores: mind the load average in the header);
+`srv ms/rt` is the coordinator's CPU time per round trip, the figure least disturbed by other load
+(1000 / it is what one dedicated core could sustain if nothing else waited);
+`x2000` is the ratio to the 2,000 round trips/s target, `xbase` the ratio to the first config
+(B=1, FULL).
 
     python tools/bench_control_plane.py [--duration 8] [--repeats 3] [--concurrency 4] [--quick]
                                         [--json] [--profile DIR]   # cProfile of each coordinator
@@ -41,7 +44,19 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import closing
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import httpx
+
+from seerd.config import RunConfig
+from seerd.coordinator.create import create_rollout
+from seerd.coordinator.daemon import Coordinator
+from seerd.db import make_engine, make_sessionmaker
+from seerd.db.migrate import upgrade
+from seerd.io.prompts import PromptRow
+from seerd.rundir import RunDir, RunDirError
 
 TARGET_RT_S = 2000.0
 CHUNK_TOKENS = 16
@@ -50,13 +65,6 @@ HUGE_MAX_TOKENS = 1_000_000
 
 
 def build_run(path: Path, mode: str, groups: int, n: int) -> None:
-    from seerd.config import RunConfig
-    from seerd.coordinator.create import create_rollout
-    from seerd.db import make_engine, make_sessionmaker
-    from seerd.db.migrate import upgrade
-    from seerd.io.prompts import PromptRow
-    from seerd.rundir import RunDir
-
     RunDir(path).create()
     engine = make_engine(RunDir(path).db_path, synchronous=mode)
     upgrade(engine)
@@ -71,21 +79,12 @@ def build_run(path: Path, mode: str, groups: int, n: int) -> None:
 
 def serve(path: Path, profile: str | None) -> None:
     """Child process: the real coordinator until SIGTERM (optionally under cProfile)."""
-    from seerd.coordinator.daemon import Coordinator
-    from seerd.rundir import RunDir
-
     coordinator = Coordinator(RunDir(path))
     if profile is None:
         asyncio.run(coordinator.serve())
         return
     import cProfile
-    profiler = cProfile.Profile()
-    profiler.enable()
-    try:
-        asyncio.run(coordinator.serve())
-    finally:
-        profiler.disable()
-        profiler.dump_stats(profile)
+    cProfile.runctx("asyncio.run(coordinator.serve())", globals(), {"coordinator": coordinator}, profile)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -93,19 +92,17 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
+@dataclass
 class Stats:
-    def __init__(self) -> None:
-        self.acked_total = 0  # every acknowledged chunk, warm-up and tail included
-        self.acked_window = 0  # acknowledged inside the measurement window
-        self.lease_ms: list[float] = []
-        self.report_ms: list[float] = []
-        self.rejected: list[str] = []
+    acked_total: int = 0  # every acknowledged chunk, warm-up and tail included
+    acked_window: int = 0  # acknowledged inside the measurement window
+    lease_ms: list[float] = field(default_factory=list)
+    report_ms: list[float] = field(default_factory=list)
+    rejected: list[str] = field(default_factory=list)
 
 
 async def simulated_worker(base: str, secret: str, index: int, batch: int, stats: Stats,
                            window: tuple[float, float]) -> None:
-    import httpx
-
     start, end = window
     async with httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {secret}"},
                                  timeout=30.0) as http:
@@ -129,22 +126,20 @@ async def simulated_worker(base: str, secret: str, index: int, batch: int, stats
             response = await http.post("/v1/report", json={"worker_id": worker_id, "reports": reports})
             t3 = time.monotonic()
             response.raise_for_status()
-            accepted = 0
-            for result in response.json()["results"]:
-                if result["accepted"] and not result["duplicate"]:
-                    accepted += 1
-                else:
-                    stats.rejected.append(f"chunk {result['chunk_id']}: {result}")
+            results = response.json()["results"]
+            accepted = sum(1 for r in results if r["accepted"] and not r["duplicate"])
+            stats.rejected += [str(r) for r in results if not r["accepted"] or r["duplicate"]]
             stats.acked_total += accepted
-            if start <= t0 and t3 <= end:
+            if start <= t3 < end:  # by acknowledgement time: unbiased at the window's edges
                 stats.acked_window += accepted
+            if start <= t0 < end:
                 stats.lease_ms.append((t1 - t0) * 1e3)
                 stats.report_ms.append((t3 - t2) * 1e3)
 
 
 def verify(db_path: Path, stats: Stats) -> str | None:
     """Compare the database with what the workers saw acknowledged; None when they agree."""
-    with sqlite3.connect(f"file:{db_path}?mode=ro", uri=True) as db:
+    with closing(sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)) as db:
         done, tokens = db.execute("SELECT count(*), coalesce(sum(num_tokens), 0) FROM chunks "
                                   "WHERE status = 'done'").fetchone()
         leased = db.execute("SELECT count(*) FROM chunks WHERE status = 'leased'").fetchone()[0]
@@ -155,15 +150,23 @@ def verify(db_path: Path, stats: Stats) -> str | None:
     if leased:
         problems.append(f"{leased} chunks still leased")
     if not tokens == generated == CHUNK_TOKENS * done:
-        problems.append(f"token totals disagree: chunks {tokens}, requests {generated}, expected {CHUNK_TOKENS * done}")
+        problems.append(f"token totals disagree: chunks {tokens}, requests {generated}, "
+                        f"expected {CHUNK_TOKENS * done}")
     if stats.rejected:
         problems.append(f"{len(stats.rejected)} rejected reports, e.g. {stats.rejected[0]}")
     return "; ".join(problems) or None
 
 
-def run_sample(batch: int, mode: str, args: argparse.Namespace, tag: str) -> dict:
-    from seerd.rundir import RunDir, RunDirError
+async def measure_cpu(pid: int, window: tuple[float, float]) -> tuple[float, float]:
+    """CPU use in % of one core of the coordinator and of this process during the window."""
+    await asyncio.sleep(max(0.0, window[0] - time.monotonic()))
+    server0, client0 = cpu_seconds(pid), time.process_time()
+    await asyncio.sleep(max(0.0, window[1] - time.monotonic()))
+    span = window[1] - window[0]
+    return (100 * (cpu_seconds(pid) - server0) / span, 100 * (time.process_time() - client0) / span)
 
+
+def run_sample(batch: int, mode: str, args: argparse.Namespace, tag: str) -> dict:
     path = Path(tempfile.mkdtemp(prefix="seerd-bench-"))
     run_dir = RunDir(path)
     build_run(path, mode, args.groups, args.n)
@@ -209,17 +212,9 @@ def run_sample(batch: int, mode: str, args: argparse.Namespace, tag: str) -> dic
         shutil.rmtree(path, ignore_errors=True)
     return {"batch": batch, "synchronous": mode, "rt_per_s": stats.acked_window / args.duration,
             "acked_total": stats.acked_total, "lease_ms": stats.lease_ms, "report_ms": stats.report_ms,
-            "server_cpu_pct": server_cpu, "client_cpu_pct": client_cpu, "verified": problem is None,
-            "problem": problem, "run_dir": str(path) if problem or args.keep else None}
-
-
-async def measure_cpu(pid: int, window: tuple[float, float]) -> tuple[float, float]:
-    """CPU use in % of one core of the coordinator and of this process during the window."""
-    await asyncio.sleep(max(0.0, window[0] - time.monotonic()))
-    server0, client0 = cpu_seconds(pid), time.process_time()
-    await asyncio.sleep(max(0.0, window[1] - time.monotonic()))
-    span = window[1] - window[0]
-    return (100 * (cpu_seconds(pid) - server0) / span, 100 * (time.process_time() - client0) / span)
+            "server_cpu_pct": server_cpu, "client_cpu_pct": client_cpu, "loadavg_1m": os.getloadavg()[0],
+            "verified": problem is None, "problem": problem,
+            "run_dir": str(path) if problem or args.keep else None}
 
 
 def pct(values: list[float], q: float) -> float:
@@ -242,7 +237,11 @@ def summarize(samples: list[dict], configs: list[tuple[int, str]]) -> list[dict]
             "lease_p50_ms": pct(lease, 0.5), "lease_p99_ms": pct(lease, 0.99),
             "report_p50_ms": pct(report, 0.5), "report_p99_ms": pct(report, 0.99),
             "server_cpu_pct": statistics.median(s["server_cpu_pct"] for s in mine),
+            # CPU cost per round trip: robust to other load on the machine, unlike rt/s.
+            "server_cpu_ms_per_rt": statistics.median(10 * s["server_cpu_pct"] / max(s["rt_per_s"], 1e-9)
+                                                      for s in mine),
             "client_cpu_pct": statistics.median(s["client_cpu_pct"] for s in mine),
+            "loadavg_1m_max": max(s["loadavg_1m"] for s in mine),
             "verified": all(s["verified"] for s in mine),
             "problems": [s["problem"] for s in mine if s["problem"]],
         })
@@ -256,17 +255,25 @@ def summarize(samples: list[dict], configs: list[tuple[int, str]]) -> list[dict]
 def print_table(rows: list[dict], args: argparse.Namespace) -> None:
     print(f"coordinator control plane: C={args.concurrency} workers, {args.groups}x{args.n} requests, "
           f"{CHUNK_TOKENS}-token chunks, {args.duration:g}s window after {args.warmup:g}s warm-up, "
-          f"{args.repeats} repeat(s)")
-    header = (f"{'config':<11} {'rt/s':>7}  {'samples':<24} {'lease p50/p99 ms':>17} {'report p50/p99 ms':>18}"
-              f" {'srv cpu':>7} {'x2000':>6} {'xbase':>6}  verified")
-    print(header)
-    print("-" * len(header))
+          f"{args.repeats} repeat(s); {os.cpu_count()} cores, 1-min load average up to "
+          f"{max(r['loadavg_1m_max'] for r in rows):.1f}")
+    table = [("config", "rt/s", "samples", "lease p50/p99 ms", "report p50/p99 ms", "cpu srv/cli",
+              "srv ms/rt", "x2000", "xbase", "verified")]
     for r in rows:
-        samples = ",".join(f"{x:.0f}" for x in r["rt_per_s_samples"])
-        print(f"{r['config']:<11} {r['rt_per_s_median']:>7.0f}  [{samples}]{'':<{22 - len(samples)}}"
-              f" {r['lease_p50_ms']:>8.2f}/{r['lease_p99_ms']:<8.2f} {r['report_p50_ms']:>9.2f}/{r['report_p99_ms']:<8.2f}"
-              f" {r['server_cpu_pct']:>6.0f}% {r['vs_target']:>6.2f} {r['vs_base']:>6.2f}  "
-              f"{'ok' if r['verified'] else 'FAILED: ' + '; '.join(r['problems'])}")
+        table.append((
+            r["config"], f"{r['rt_per_s_median']:.0f}",
+            "[" + ",".join(f"{x:.0f}" for x in r["rt_per_s_samples"]) + "]",
+            f"{r['lease_p50_ms']:.2f}/{r['lease_p99_ms']:.2f}",
+            f"{r['report_p50_ms']:.2f}/{r['report_p99_ms']:.2f}",
+            f"{r['server_cpu_pct']:.0f}%/{r['client_cpu_pct']:.0f}%", f"{r['server_cpu_ms_per_rt']:.2f}",
+            f"{r['vs_target']:.3f}", f"{r['vs_base']:.2f}",
+            "ok" if r["verified"] else "FAILED: " + "; ".join(r["problems"])))
+    widths = [max(len(line[i]) for line in table) for i in range(len(table[0]) - 1)]
+    for k, line in enumerate(table):
+        print("  ".join(cell.ljust(w) if i in (0, 2) else cell.rjust(w)
+                        for i, (cell, w) in enumerate(zip(line, widths))) + "  " + line[-1])
+        if k == 0:
+            print("-" * (sum(widths) + 2 * len(widths) + len("verified")))
 
 
 def main() -> int:
@@ -295,8 +302,8 @@ def main() -> int:
     for repeat in range(args.repeats):
         for batch, mode in configs:  # interleaved, so that drift hits every config alike
             samples.append(run_sample(batch, mode, args, f"B{batch}-{mode}-r{repeat}"))
-            print(f"  repeat {repeat + 1}/{args.repeats} B={batch} {mode}: {samples[-1]['rt_per_s']:.0f} rt/s",
-                  file=sys.stderr)
+            print(f"  repeat {repeat + 1}/{args.repeats} B={batch} {mode}: "
+                  f"{samples[-1]['rt_per_s']:.0f} rt/s", file=sys.stderr, flush=True)
     rows = summarize(samples, configs)
     if args.json:
         compact = [{k: v for k, v in s.items() if not k.endswith("_ms")} for s in samples]

@@ -205,6 +205,27 @@ async def amain(run_dir: RunDir, rank: int, patience_s: float) -> int:
     return 0
 
 
+def start_group_reaper(poll_s: float = 0.5) -> None:
+    """Fork a watchdog that kills this worker's process group once the worker is gone.
+
+    vLLM's engine-core processes never exit when their frontend dies (SIGKILL, or SIGTERM during
+    engine start-up); they hold GBs of KV cache. Only done when the worker leads its own process
+    group (local mode), so that nothing else is in the group.
+    """
+    worker_pid = os.getpid()
+    if os.getpgid(0) != worker_pid:
+        return
+    if os.fork() != 0:
+        return
+    try:  # the watchdog: imports nothing, touches nothing of the worker's
+        os.closerange(3, 256)
+        while os.getppid() == worker_pid:
+            time.sleep(poll_s)
+        os.killpg(worker_pid, signal.SIGKILL)  # kills this watchdog last, with the rest
+    finally:
+        os._exit(0)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m seerd.worker", description="seerd worker (one vLLM engine)")
     parser.add_argument("--run-dir", required=True)
@@ -212,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--patience", type=float, default=60.0,
                         help="seconds without an answer from the coordinator before giving up")
     args = parser.parse_args(argv)
+    start_group_reaper()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per call drowns the log
     try:
