@@ -52,7 +52,7 @@ import httpx
 
 from seerd.config import RunConfig
 from seerd.coordinator.create import create_rollout
-from seerd.coordinator.daemon import Coordinator
+from seerd.coordinator.daemon import Coordinator, run_event_loop
 from seerd.db import make_engine, make_sessionmaker
 from seerd.db.migrate import upgrade
 from seerd.io.prompts import PromptRow
@@ -81,10 +81,11 @@ def serve(path: Path, profile: str | None) -> None:
     """Child process: the real coordinator until SIGTERM (optionally under cProfile)."""
     coordinator = Coordinator(RunDir(path))
     if profile is None:
-        asyncio.run(coordinator.serve())
+        run_event_loop(coordinator.serve())
         return
     import cProfile
-    cProfile.runctx("asyncio.run(coordinator.serve())", globals(), {"coordinator": coordinator}, profile)
+    cProfile.runctx("run_event_loop(coordinator.serve())", globals(), {"coordinator": coordinator,
+                    "run_event_loop": run_event_loop}, profile)
 
 
 def cpu_seconds(pid: int) -> float:

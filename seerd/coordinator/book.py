@@ -4,26 +4,31 @@ Every mutation happens in one method, in one `BEGIN IMMEDIATE` transaction, and 
 mirror changes only after that transaction commits. A worker's report is acknowledged (the method
 returns) only after its commit, so every token is either durable or was never acknowledged.
 Callers pass `now`: lease expiry is tested by moving time, never by sleeping.
+
+Hot paths (lease, report) use Core statements with executemany and keep prompts and the tokens
+of unfinished requests in memory; the ORM models still define the schema.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable
+from array import array
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from sqlalchemy import select, update
+from sqlalchemy import Connection, Engine, bindparam, insert, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from seerd.db import (
-    Chunk, ChunkStatus, Group, Request, RequestStatus, Rollout, RolloutStatus, Worker, WorkerStatus,
+    Chunk, ChunkStatus, Event, Group, Request, RequestStatus, Rollout, RolloutStatus, Worker, WorkerStatus,
     add_event, check_transition,
 )
 from seerd.io.codec import pack_floats, pack_ints, unpack_ints
-from seerd.scheduler import Policy, QueuedRequest, Snapshot, WorkerLoad
+from seerd.scheduler import Policy, QueuedRequest, RequestQueue, Snapshot, WorkerLoad
 
 FINISH_REASONS = frozenset({"stop", "length"})
+CHUNKS, REQUESTS, GROUPS, EVENTS = Chunk.__table__, Request.__table__, Group.__table__, Event.__table__
 
 
 class UnknownWorker(LookupError):
@@ -38,13 +43,14 @@ class BadReport(ValueError):
 class GroupState:
     id: int
     index: int
-    prompt_len: int
+    prompt: array  # int32 prompt token ids
     n: int
     max_tokens: int
     estimate: int
     sampling: dict
     bound_worker: str | None
     finished: int
+    request_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -59,7 +65,8 @@ class RequestState:
     num_chunks: int
     last_worker: str | None
     queued_at: float
-    open_chunk_id: int | None = None  # a QUEUED chunk row left by an expired lease
+    open_chunk: tuple[int, int] | None = None  # (chunk id, epoch) of a QUEUED row left by an expired lease
+    tokens: array | None = None  # generated tokens while unfinished (None: not loaded yet)
 
 
 @dataclass
@@ -83,6 +90,7 @@ class WorkerState:
     status: WorkerStatus
     last_heartbeat: float
     leases: set[int] = field(default_factory=set)
+    kv_reserved: int = 0
 
 
 @dataclass(frozen=True)
@@ -122,10 +130,17 @@ def chunk_seed(rollout_seed: int, group_index: int, response_index: int, seq: in
     return int.from_bytes(digest.digest(), "little") & 0x7FFF_FFFF
 
 
+def _event(rollout_id: int, ts: float, kind: str, worker_id: str | None = None, request_id: int | None = None,
+           chunk_id: int | None = None, data: dict | None = None) -> dict:
+    return {"rollout_id": rollout_id, "ts": ts, "kind": kind, "worker_id": worker_id, "request_id": request_id,
+            "chunk_id": chunk_id, "data_json": json.dumps(data, separators=(",", ":")) if data else None}
+
+
 class LeaseBook:
     def __init__(self, sessions: sessionmaker[Session], rollout_id: int, policy: Policy,
                  *, chunk_tokens: int, lease_ttl_s: float, seed: int) -> None:
         self.sessions = sessions
+        self.engine: Engine = sessions.kw["bind"]
         self.rollout_id = rollout_id
         self.policy = policy
         self.chunk_tokens = chunk_tokens
@@ -135,90 +150,104 @@ class LeaseBook:
         self.requests: dict[int, RequestState] = {}
         self.leases: dict[int, LeaseState] = {}
         self.workers: dict[str, WorkerState] = {}
+        self.queue = RequestQueue()
+        self.unfinished_groups: dict[int, int] = {}  # group_id -> group_index
+        self.bindings: dict[int, str] = {}  # group_id -> worker_id (group policy)
+        self.finished_requests = 0
         self.output_tokens = 0
         self.first_lease_at: float | None = None  # this session's; generation starts here
 
     # ----------------------------------------------------------------- loading
     def load(self, now: float) -> None:
         """Read the rollout from the database; leases of a previous coordinator go back to the queue."""
-        with self.sessions.begin() as session:
-            for group in session.scalars(select(Group).where(Group.rollout_id == self.rollout_id)):
-                self.groups[group.id] = GroupState(
-                    group.id, group.group_index, group.prompt_len, group.n, group.max_tokens,
-                    group.length_estimate, json.loads(group.sampling_json), group.bound_worker,
-                    group.finished_requests,
-                )
-            for req in session.scalars(select(Request).where(Request.rollout_id == self.rollout_id)):
-                self.requests[req.id] = RequestState(
-                    req.id, req.group_id, req.response_index, req.status, req.is_probe,
-                    req.generated_tokens, self.groups[req.group_id].max_tokens, req.num_chunks,
-                    req.last_worker, req.queued_at,
-                )
-                self.output_tokens += req.generated_tokens
-            orphaned = session.scalars(
-                select(Chunk).join(Request).where(
-                    Request.rollout_id == self.rollout_id, Chunk.status == ChunkStatus.LEASED)
+        with self.engine.begin() as conn:
+            for row in conn.execute(select(GROUPS).where(GROUPS.c.rollout_id == self.rollout_id)):
+                prompt = array("i", unpack_ints(row.prompt_token_ids))
+                self.groups[row.id] = GroupState(
+                    row.id, row.group_index, prompt, row.n, row.max_tokens, row.length_estimate,
+                    json.loads(row.sampling_json), row.bound_worker, row.finished_requests)
+                if row.finished_requests < row.n:
+                    self.unfinished_groups[row.id] = row.group_index
+                if row.bound_worker:
+                    self.bindings[row.id] = row.bound_worker
+            for row in conn.execute(select(REQUESTS).where(REQUESTS.c.rollout_id == self.rollout_id)):
+                self.requests[row.id] = RequestState(
+                    row.id, row.group_id, row.response_index, RequestStatus(row.status), row.is_probe,
+                    row.generated_tokens, self.groups[row.group_id].max_tokens, row.num_chunks,
+                    row.last_worker, row.queued_at)
+                self.groups[row.group_id].request_ids.append(row.id)
+                self.output_tokens += row.generated_tokens
+                self.finished_requests += row.status == RequestStatus.FINISHED
+            unfinished_chunks = conn.execute(
+                select(CHUNKS.c.id, CHUNKS.c.request_id, CHUNKS.c.status, CHUNKS.c.lease_epoch,
+                       CHUNKS.c.lease_holder)
+                .join(REQUESTS, REQUESTS.c.id == CHUNKS.c.request_id)
+                .where(REQUESTS.c.rollout_id == self.rollout_id, CHUNKS.c.status != ChunkStatus.DONE.value)
             ).all()
-            for chunk in orphaned:
-                self._requeue_chunk(session, chunk, now, kind="lease_orphaned")
-            for chunk in session.scalars(
-                select(Chunk).join(Request).where(
-                    Request.rollout_id == self.rollout_id, Chunk.status == ChunkStatus.QUEUED)
-            ):
-                self.requests[chunk.request_id].open_chunk_id = chunk.id
-            session.execute(
-                update(Worker).where(Worker.rollout_id == self.rollout_id, Worker.status != WorkerStatus.GONE)
-                .values(status=WorkerStatus.GONE)
-            )
+            orphaned = [c for c in unfinished_chunks if c.status == ChunkStatus.LEASED.value]
+            self._write_requeue(conn, [(c.id, c.request_id, c.lease_holder, c.lease_epoch) for c in orphaned],
+                                now, kind="lease_orphaned")
+            conn.execute(update(Worker).where(Worker.rollout_id == self.rollout_id,
+                                              Worker.status != WorkerStatus.GONE).values(status=WorkerStatus.GONE))
+        for chunk in unfinished_chunks:
+            request = self.requests[chunk.request_id]
+            request.status = RequestStatus.QUEUED
+            request.open_chunk = (chunk.id, chunk.lease_epoch)
+        for request in self.requests.values():
+            if request.status == RequestStatus.QUEUED:
+                self._enqueue(request)
 
-    def _requeue_chunk(self, session: Session, chunk: Chunk, now: float, *, kind: str) -> None:
-        check_transition(chunk.status, ChunkStatus.QUEUED)
-        holder = chunk.lease_holder
-        chunk.status = ChunkStatus.QUEUED
-        chunk.lease_holder = None
-        chunk.lease_deadline = None
-        request = session.get(Request, chunk.request_id)
-        check_transition(request.status, RequestStatus.QUEUED)
-        request.status = RequestStatus.QUEUED
-        state = self.requests[request.id]
-        state.status = RequestStatus.QUEUED
-        state.open_chunk_id = chunk.id
-        add_event(session, self.rollout_id, now, kind, worker_id=holder, request_id=request.id,
-                  chunk_id=chunk.id, data={"epoch": chunk.lease_epoch})
+    def _queued_view(self, request: RequestState) -> QueuedRequest:
+        group = self.groups[request.group_id]
+        return QueuedRequest(request.id, request.group_id, group.index, request.response_index, len(group.prompt),
+                             request.generated, request.max_tokens, request.is_probe, group.estimate,
+                             request.last_worker, request.queued_at)
+
+    def _enqueue(self, request: RequestState) -> None:
+        self.queue.put(self._queued_view(request))
+
+    def _write_requeue(self, conn: Connection, chunks: Sequence[tuple[int, int, str | None, int]], now: float,
+                       *, kind: str, reason: str | None = None) -> None:
+        """Chunks (id, request id, holder, epoch) go from LEASED back to QUEUED, in the caller's transaction."""
+        if not chunks:
+            return
+        conn.execute(update(CHUNKS).where(CHUNKS.c.id == bindparam("cid")).values(
+            status=ChunkStatus.QUEUED.value, lease_holder=None, lease_deadline=None),
+            [{"cid": c[0]} for c in chunks])
+        conn.execute(update(REQUESTS).where(REQUESTS.c.id == bindparam("rid")).values(
+            status=RequestStatus.QUEUED.value), [{"rid": c[1]} for c in chunks])
+        conn.execute(insert(EVENTS), [_event(self.rollout_id, now, kind, c[2], c[1], c[0],
+                                             {"epoch": c[3], **({"reason": reason} if reason else {})})
+                                      for c in chunks])
 
     # ----------------------------------------------------------------- workers
     def register(self, *, rank: int, address: str, max_chunks: int, kv_capacity_tokens: int,
                  worker_id: str, now: float) -> WorkerState:
         with self.sessions.begin() as session:
-            row = session.get(Worker, worker_id)
-            if row is None:
-                row = Worker(id=worker_id, rollout_id=self.rollout_id, rank=rank, address=address,
-                             max_chunks=max_chunks, kv_capacity_tokens=kv_capacity_tokens,
-                             status=WorkerStatus.ALIVE, registered_at=now, last_heartbeat=now)
-                session.add(row)
-            elif row.status != WorkerStatus.ALIVE:
-                # Same id again (a restarted coordinator, a worker back from a partition).
-                row = Worker(id=f"{worker_id}+{int(now * 1000)}", rollout_id=self.rollout_id, rank=rank,
-                             address=address, max_chunks=max_chunks, kv_capacity_tokens=kv_capacity_tokens,
-                             status=WorkerStatus.ALIVE, registered_at=now, last_heartbeat=now)
-                session.add(row)
-            add_event(session, self.rollout_id, now, "worker_registered", worker_id=row.id,
+            if session.get(Worker, worker_id) is not None:
+                # Same id again (a restarted coordinator, a worker back from a partition): a new
+                # identity, so reports of its old leases can never pass as the new one's.
+                worker_id = f"{worker_id}+{int(now * 1000)}"
+            session.add(Worker(id=worker_id, rollout_id=self.rollout_id, rank=rank, address=address,
+                               max_chunks=max_chunks, kv_capacity_tokens=kv_capacity_tokens,
+                               status=WorkerStatus.ALIVE, registered_at=now, last_heartbeat=now))
+            add_event(session, self.rollout_id, now, "worker_registered", worker_id=worker_id,
                       data={"rank": rank, "address": address, "max_chunks": max_chunks,
                             "kv_capacity_tokens": kv_capacity_tokens})
-        state = WorkerState(row.id, rank, max_chunks, kv_capacity_tokens, WorkerStatus.ALIVE, now)
-        self.workers[row.id] = state
+        state = WorkerState(worker_id, rank, max_chunks, kv_capacity_tokens, WorkerStatus.ALIVE, now)
+        self.workers[worker_id] = state
         return state
 
     def heartbeat(self, worker_id: str, running: Iterable[int], now: float) -> list[int]:
         """Extend the leases the worker still runs; return the chunks it must abort."""
         worker = self._worker(worker_id)
         running = set(running)
-        with self.sessions.begin() as session:
+        with self.engine.begin() as conn:
             if worker.status == WorkerStatus.STALE:
                 check_transition(worker.status, WorkerStatus.ALIVE)
-                add_event(session, self.rollout_id, now, "worker_alive", worker_id=worker_id)
-            session.execute(update(Worker).where(Worker.id == worker_id)
-                            .values(last_heartbeat=now, status=WorkerStatus.ALIVE))
+                conn.execute(insert(EVENTS), [_event(self.rollout_id, now, "worker_alive", worker_id)])
+            conn.execute(update(Worker).where(Worker.id == worker_id)
+                         .values(last_heartbeat=now, status=WorkerStatus.ALIVE))
         worker.status = WorkerStatus.ALIVE
         worker.last_heartbeat = now
         for chunk_id in worker.leases & running:
@@ -231,171 +260,209 @@ class LeaseBook:
             raise UnknownWorker(worker_id)
         return worker
 
+    def known_worker(self, worker_id: str) -> bool:
+        worker = self.workers.get(worker_id)
+        return worker is not None and worker.status != WorkerStatus.GONE
+
     def live_workers(self) -> list[WorkerState]:
         return [w for w in self.workers.values() if w.status == WorkerStatus.ALIVE]
 
     # ----------------------------------------------------------------- leasing
     def snapshot(self, worker_id: str, wanted: int, now: float) -> Snapshot:
-        queued = tuple(
-            QueuedRequest(
-                r.id, r.group_id, self.groups[r.group_id].index, r.response_index,
-                self.groups[r.group_id].prompt_len, r.generated, r.max_tokens, r.is_probe,
-                self.groups[r.group_id].estimate, r.last_worker, r.queued_at,
-            )
-            for r in self.requests.values() if r.status == RequestStatus.QUEUED
-        )
-        loads = tuple(
-            WorkerLoad(w.id, w.rank, len(w.leases), sum(self.leases[c].kv_reserved for c in w.leases),
-                       w.max_chunks, w.kv_capacity_tokens)
-            for w in self.live_workers()
-        )
-        unfinished = {g.id: g.index for g in self.groups.values() if g.finished < g.n}
-        binding = {g.id: g.bound_worker for g in self.groups.values() if g.bound_worker}
-        return Snapshot(now, worker_id, wanted, loads, queued, binding, unfinished, self.chunk_tokens)
+        loads = tuple(WorkerLoad(w.id, w.rank, len(w.leases), w.kv_reserved, w.max_chunks, w.kv_capacity_tokens)
+                      for w in self.live_workers())
+        return Snapshot(now, worker_id, wanted, loads, self.queue, self.bindings, self.unfinished_groups,
+                        self.chunk_tokens)
 
     def lease(self, worker_id: str, wanted: int, now: float) -> list[ChunkGrant]:
         worker = self._worker(worker_id)
-        if worker.status != WorkerStatus.ALIVE:
+        if worker.status != WorkerStatus.ALIVE or not self.queue:
             return []
         plan = self.policy.plan(self.snapshot(worker_id, wanted, now))
         if not plan.assignments and not plan.new_bindings:
             return []
+        leases: list[LeaseState] = []
         grants: list[ChunkGrant] = []
-        new_leases: list[LeaseState] = []
-        with self.sessions.begin() as session:
-            for group_id, bound in plan.new_bindings.items():
-                session.execute(update(Group).where(Group.id == group_id).values(bound_worker=bound))
+        deadline = now + self.lease_ttl_s
+        with self.engine.begin() as conn:
+            if plan.new_bindings:
+                conn.execute(update(GROUPS).where(GROUPS.c.id == bindparam("gid")).values(
+                    bound_worker=bindparam("worker")),
+                    [{"gid": gid, "worker": w} for gid, w in plan.new_bindings.items()])
+            reused, fresh = [], []
             for assignment in plan.assignments:
+                request = self.requests[assignment.request_id]
                 if assignment.worker_id != worker_id:
                     raise RuntimeError(f"policy {self.policy.name} assigned to another worker")
-                grant, lease = self._lease_one(session, worker_id, assignment.request_id,
-                                               assignment.max_tokens, now)
-                grants.append(grant)
-                new_leases.append(lease)
+                if not 0 < assignment.max_tokens <= request.max_tokens - request.generated:
+                    raise RuntimeError(f"policy gave request {request.id} an impossible budget {assignment.max_tokens}")
+                check_transition(request.status, RequestStatus.RUNNING)
+                if request.tokens is None:
+                    request.tokens = self._read_tokens(conn, request.id)
+                if request.open_chunk is not None:
+                    chunk_id, epoch = request.open_chunk[0], request.open_chunk[1] + 1
+                    reused.append({"cid": chunk_id, "mt": assignment.max_tokens})
+                else:
+                    chunk_id = conn.execute(insert(CHUNKS).values(
+                        request_id=request.id, seq=request.num_chunks, max_tokens=assignment.max_tokens,
+                        status=ChunkStatus.LEASED.value, lease_holder=worker_id, lease_deadline=deadline,
+                        lease_epoch=1, attempt=1, created_at=now, leased_at=now, num_tokens=0)
+                    ).inserted_primary_key[0]
+                    epoch = 1
+                    fresh.append(chunk_id)
+                context = len(self.groups[request.group_id].prompt) + request.generated
+                leases.append(LeaseState(chunk_id, request.id, worker_id, epoch, request.num_chunks,
+                                         assignment.max_tokens, deadline, context + assignment.max_tokens))
+            if reused:
+                conn.execute(update(CHUNKS).where(CHUNKS.c.id == bindparam("cid")).values(
+                    status=ChunkStatus.LEASED.value, max_tokens=bindparam("mt"), lease_holder=worker_id,
+                    lease_deadline=deadline, lease_epoch=CHUNKS.c.lease_epoch + 1, attempt=CHUNKS.c.attempt + 1,
+                    leased_at=now), reused)
+            conn.execute(update(REQUESTS).where(REQUESTS.c.id == bindparam("rid")).values(
+                status=RequestStatus.RUNNING.value, last_worker=worker_id), [{"rid": l.request_id} for l in leases])
+            conn.execute(update(REQUESTS).where(REQUESTS.c.id == bindparam("rid"), REQUESTS.c.started_at.is_(None))
+                         .values(started_at=now), [{"rid": l.request_id} for l in leases])
+            conn.execute(insert(EVENTS), [
+                _event(self.rollout_id, now, "chunk_leased", worker_id, l.request_id, l.chunk_id,
+                       {"seq": l.seq, "epoch": l.epoch, "max_tokens": l.max_tokens}) for l in leases])
+        # Committed: now the mirror follows.
+        self.bindings.update(plan.new_bindings)
         for group_id, bound in plan.new_bindings.items():
             self.groups[group_id].bound_worker = bound
-        if new_leases and self.first_lease_at is None:
+        if self.first_lease_at is None:
             self.first_lease_at = now
-        for lease in new_leases:
+        for lease in leases:
+            request = self.requests[lease.request_id]
+            self.queue.remove(request.id)
+            request.status = RequestStatus.RUNNING
+            request.open_chunk = None
+            request.last_worker = worker_id
             self.leases[lease.chunk_id] = lease
             worker.leases.add(lease.chunk_id)
-            request = self.requests[lease.request_id]
-            request.status = RequestStatus.RUNNING
-            request.open_chunk_id = None
-            request.last_worker = worker_id
+            worker.kv_reserved += lease.kv_reserved
+            grants.append(self._grant(lease))
         return grants
 
-    def _lease_one(self, session: Session, worker_id: str, request_id: int, max_tokens: int,
-                   now: float) -> tuple[ChunkGrant, LeaseState]:
-        state = self.requests[request_id]
-        group = self.groups[state.group_id]
-        if not 0 < max_tokens <= state.max_tokens - state.generated:
-            raise RuntimeError(f"policy gave request {request_id} an impossible budget {max_tokens}")
-        request = session.get(Request, request_id)
-        check_transition(request.status, RequestStatus.RUNNING)
-        if state.open_chunk_id is not None:
-            chunk = session.get(Chunk, state.open_chunk_id)
-        else:
-            chunk = Chunk(request_id=request_id, seq=state.num_chunks, status=ChunkStatus.QUEUED,
-                          lease_epoch=0, attempt=0, created_at=now, max_tokens=max_tokens)
-            session.add(chunk)
-        check_transition(chunk.status, ChunkStatus.LEASED)
-        deadline = now + self.lease_ttl_s
-        chunk.status = ChunkStatus.LEASED
-        chunk.max_tokens = max_tokens
-        chunk.lease_holder = worker_id
-        chunk.lease_deadline = deadline
-        chunk.lease_epoch = (chunk.lease_epoch or 0) + 1
-        chunk.attempt = (chunk.attempt or 0) + 1
-        chunk.leased_at = now
-        request.status = RequestStatus.RUNNING
-        request.last_worker = worker_id
-        if request.started_at is None:
-            request.started_at = now
-        session.flush()
-        prompt = unpack_ints(session.scalar(select(Group.prompt_token_ids).where(Group.id == group.id)))
-        if state.generated:
-            for blob in session.scalars(
-                select(Chunk.token_ids).where(Chunk.request_id == request_id, Chunk.status == ChunkStatus.DONE)
-                .order_by(Chunk.seq)
-            ):
-                prompt.extend(unpack_ints(blob))
-        add_event(session, self.rollout_id, now, "chunk_leased", worker_id=worker_id, request_id=request_id,
-                  chunk_id=chunk.id, data={"seq": chunk.seq, "epoch": chunk.lease_epoch,
-                                           "max_tokens": max_tokens})
+    def _read_tokens(self, conn: Connection, request_id: int) -> array:
+        tokens = array("i")
+        for blob in conn.execute(select(CHUNKS.c.token_ids).where(
+                CHUNKS.c.request_id == request_id, CHUNKS.c.status == ChunkStatus.DONE.value).order_by(CHUNKS.c.seq)
+        ).scalars():
+            tokens.extend(unpack_ints(blob))
+        return tokens
+
+    def _grant(self, lease: LeaseState) -> ChunkGrant:
+        request = self.requests[lease.request_id]
+        group = self.groups[request.group_id]
         sampling = dict(group.sampling)
-        if sampling.get("seed") is None:
-            sampling["seed"] = chunk_seed(self.seed, group.index, state.response_index, chunk.seq)
-        else:  # a row's own seed still differs per response and chunk
-            sampling["seed"] = chunk_seed(int(sampling["seed"]), group.index, state.response_index, chunk.seq)
-        lease = LeaseState(chunk.id, request_id, worker_id, chunk.lease_epoch, chunk.seq, max_tokens,
-                           deadline, len(prompt) + max_tokens)
-        grant = ChunkGrant(chunk.id, chunk.lease_epoch, request_id, prompt, max_tokens, sampling, deadline)
-        return grant, lease
+        # A row's own seed still differs per response and chunk; otherwise the rollout's seed.
+        base_seed = self.seed if sampling.get("seed") is None else int(sampling["seed"])
+        sampling["seed"] = chunk_seed(base_seed, group.index, request.response_index, lease.seq)
+        context = group.prompt.tolist()
+        context.extend(request.tokens)
+        return ChunkGrant(lease.chunk_id, lease.epoch, request.id, context, lease.max_tokens, sampling,
+                          lease.deadline)
 
     # ----------------------------------------------------------------- reports
     def report(self, worker_id: str, report: ChunkReport, now: float) -> ReportOutcome:
+        return self.report_many(worker_id, [report], now)[0]
+
+    def report_many(self, worker_id: str, reports: Sequence[ChunkReport], now: float) -> list[ReportOutcome]:
+        """Commit every acceptable report of one call in one transaction, then acknowledge."""
         self._worker(worker_id)
-        lease = self.leases.get(report.chunk_id)
-        if lease is None or lease.epoch != report.epoch or lease.worker_id != worker_id:
-            return self._judge_unleased(worker_id, report)
-        self._validate(report, lease)
-        state = self.requests[lease.request_id]
-        group = self.groups[state.group_id]
-        n_tokens = len(report.token_ids)
-        total = state.generated + n_tokens
-        finished = report.finish_reason == "stop" or total >= state.max_tokens or n_tokens < lease.max_tokens
-        finish_reason = report.finish_reason if report.finish_reason == "stop" else "length"
-        with self.sessions.begin() as session:
-            updated = session.execute(
-                update(Chunk).where(Chunk.id == lease.chunk_id, Chunk.lease_epoch == lease.epoch,
-                                    Chunk.status == ChunkStatus.LEASED)
-                .values(status=ChunkStatus.DONE, finished_at=now, num_tokens=n_tokens,
-                        token_ids=pack_ints(report.token_ids), logprobs=pack_floats(report.logprobs),
-                        finish_reason=report.finish_reason, cached_tokens=report.cached_tokens,
-                        lease_deadline=None)
-            ).rowcount
-            if updated != 1:  # the mirror and the database disagree: refuse rather than double count
-                raise RuntimeError(f"chunk {lease.chunk_id} epoch {lease.epoch} is not leased in the database")
-            request = session.get(Request, lease.request_id)
-            request.generated_tokens = total
-            request.num_chunks = state.num_chunks + 1
+        outcomes: list[ReportOutcome | None] = [None] * len(reports)
+        accepted: list[tuple[int, ChunkReport, LeaseState]] = []
+        seen: set[int] = set()
+        for i, report in enumerate(reports):
+            lease = self.leases.get(report.chunk_id)
+            if (lease is None or lease.epoch != report.epoch or lease.worker_id != worker_id
+                    or report.chunk_id in seen):
+                continue  # judged below, against the database
+            self._validate(report, lease)
+            seen.add(report.chunk_id)
+            accepted.append((i, report, lease))
+        chunk_rows, request_rows, events, effects = [], [], [], []
+        group_updates: dict[int, list[int]] = {}  # group id -> [finished requests, estimate]
+        for i, report, lease in accepted:
+            request = self.requests[lease.request_id]
+            n_tokens = len(report.token_ids)
+            total = request.generated + n_tokens
+            finished = (report.finish_reason == "stop" or total >= request.max_tokens
+                        or n_tokens < lease.max_tokens)  # a short "length": the model's context is full
             new_status = RequestStatus.FINISHED if finished else RequestStatus.QUEUED
             check_transition(request.status, new_status)
-            request.status = new_status
-            add_event(session, self.rollout_id, now, "chunk_done", worker_id=worker_id,
-                      request_id=request.id, chunk_id=lease.chunk_id,
-                      data={"tokens": n_tokens, "finish_reason": report.finish_reason,
-                            "cached_tokens": report.cached_tokens})
-            estimate = group.estimate
+            finish_reason = report.finish_reason if report.finish_reason == "stop" else "length"
+            chunk_rows.append({"cid": lease.chunk_id, "ep": lease.epoch, "fin": now, "n": n_tokens,
+                               "tok": pack_ints(report.token_ids), "lp": pack_floats(report.logprobs),
+                               "fr": report.finish_reason, "cached": report.cached_tokens})
+            request_rows.append({"rid": request.id, "gen": total, "nc": request.num_chunks + 1,
+                                 "st": new_status.value, "fr": finish_reason if finished else None,
+                                 "fa": now if finished else None, "qa": request.queued_at if finished else now})
+            events.append(_event(self.rollout_id, now, "chunk_done", worker_id, request.id, lease.chunk_id,
+                                 {"tokens": n_tokens, "finish_reason": report.finish_reason,
+                                  "cached_tokens": report.cached_tokens}))
             if finished:
-                request.finish_reason = finish_reason
-                request.finished_at = now
-                estimate = total if group.finished == 0 else max(group.estimate, total)
-                session.execute(
-                    update(Group).where(Group.id == group.id).values(
-                        finished_requests=group.finished + 1, length_estimate=estimate,
-                        finished_at=now if group.finished + 1 == group.n else None)
-                )
-                add_event(session, self.rollout_id, now, "request_finished", worker_id=worker_id,
-                          request_id=request.id, data={"length": total, "finish_reason": finish_reason,
-                                                       "group_estimate": estimate})
-            else:
-                request.queued_at = now
+                group = self.groups[request.group_id]
+                update_ = group_updates.setdefault(group.id, [group.finished, group.estimate])
+                # The group's estimate is its longest finished response (the paper's L_g).
+                update_[1] = total if update_[0] == 0 else max(update_[1], total)
+                update_[0] += 1
+                events.append(_event(self.rollout_id, now, "request_finished", worker_id, request.id, None,
+                                     {"length": total, "finish_reason": finish_reason, "group_estimate": update_[1]}))
+            effects.append((i, request, finished, lease, report.token_ids))
+        group_rows = [{"gid": gid, "fr": done, "est": estimate, "fa": now if done == self.groups[gid].n else None}
+                      for gid, (done, estimate) in group_updates.items()]
+        if accepted:
+            with self.engine.begin() as conn:
+                result = conn.execute(update(CHUNKS).where(
+                    CHUNKS.c.id == bindparam("cid"), CHUNKS.c.lease_epoch == bindparam("ep"),
+                    CHUNKS.c.status == ChunkStatus.LEASED.value).values(
+                    status=ChunkStatus.DONE.value, finished_at=bindparam("fin"), num_tokens=bindparam("n"),
+                    token_ids=bindparam("tok"), logprobs=bindparam("lp"), finish_reason=bindparam("fr"),
+                    cached_tokens=bindparam("cached"), lease_deadline=None), chunk_rows)
+                if result.rowcount != len(chunk_rows):  # mirror and database disagree: refuse, never double count
+                    raise RuntimeError(f"{len(chunk_rows) - result.rowcount} reported chunks are not leased "
+                                       "in the database")
+                conn.execute(update(REQUESTS).where(REQUESTS.c.id == bindparam("rid")).values(
+                    generated_tokens=bindparam("gen"), num_chunks=bindparam("nc"), status=bindparam("st"),
+                    finish_reason=bindparam("fr"), finished_at=bindparam("fa"), queued_at=bindparam("qa")),
+                    request_rows)
+                if group_rows:
+                    conn.execute(update(GROUPS).where(GROUPS.c.id == bindparam("gid")).values(
+                        finished_requests=bindparam("fr"), length_estimate=bindparam("est"),
+                        finished_at=bindparam("fa")), group_rows)
+                conn.execute(insert(EVENTS), events)
         # Committed: now the mirror follows.
-        del self.leases[lease.chunk_id]
-        self.workers[worker_id].leases.discard(lease.chunk_id)
-        self.output_tokens += n_tokens
-        state.generated = total
-        state.num_chunks += 1
-        if finished:
-            state.status = RequestStatus.FINISHED
-            group.finished += 1
-            group.estimate = estimate
-        else:
-            state.status = RequestStatus.QUEUED
-            state.queued_at = now
-        return ReportOutcome(True, request_finished=finished)
+        worker = self.workers[worker_id]
+        for i, request, finished, lease, token_ids in effects:
+            del self.leases[lease.chunk_id]
+            worker.leases.discard(lease.chunk_id)
+            worker.kv_reserved -= lease.kv_reserved
+            self.output_tokens += len(token_ids)
+            request.generated += len(token_ids)
+            request.num_chunks += 1
+            if finished:
+                request.status = RequestStatus.FINISHED
+                request.tokens = None  # durable in the database; the coordinator needs them no more
+                self.finished_requests += 1
+            else:
+                request.tokens.extend(token_ids)
+                request.status = RequestStatus.QUEUED
+                request.queued_at = now
+                self._enqueue(request)
+            outcomes[i] = ReportOutcome(True, request_finished=finished)
+        for gid, (done, estimate) in group_updates.items():
+            group = self.groups[gid]
+            group.finished, group.estimate = done, estimate
+            if done >= group.n:
+                self.unfinished_groups.pop(gid, None)
+            for rid in group.request_ids:  # the queue's views carry the estimate: refresh them
+                if rid in self.queue:
+                    self._enqueue(self.requests[rid])
+        for i, report in enumerate(reports):
+            if outcomes[i] is None:
+                outcomes[i] = self._judge_unleased(worker_id, report)
+        return outcomes
 
     def _validate(self, report: ChunkReport, lease: LeaseState) -> None:
         if report.finish_reason not in FINISH_REASONS:
@@ -409,16 +476,17 @@ class LeaseBook:
 
     def _judge_unleased(self, worker_id: str, report: ChunkReport) -> ReportOutcome:
         """A report without a matching live lease: a harmless duplicate, or stale and rejected."""
-        with self.sessions.begin() as session:
-            chunk = session.get(Chunk, report.chunk_id)
-            if chunk is None:
-                return ReportOutcome(False, reason=f"unknown chunk {report.chunk_id}")
-            if (chunk.status == ChunkStatus.DONE and chunk.lease_epoch == report.epoch
-                    and chunk.lease_holder == worker_id):
-                return ReportOutcome(True, duplicate=True)
-            return ReportOutcome(False, reason=(
-                f"stale lease: chunk {report.chunk_id} is {chunk.status.value} at epoch {chunk.lease_epoch}, "
-                f"report is for epoch {report.epoch}"))
+        with self.engine.connect() as conn:
+            chunk = conn.execute(select(CHUNKS.c.status, CHUNKS.c.lease_epoch, CHUNKS.c.lease_holder)
+                                 .where(CHUNKS.c.id == report.chunk_id)).first()
+        if chunk is None:
+            return ReportOutcome(False, reason=f"unknown chunk {report.chunk_id}")
+        if (chunk.status == ChunkStatus.DONE.value and chunk.lease_epoch == report.epoch
+                and chunk.lease_holder == worker_id):
+            return ReportOutcome(True, duplicate=True)
+        return ReportOutcome(False, reason=(
+            f"stale lease: chunk {report.chunk_id} is {chunk.status} at epoch {chunk.lease_epoch}, "
+            f"report is for epoch {report.epoch}"))
 
     def release(self, worker_id: str, chunk_id: int, epoch: int, reason: str, now: float) -> bool:
         """A worker gives a chunk back (engine error, shutdown): it runs again elsewhere."""
@@ -434,11 +502,11 @@ class LeaseBook:
         expired = [lease for lease in self.leases.values() if lease.deadline < now]
         silent = [w for w in self.live_workers() if now - w.last_heartbeat > self.lease_ttl_s]
         if silent:
-            with self.sessions.begin() as session:
+            with self.engine.begin() as conn:
                 for worker in silent:
                     check_transition(worker.status, WorkerStatus.STALE)
-                    session.execute(update(Worker).where(Worker.id == worker.id).values(status=WorkerStatus.STALE))
-                    add_event(session, self.rollout_id, now, "worker_stale", worker_id=worker.id)
+                    conn.execute(update(Worker).where(Worker.id == worker.id).values(status=WorkerStatus.STALE))
+                conn.execute(insert(EVENTS), [_event(self.rollout_id, now, "worker_stale", w.id) for w in silent])
             for worker in silent:
                 worker.status = WorkerStatus.STALE
         if expired:
@@ -446,31 +514,36 @@ class LeaseBook:
         return len(expired)
 
     def _expire(self, leases: list[LeaseState], now: float, *, kind: str, reason: str | None = None) -> None:
-        with self.sessions.begin() as session:
-            for lease in leases:
-                chunk = session.get(Chunk, lease.chunk_id)
-                self._requeue_chunk(session, chunk, now, kind=kind)
+        for lease in leases:
+            check_transition(self.requests[lease.request_id].status, RequestStatus.QUEUED)
+        with self.engine.begin() as conn:
+            self._write_requeue(conn, [(l.chunk_id, l.request_id, l.worker_id, l.epoch) for l in leases], now,
+                                kind=kind, reason=reason)
         for lease in leases:
             del self.leases[lease.chunk_id]
             worker = self.workers.get(lease.worker_id)
             if worker is not None:
                 worker.leases.discard(lease.chunk_id)
+                worker.kv_reserved -= lease.kv_reserved
+            request = self.requests[lease.request_id]
+            request.status = RequestStatus.QUEUED
+            request.open_chunk = (lease.chunk_id, lease.epoch)
+            self._enqueue(request)  # keeps its place: queued_at is when it first waited for this chunk
 
     # ----------------------------------------------------------------- progress
     def counts(self) -> dict[str, int]:
-        done = sum(1 for r in self.requests.values() if r.status == RequestStatus.FINISHED)
         return {
             "requests_total": len(self.requests),
-            "requests_done": done,
+            "requests_done": self.finished_requests,
             "groups_total": len(self.groups),
-            "groups_done": sum(1 for g in self.groups.values() if g.finished >= g.n),
+            "groups_done": len(self.groups) - len(self.unfinished_groups),
             "leases": len(self.leases),
             "output_tokens": self.output_tokens,
             "workers_alive": len(self.live_workers()),
         }
 
     def is_complete(self) -> bool:
-        return all(r.status == RequestStatus.FINISHED for r in self.requests.values())
+        return self.finished_requests == len(self.requests)
 
     def set_rollout_status(self, status: RolloutStatus, now: float, reason: str | None = None) -> None:
         with self.sessions.begin() as session:

@@ -6,7 +6,6 @@ number of times); its leases expire meanwhile and run on the others.
 
 from __future__ import annotations
 
-import asyncio
 import ctypes
 import logging
 import os
@@ -17,7 +16,7 @@ import time
 from collections.abc import Callable
 
 from seerd.coordinator.book import LeaseBook
-from seerd.coordinator.daemon import Coordinator, CoordinatorResult
+from seerd.coordinator.daemon import Coordinator, CoordinatorResult, run_event_loop
 from seerd.db import RolloutStatus
 from seerd.rundir import RunDir
 
@@ -128,7 +127,7 @@ def run_local(run_dir: RunDir, workers: int, on_tick: Callable[[LeaseBook], None
             on_tick(book)
 
     try:
-        result = asyncio.run(coordinator.serve(on_tick=tick, on_ready=pool.start))
+        result = run_event_loop(coordinator.serve(on_tick=tick, on_ready=pool.start))
     except BaseException:
         pool.stop(complete=False)
         raise

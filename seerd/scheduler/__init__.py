@@ -3,6 +3,7 @@
 from seerd.scheduler.base import Assignment, Plan, Policy, QueuedRequest, Snapshot, WorkerLoad
 from seerd.scheduler.divided import DividedPolicy
 from seerd.scheduler.group import GroupPolicy
+from seerd.scheduler.queue import RequestQueue
 
 POLICIES: dict[str, type] = {"divided": DividedPolicy, "group": GroupPolicy}
 
@@ -16,5 +17,5 @@ def make_policy(name: str) -> Policy:
 
 __all__ = [
     "Assignment", "DividedPolicy", "GroupPolicy", "POLICIES", "Plan", "Policy", "QueuedRequest",
-    "Snapshot", "WorkerLoad", "make_policy",
+    "RequestQueue", "Snapshot", "WorkerLoad", "make_policy",
 ]

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from seerd.scheduler.queue import RequestQueue
 
 
 @dataclass(frozen=True)
@@ -48,7 +51,7 @@ class Snapshot:
     worker_id: str  # the worker asking for work; plans assign to it only
     wanted: int  # free sequence slots the worker reports
     workers: tuple[WorkerLoad, ...]  # every live worker, the asking one included
-    queued: tuple[QueuedRequest, ...]
+    queued: RequestQueue  # read-only for policies
     group_binding: Mapping[int, str]  # group_id -> worker_id (group policy)
     group_indices: Mapping[int, int]  # group_id -> group_index, for every unfinished group
     chunk_tokens: int

@@ -18,7 +18,7 @@ class DividedPolicy:
         slots = min(snapshot.wanted, load.max_chunks - load.running_chunks)
         kv_free = load.kv_capacity_tokens - load.reserved_kv_tokens
         assignments: list[Assignment] = []
-        for request in sorted(snapshot.queued, key=lambda r: (r.queued_at, r.request_id)):
+        for request in snapshot.queued.fcfs():
             if len(assignments) >= slots:
                 break
             budget = chunk_budget(request, snapshot.chunk_tokens)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from seerd.scheduler import DividedPolicy, GroupPolicy, QueuedRequest, Snapshot, WorkerLoad
+from seerd.scheduler import DividedPolicy, GroupPolicy, QueuedRequest, RequestQueue, Snapshot, WorkerLoad
 
 
 def req(rid, gid, gidx, generated=0, max_tokens=100, prompt_len=10, queued_at=0.0, resp=0):
@@ -16,7 +16,7 @@ def load(wid, rank, running=0, reserved=0, max_chunks=4, kv=10_000):
 
 def snap(worker, workers, queued, wanted=100, binding=None, groups=None, chunk=32):
     groups = groups if groups is not None else {r.group_id: r.group_index for r in queued}
-    return Snapshot(0.0, worker, wanted, tuple(workers), tuple(queued), binding or {}, groups, chunk)
+    return Snapshot(0.0, worker, wanted, tuple(workers), RequestQueue.of(queued), binding or {}, groups, chunk)
 
 
 def test_divided_is_fcfs_and_respects_slots_and_chunk_budget():
