@@ -106,12 +106,7 @@ def _create_run(rundir: RunDir, config: RunConfig, rows: list, input_sha: str) -
 
 
 def _run_existing(rundir: RunDir, input_path: Path, progress: bool | None) -> None:
-    from seerd.coordinator.daemon import load_rollout
-
-    engine = make_engine(rundir.db_path)
-    upgrade(engine)
-    rollout = load_rollout(engine)
-    engine.dispose()
+    rollout = _read_rollout(rundir)
     if rollout.status == RolloutStatus.FINISHED:
         ui.info(f"run {rundir.path} is already finished; outputs: {rundir.parquet_path}, {rundir.jsonl_path}")
         return
@@ -153,13 +148,8 @@ def _drive(rundir: RunDir, workers: int, progress: bool | None) -> None:
 @click.option("--progress/--no-progress", default=None)
 def resume(run_dir: Path, workers: int | None, progress: bool | None) -> None:
     """Continue an interrupted run from its database."""
-    from seerd.coordinator.daemon import load_rollout
-
     rundir = _existing_run(run_dir)
-    engine = make_engine(rundir.db_path)
-    upgrade(engine)
-    rollout = load_rollout(engine)
-    engine.dispose()
+    rollout = _read_rollout(rundir)
     if rollout.status == RolloutStatus.FINISHED:
         ui.info(f"run {rundir.path} is already finished; nothing to do")
         return
@@ -171,13 +161,11 @@ def resume(run_dir: Path, workers: int | None, progress: bool | None) -> None:
 @click.argument("run_dir", type=click.Path(path_type=Path))
 def export(run_dir: Path) -> None:
     """Write rollouts.parquet and rollouts.jsonl again (partial for an unfinished run)."""
-    from seerd.coordinator.daemon import load_rollout
     from seerd.io.export import export_run
 
     rundir = _existing_run(run_dir)
+    rollout = _read_rollout(rundir)
     engine = make_engine(rundir.db_path)
-    upgrade(engine)
-    rollout = load_rollout(engine)
     with make_sessionmaker(engine).begin() as session:
         result = export_run(session, rollout.id, rundir)
     engine.dispose()
@@ -204,6 +192,18 @@ def db_upgrade(run_dir: Path) -> None:
     after = current_revision(engine)
     engine.dispose()
     ui.info(f"{rundir.db_path}: {before or 'empty'} -> {after} (head {', '.join(head_revisions())})")
+
+
+def _read_rollout(rundir: RunDir):  # noqa: ANN202
+    """The run's rollout row, after bringing its schema up to date."""
+    from seerd.coordinator.daemon import load_rollout
+
+    engine = make_engine(rundir.db_path)
+    try:
+        upgrade(engine)
+        return load_rollout(engine)
+    finally:
+        engine.dispose()
 
 
 def _existing_run(run_dir: Path) -> RunDir:

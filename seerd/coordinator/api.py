@@ -35,18 +35,9 @@ class LeaseBody(msgspec.Struct):
     wanted: int
 
 
-class ReportItem(msgspec.Struct):
-    chunk_id: int
-    epoch: int
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str
-    cached_tokens: int | None = None
-
-
 class ReportBody(msgspec.Struct):
     worker_id: str
-    reports: list[ReportItem]
+    reports: list[ChunkReport]  # msgspec decodes and type-checks the book's dataclass directly
 
 
 class ReleaseBody(msgspec.Struct):
@@ -163,8 +154,7 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
     async def report(request: Request) -> Response:
         body = await _decode(request, ReportBody)
         known(body.worker_id)
-        reports = [ChunkReport(r.chunk_id, r.epoch, r.token_ids, r.logprobs, r.finish_reason, r.cached_tokens)
-                   for r in body.reports]
+        reports = body.reports
         try:
             outcomes = book.report_many(body.worker_id, reports, clock())
         except BadReport as exc:

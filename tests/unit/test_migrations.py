@@ -44,3 +44,18 @@ def test_database_pragmas_and_file_mode(tmp_path):
         assert connection.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
         assert connection.exec_driver_sql("PRAGMA busy_timeout").scalar() >= 1000
     assert (tmp_path / "state.db").stat().st_mode & 0o777 == 0o600
+
+
+def test_seerd_db_upgrade_command(tmp_path):
+    from click.testing import CliRunner
+
+    from seerd.cli.main import cli
+    from seerd.rundir import RunDir
+
+    RunDir(tmp_path / "run").create()
+    make_engine(tmp_path / "run" / "state.db").dispose()  # an empty database, as an old seerd left it
+    result = CliRunner().invoke(cli, ["db", "upgrade", str(tmp_path / "run")])
+    assert result.exit_code == 0, result.output
+    assert f"empty -> {head_revisions()[0]}" in result.output
+    again = CliRunner().invoke(cli, ["db", "upgrade", str(tmp_path / "run")])
+    assert f"{head_revisions()[0]} -> {head_revisions()[0]}" in again.output
