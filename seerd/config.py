@@ -29,6 +29,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's own maximum
     max_num_seqs: int = 64
     dtype: str = "auto"  # vLLM-CPU turns float32 checkpoints into bfloat16 unless told "float32"
+    api: str = "auto"  # "stepped" (LLMEngine in-process), "async" (AsyncLLM); auto: async with CUDA
     extra_args: dict = field(default_factory=dict)  # passed to AsyncEngineArgs as given
 
 
@@ -67,6 +68,8 @@ class RunConfig:
             problems.append(f"lease TTL must be > 0 (got {self.lease_ttl_s})")
         if self.engine.kv_cache_gib <= 0:
             problems.append(f"--kv-cache-gib must be > 0 (got {self.engine.kv_cache_gib})")
+        if self.engine.api not in ("auto", "stepped", "async"):
+            problems.append(f"--engine-api must be auto, stepped or async (got {self.engine.api!r})")
         if self.engine.max_num_seqs < 1:
             problems.append(f"--max-num-seqs must be >= 1 (got {self.engine.max_num_seqs})")
         if problems:

@@ -7,6 +7,7 @@ Configurations, each repeated and run side by side in one invocation on the same
                 both start together after loading. Throughput = output tokens / makespan.
   seerd-group   `seerd run --policy group` (groups bound round-robin, no chunking).
   seerd-divided `seerd run --policy divided --chunk-tokens K`.
+  seerd-div-async  (--with-async) the same on AsyncLLM workers instead of in-process LLMEngine.
 For seerd, the time counted is the generation phase read from the run's database (first lease to
 the rollout's end, export included); engine start-up is excluded for every configuration.
 Lengths: the tiny random model almost never emits EOS, so each group's length is its max_tokens,
@@ -110,13 +111,14 @@ def run_direct(model: str, rows: list[dict], n: int, work: Path, seed: int) -> d
 
 
 # --------------------------------------------------------------------------- seerd
-def run_seerd(model: str, prompts: Path, policy: str, chunk_tokens: int, n: int, work: Path, seed: int) -> dict:
+def run_seerd(model: str, prompts: Path, policy: str, chunk_tokens: int, n: int, work: Path, seed: int,
+              engine_api: str = "stepped") -> dict:
     run_dir = work / f"run-{policy}-{time.time_ns()}"
     cmd = [sys.executable, "-m", "seerd.cli.main", "run", "--input", str(prompts), "--model", model,
            "--run-dir", str(run_dir), "--workers", "2", "--policy", policy, "--chunk-tokens", str(chunk_tokens),
            "--n", str(n), "--max-tokens", "100000", "--temperature", "1.0", "--seed", str(seed),
            "--kv-cache-gib", str(ENGINE["kv_cache_gib"]), "--max-num-seqs", str(ENGINE["max_num_seqs"]),
-           "--dtype", ENGINE["dtype"], "--no-progress"]
+           "--dtype", ENGINE["dtype"], "--engine-api", engine_api, "--no-progress"]
     done = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"seerd run failed: {done.stderr[-2000:]}")
@@ -126,7 +128,7 @@ def run_seerd(model: str, prompts: Path, policy: str, chunk_tokens: int, n: int,
         tokens = db.execute("select sum(generated_tokens) from requests").fetchone()[0]
         load = json.loads(db.execute("select data_json from events where kind='coordinator_load'").fetchone()[0])
         chunks = db.execute("select count(*) from chunks").fetchone()[0]
-    return {"tokens": tokens, "seconds": end - first, "busy_share": load["busy_share"], "chunks": chunks}
+    return {"tokens": tokens, "seconds": end - first, "coordinator_cpu_share": load["cpu_share"], "chunks": chunks}
 
 
 def main() -> int:
@@ -139,6 +141,8 @@ def main() -> int:
     parser.add_argument("--chunk-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--with-async", action="store_true",
+                        help="also run seerd-divided on AsyncLLM workers (--engine-api async)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="seerd-bench-"))
@@ -154,6 +158,9 @@ def main() -> int:
         "seerd-group": lambda s: run_seerd(model, prompts, "group", 10**6, args.n, work, s),
         "seerd-divided": lambda s: run_seerd(model, prompts, "divided", args.chunk_tokens, args.n, work, s),
     }
+    if args.with_async:
+        configs["seerd-div-async"] = lambda s: run_seerd(model, prompts, "divided", args.chunk_tokens, args.n, work,
+                                                         s, engine_api="async")
     samples: dict[str, list[dict]] = {name: [] for name in configs}
     for repeat in range(args.repeats):  # interleaved, so drift on a noisy machine hits all alike
         for name, fn in configs.items():
@@ -166,19 +173,19 @@ def main() -> int:
     table = []
     for name, runs in samples.items():
         med = statistics.median(r["tok_s"] for r in runs)
-        busy = [r["busy_share"] for r in runs if "busy_share" in r]
+        busy = [r["coordinator_cpu_share"] for r in runs if "coordinator_cpu_share" in r]
         table.append({"config": name, "median_tok_s": med, "ratio_to_direct": med / base,
                       "samples_tok_s": [round(r["tok_s"]) for r in runs],
-                      "coordinator_busy_share": statistics.median(busy) if busy else None})
+                      "coordinator_cpu_share": statistics.median(busy) if busy else None})
     if args.json:
         print(json.dumps({"args": vars(args), "table": table}, indent=1))
         return 0
     lengths = sorted(r["max_tokens"] for r in rows)
     print(f"{args.groups} groups x n={args.n}, lengths median {lengths[len(lengths) // 2]} max {lengths[-1]}, "
           f"chunk {args.chunk_tokens}, {args.repeats} repeats, 2 engines (OMP_NUM_THREADS=1)")
-    print(f"{'config':<14} {'median tok/s':>12} {'x direct':>9} {'coord busy':>10}  samples")
+    print(f"{'config':<14} {'median tok/s':>12} {'x direct':>9} {'coord CPU':>10}  samples")
     for row in table:
-        busy = f"{row['coordinator_busy_share']:.2%}" if row["coordinator_busy_share"] is not None else "-"
+        busy = f"{row['coordinator_cpu_share']:.2%}" if row["coordinator_cpu_share"] is not None else "-"
         print(f"{row['config']:<14} {row['median_tok_s']:>12.0f} {row['ratio_to_direct']:>9.2f} {busy:>10}  "
               f"{row['samples_tok_s']}")
     return 0

@@ -59,11 +59,13 @@ def cli(verbose: bool) -> None:
 @click.option("--max-num-seqs", default=64, show_default=True, help="Concurrent sequences per engine.")
 @click.option("--max-model-len", default=None, type=int, help="Engine context limit (default: the model's).")
 @click.option("--dtype", default="auto", show_default=True, help="Engine dtype (auto, float32, bfloat16).")
+@click.option("--engine-api", default="auto", show_default=True, type=click.Choice(["auto", "stepped", "async"]),
+              help="vLLM driver: stepped = LLMEngine in the worker process; async = AsyncLLM (auto: async with CUDA).")
 @click.option("--lease-ttl", default=30.0, show_default=True, help="Seconds a lease lives without a heartbeat.")
 @click.option("--progress/--no-progress", default=None, help="Progress bar (default: when on a terminal).")
 def run(input_path: Path, model_path: Path, run_dir: Path, workers: int, policy: str, chunk_tokens: int,
         n: int, max_tokens: int, temperature: float, top_p: float, top_k: int, seed: int,
-        kv_cache_gib: float, max_num_seqs: int, max_model_len: int | None, dtype: str, lease_ttl: float,
+        kv_cache_gib: float, max_num_seqs: int, max_model_len: int | None, dtype: str, engine_api: str, lease_ttl: float,
         progress: bool | None) -> None:
     """Run a rollout on this machine: a coordinator and WORKERS local vLLM engines."""
     from seerd.io.prompts import ModelDirError, PromptFileError, load_model_limits, load_prompts
@@ -77,7 +79,7 @@ def run(input_path: Path, model_path: Path, run_dir: Path, workers: int, policy:
         workers=workers, chunk_tokens=chunk_tokens, n=n, max_tokens=max_tokens, seed=seed,
         sampling=SamplingDefaults(temperature=temperature, top_p=top_p, top_k=top_k),
         engine=EngineConfig(kv_cache_gib=kv_cache_gib, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                            dtype=dtype),
+                            dtype=dtype, api=engine_api),
         lease_ttl_s=lease_ttl,
     )
     try:
@@ -131,8 +133,9 @@ def _drive(rundir: RunDir, workers: int, progress: bool | None) -> None:
         figures = {"responses": result.export.responses, "parquet": rundir.parquet_path,
                    "jsonl": rundir.jsonl_path}
         if result.load:
-            figures["coordinator"] = (f"busy {result.load['busy_share']:.2%} of the generation phase "
-                                      f"({result.load['api_calls']} API calls, {result.load['busy_s']:.2f}s)")
+            figures["coordinator"] = (f"{result.load['cpu_s']:.2f}s CPU = {result.load['cpu_share']:.2%} of the "
+                                      f"{result.load['generation_s']:.1f}s generation phase "
+                                      f"({result.load['api_calls']} API calls)")
         ui.summary(figures)
         return
     if result.status == RolloutStatus.FINISHED:

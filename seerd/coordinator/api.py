@@ -61,7 +61,7 @@ class CoordinatorControl:
         self.scheduling_gate: Callable[[], bool] = lambda: True  # e.g. wait for every worker
         self.worker_stats: dict[str, dict] = {}
         self.told_done: set[str] = set()  # workers that have heard the rollout is complete
-        self.busy_s = 0.0  # time spent handling API calls: the coordinator's cost to the rollout
+        self.busy_s = 0.0  # wall time inside API calls (overlapping calls count twice)
         self.calls = 0
 
 
@@ -73,7 +73,7 @@ class ApiError(Exception):
 
 
 class SecretMiddleware:
-    """401 for any request without the run's bearer token; also counts the time spent serving."""
+    """401 for any request without the run's bearer token; also counts calls and their wall time."""
 
     def __init__(self, app, secret: str, control: CoordinatorControl) -> None:  # noqa: ANN001
         self.app = app

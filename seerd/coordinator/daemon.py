@@ -90,6 +90,7 @@ class Coordinator:
                               seed=self.config.seed)
         self.control = CoordinatorControl()
         self.started_at = clock()
+        self.cpu_started = time.process_time()
         self._stop_reason: str | None = None
         self._server: uvicorn.Server | None = None
         self.initial_status = rollout.status
@@ -193,10 +194,12 @@ class Coordinator:
         now = self.clock()
         wall = max(now - self.started_at, 1e-9)
         # Engines take tens of seconds to start; the share that matters is of the generation phase.
+        # CPU time of this whole process since start (an upper bound of what the rollout paid):
+        # handler wall times overlap under concurrency and would overstate it.
         generating = max(now - (self.book.first_lease_at or self.started_at), 1e-9)
-        return {"wall_s": wall, "generation_s": generating, "busy_s": self.control.busy_s,
-                "export_s": export_s, "api_calls": self.control.calls,
-                "busy_share": self.control.busy_s / generating}
+        cpu = time.process_time() - self.cpu_started
+        return {"wall_s": wall, "generation_s": generating, "cpu_s": cpu, "api_wall_s": self.control.busy_s,
+                "export_s": export_s, "api_calls": self.control.calls, "cpu_share": cpu / generating}
 
     def mark_failed(self, reason: str) -> None:
         self.book.set_rollout_status(RolloutStatus.FAILED, self.clock(), reason)

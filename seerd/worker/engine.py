@@ -1,12 +1,24 @@
-"""One vLLM engine (`AsyncLLM`) that runs chunks: prompt + tokens so far in, the next slice out."""
+"""A worker's vLLM engine: runs chunks (prompt + tokens so far in, the next slice out).
+
+Two drivers behind one interface (`start`, `run`, `abort`, `shutdown`):
+- `SteppedEngine` (default without CUDA): vLLM's `LLMEngine` in this process, stepped by a
+  dedicated thread; requests and results cross to the asyncio loop through a queue and futures.
+  This is the engine offline `vllm.LLM` runs, so seerd and the baseline stand on the same footing.
+- `AsyncEngine`: vLLM's `AsyncLLM` (engine core in its own processes), the usual choice on GPUs.
+  On this 2-core CPU machine it measured 1.3x slower for one engine, and two of them (six busy
+  processes) gave about the throughput of one: see docs/benchmarks.md.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
-from pathlib import Path
+import queue
+import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 log = logging.getLogger("seerd.worker")
 
@@ -19,79 +31,223 @@ class ChunkResult:
     cached_tokens: int | None
 
 
+class EngineDead(RuntimeError):
+    """The engine failed; every chunk in it is lost (the coordinator re-runs them elsewhere)."""
+
+
 def engine_env_defaults() -> None:
-    """Settings every CPU engine here needs before vLLM is imported (see docs/platform notes)."""
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    """Settings every CPU engine here needs before vLLM is imported."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # two engines without it ran 17x slower
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 
-class ChunkEngine:
-    def __init__(self, llm, max_chunks: int, kv_capacity_tokens: int) -> None:  # noqa: ANN001
+def engine_args(model_path: str, engine: dict, seed: int) -> dict:
+    kv_bytes = int(float(engine.get("kv_cache_gib", 1.0)) * (1 << 30))
+    max_model_len = int(engine.get("max_model_len") or _model_max_len(model_path))
+    args = dict(
+        model=model_path,
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        kv_cache_memory_bytes=kv_bytes,
+        max_num_seqs=int(engine.get("max_num_seqs", 64)),
+        enable_prefix_caching=True,
+        # vLLM-CPU 0.32 kills the engine when a seeded request's prefill is split across steps
+        # ("CPU Generator does not use offset"); unsplit prefill needs a step budget >= max_model_len.
+        enable_chunked_prefill=False,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=max(2048, max_model_len),
+        dtype=engine.get("dtype", "auto"),
+        disable_log_stats=True,
+        seed=seed,
+    )
+    args.update(engine.get("extra_args") or {})
+    return args
+
+
+def sampling_params(max_tokens: int, sampling: dict):  # noqa: ANN201
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=float(sampling.get("temperature", 1.0)),
+        top_p=float(sampling.get("top_p", 1.0)),
+        top_k=int(sampling.get("top_k", -1) or -1),
+        seed=sampling.get("seed"),
+        stop_token_ids=list(sampling.get("stop_token_ids") or []),
+        logprobs=0,  # the sampled token's own logprob only
+        flat_logprobs=True,  # plain lists instead of a dict per position
+        detokenize=False,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
+
+
+def chunk_result(output) -> ChunkResult:  # noqa: ANN001
+    completion = output.outputs[0]
+    token_ids = list(completion.token_ids)
+    # With skip_tokenizer_init the model's EOS travels as a stop token: it ends in token_ids and
+    # finish_reason is "stop", like any stop token.
+    logprobs = [float(x) for x in completion.logprobs.logprobs] if token_ids else []
+    if completion.finish_reason not in ("stop", "length"):
+        raise EngineDead(f"chunk ended with finish_reason {completion.finish_reason!r}")
+    return ChunkResult(token_ids, logprobs, completion.finish_reason, output.num_cached_tokens)
+
+
+def kv_capacity_tokens(vllm_config, kv_bytes: int) -> int:  # noqa: ANN001
+    cache = vllm_config.cache_config
+    if cache.num_gpu_blocks:
+        return int(cache.num_gpu_blocks * cache.block_size)
+    hf = vllm_config.model_config.hf_config
+    heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    return kv_bytes // (2 * hf.num_hidden_layers * heads * head_dim * 4)
+
+
+def _model_max_len(model_path: str) -> int:
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    return int(config.get("max_position_embeddings") or 4096)
+
+
+def start_engine(model_path: str, engine: dict, seed: int):  # noqa: ANN201
+    """The engine driver for this machine: `engine["api"]` is "stepped", "async" or "auto"."""
+    engine_env_defaults()
+    api = engine.get("api", "auto")
+    if api == "auto":
+        import torch
+
+        api = "async" if torch.cuda.is_available() else "stepped"
+    driver = {"stepped": SteppedEngine, "async": AsyncEngine}.get(api)
+    if driver is None:
+        raise ValueError(f"unknown engine api {api!r}: use auto, stepped or async")
+    return driver.start(model_path, engine, seed)
+
+
+class SteppedEngine:
+    """vLLM's LLMEngine in-process, stepped by one thread that owns it."""
+
+    def __init__(self, llm, max_chunks: int, kv_tokens: int) -> None:  # noqa: ANN001
         self.llm = llm
         self.max_chunks = max_chunks
-        self.kv_capacity_tokens = kv_capacity_tokens
+        self.kv_capacity_tokens = kv_tokens
+        self.loop = asyncio.get_running_loop()
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.waiters: dict[str, asyncio.Future] = {}
+        self.wakeup = threading.Event()
+        self.stopped = False
+        self.failure: BaseException | None = None
+        self.thread = threading.Thread(target=self._step_loop, name="vllm-stepper", daemon=True)
+        self.thread.start()
 
     @classmethod
-    def start(cls, model_path: str, engine: dict, seed: int) -> ChunkEngine:
-        engine_env_defaults()
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
+    def start(cls, model_path: str, engine: dict, seed: int) -> SteppedEngine:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
 
-        kv_bytes = int(float(engine.get("kv_cache_gib", 1.0)) * (1 << 30))
-        max_model_len = int(engine.get("max_model_len") or _model_max_len(model_path))
-        args = dict(
-            model=model_path,
-            skip_tokenizer_init=True,
-            enforce_eager=True,
-            kv_cache_memory_bytes=kv_bytes,
-            max_num_seqs=int(engine.get("max_num_seqs", 64)),
-            enable_prefix_caching=True,
-            # vLLM-CPU 0.32 kills the engine when a seeded request's prefill is split across steps
-            # ("CPU Generator does not use offset"); unsplit prefill needs a step budget >= max_model_len.
-            enable_chunked_prefill=False,
-            max_model_len=max_model_len,
-            max_num_batched_tokens=max(2048, max_model_len),
-            dtype=engine.get("dtype", "auto"),
-            disable_log_stats=True,
-            seed=seed,
-        )
-        args.update(engine.get("extra_args") or {})
-        llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
-        cache = llm.vllm_config.cache_config
-        blocks = cache.num_gpu_blocks or 0
-        kv_tokens = blocks * cache.block_size if blocks else kv_bytes // _kv_bytes_per_token(llm)
-        return cls(llm, int(args["max_num_seqs"]), int(kv_tokens))
+        args = engine_args(model_path, engine, seed)
+        llm = LLMEngine.from_engine_args(EngineArgs(**args))
+        return cls(llm, int(args["max_num_seqs"]), kv_capacity_tokens(llm.vllm_config, args["kv_cache_memory_bytes"]))
+
+    def _step_loop(self) -> None:
+        try:
+            while not self.stopped:
+                self._drain_inbox()
+                if not self.llm.has_unfinished_requests():
+                    self.wakeup.wait(0.05)
+                    self.wakeup.clear()
+                    continue
+                for output in self.llm.step():
+                    if output.finished:
+                        self._resolve(output.request_id, output)
+        except BaseException as exc:  # the engine is gone: fail every waiter, the worker exits
+            log.exception("engine step failed")
+            self.failure = exc
+            for request_id in list(self.waiters):
+                self._resolve(request_id, EngineDead(f"engine failed: {exc!r}"))
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                verb, request_id, payload = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            if verb == "add":
+                self.llm.add_request(request_id, *payload)
+            elif self.llm.has_unfinished_requests():
+                self.llm.abort_request([request_id])
+
+    def _resolve(self, request_id: str, value: object) -> None:
+        def settle() -> None:
+            future = self.waiters.pop(request_id, None)
+            if future is None or future.done():
+                return
+            if isinstance(value, BaseException):
+                future.set_exception(value)
+            else:
+                future.set_result(value)
+
+        self.loop.call_soon_threadsafe(settle)
 
     async def run(self, request_id: str, prompt_token_ids: list[int], max_tokens: int,
                   sampling: dict) -> ChunkResult:
         from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind, SamplingParams
 
-        params = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=float(sampling.get("temperature", 1.0)),
-            top_p=float(sampling.get("top_p", 1.0)),
-            top_k=int(sampling.get("top_k", -1) or -1),
-            seed=sampling.get("seed"),
-            stop_token_ids=list(sampling.get("stop_token_ids") or []),
-            logprobs=0,  # the sampled token's own logprob only
-            flat_logprobs=True,  # plain lists instead of a dict per position
-            detokenize=False,
-            output_kind=RequestOutputKind.FINAL_ONLY,
-        )
+        if self.failure is not None:
+            raise EngineDead(f"engine failed earlier: {self.failure!r}")
+        future = self.loop.create_future()
+        self.waiters[request_id] = future
+        self.inbox.put(("add", request_id, (TokensPrompt(prompt_token_ids=prompt_token_ids),
+                                            sampling_params(max_tokens, sampling))))
+        self.wakeup.set()
+        try:
+            output = await future
+        except asyncio.CancelledError:
+            await self.abort(request_id)
+            raise
+        return chunk_result(output)
+
+    async def abort(self, request_id: str) -> None:
+        self.waiters.pop(request_id, None)
+        self.inbox.put(("abort", request_id, None))
+        self.wakeup.set()
+
+    def shutdown(self) -> None:
+        self.stopped = True
+        self.wakeup.set()
+        self.thread.join(timeout=10)
+        core = getattr(self.llm, "engine_core", None)
+        if core is not None:
+            core.shutdown()
+        self.llm = None
+
+
+class AsyncEngine:
+    """vLLM's AsyncLLM: the engine core runs in its own processes."""
+
+    def __init__(self, llm, max_chunks: int, kv_tokens: int) -> None:  # noqa: ANN001
+        self.llm = llm
+        self.max_chunks = max_chunks
+        self.kv_capacity_tokens = kv_tokens
+
+    @classmethod
+    def start(cls, model_path: str, engine: dict, seed: int) -> AsyncEngine:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = engine_args(model_path, engine, seed)
+        llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+        return cls(llm, int(args["max_num_seqs"]), kv_capacity_tokens(llm.vllm_config, args["kv_cache_memory_bytes"]))
+
+    async def run(self, request_id: str, prompt_token_ids: list[int], max_tokens: int,
+                  sampling: dict) -> ChunkResult:
+        from vllm.inputs import TokensPrompt
+
         final = None
-        async for output in self.llm.generate(TokensPrompt(prompt_token_ids=prompt_token_ids), params,
-                                              request_id=request_id):
+        async for output in self.llm.generate(TokensPrompt(prompt_token_ids=prompt_token_ids),
+                                              sampling_params(max_tokens, sampling), request_id=request_id):
             final = output
         if final is None:
-            raise RuntimeError(f"engine returned nothing for {request_id}")
-        completion = final.outputs[0]
-        token_ids = list(completion.token_ids)
-        # With skip_tokenizer_init the model's EOS travels as a stop token: it ends in token_ids
-        # and finish_reason is "stop", like any stop token.
-        logprobs = [float(x) for x in completion.logprobs.logprobs] if token_ids else []
-        reason = "stop" if completion.finish_reason == "stop" else "length"
-        return ChunkResult(token_ids, logprobs, reason, final.num_cached_tokens)
+            raise EngineDead(f"engine returned nothing for {request_id}")
+        return chunk_result(final)
 
     async def abort(self, request_id: str) -> None:
         await self.llm.abort(request_id)
@@ -101,15 +257,3 @@ class ChunkEngine:
             self.llm.shutdown(timeout=2)
             # Drop it now: AsyncLLM.__del__ at interpreter exit would shut down again, half torn down.
             self.llm = None
-
-
-def _model_max_len(model_path: str) -> int:
-    config = json.loads((Path(model_path) / "config.json").read_text())
-    return int(config.get("max_position_embeddings") or 4096)
-
-
-def _kv_bytes_per_token(llm) -> int:  # noqa: ANN001
-    hf = llm.vllm_config.model_config.hf_config
-    heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    return 2 * hf.num_hidden_layers * heads * head_dim * 4  # K and V, float32 on CPU

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from seerd.rundir import RunDir
 from seerd.worker.client import CoordinatorClient, CoordinatorGone, NotRegistered
-from seerd.worker.engine import ChunkEngine
+from seerd.worker.engine import EngineDead, start_engine
 
 log = logging.getLogger("seerd.worker")
 
@@ -32,7 +32,7 @@ class WorkerStats:
 
 
 class Worker:
-    def __init__(self, client: CoordinatorClient, engine: ChunkEngine, rank: int) -> None:
+    def __init__(self, client: CoordinatorClient, engine, rank: int) -> None:  # noqa: ANN001
         self.client = client
         self.engine = engine
         self.rank = rank
@@ -44,6 +44,7 @@ class Worker:
         self.stats = WorkerStats()
         self.heartbeat_interval_s = 2.0
         self.stopped_by: str | None = None
+        self.fatal: BaseException | None = None
 
     def stop(self, why: str) -> None:
         """A signal: stop leasing; in-flight chunks are given back so they run elsewhere at once."""
@@ -124,6 +125,9 @@ class Worker:
                                                            "epoch": epoch, "reason": repr(exc)[:200]})
             except NotRegistered:
                 pass
+            if isinstance(exc, EngineDead):  # nothing more can run here: exit, to be restarted
+                self.fatal = exc
+                self.done.set()
             return
         self.stats.chunks_done += 1
         self.stats.tokens_out += len(result.token_ids)
@@ -188,7 +192,7 @@ async def amain(run_dir: RunDir, rank: int, patience_s: float) -> int:
     client = await CoordinatorClient.from_run_dir(run_dir, patience_s=patience_s)
     settings = await client.call("GET", "config")
     started = time.monotonic()
-    engine = ChunkEngine.start(settings["model_path"], settings["engine"], settings["seed"])
+    engine = start_engine(settings["model_path"], settings["engine"], settings["seed"])
     log.info("engine ready in %.1fs", time.monotonic() - started)
     worker = Worker(client, engine, rank)
     loop = asyncio.get_running_loop()
@@ -201,6 +205,9 @@ async def amain(run_dir: RunDir, rank: int, patience_s: float) -> int:
     finally:
         engine.shutdown()
         await client.close()
+    if worker.fatal is not None:
+        log.error("exiting: %s", worker.fatal)
+        return 4
     log.info("done: %d chunks, %d tokens", worker.stats.chunks_done, worker.stats.tokens_out)
     return 0
 
