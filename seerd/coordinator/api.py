@@ -145,8 +145,10 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
         if book.is_complete():
             control.told_done.add(body.worker_id)
             return _json({"chunks": [], "done": True})
-        if not control.accepting or not control.scheduling_gate():
+        if not control.accepting:
             return _json({"chunks": [], "done": False, "retry_after_s": 0.5})
+        if not control.scheduling_gate():  # e.g. `group` waits for every worker: ask again soon
+            return _json({"chunks": [], "done": False, "retry_after_s": 0.05})
         grants = book.lease(body.worker_id, max(0, body.wanted), clock())
         return _json({"chunks": grants, "done": False, "retry_after_s": 0.05 if grants else 0.2})
 

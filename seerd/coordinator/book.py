@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -156,6 +157,7 @@ class LeaseBook:
         self.finished_requests = 0
         self.output_tokens = 0
         self.first_lease_at: float | None = None  # this session's; generation starts here
+        self.first_lease_cpu: float | None = None  # this process's CPU time then
 
     # ----------------------------------------------------------------- loading
     def load(self, now: float) -> None:
@@ -331,6 +333,7 @@ class LeaseBook:
             self.groups[group_id].bound_worker = bound
         if self.first_lease_at is None:
             self.first_lease_at = now
+            self.first_lease_cpu = time.process_time()
         for lease in leases:
             request = self.requests[lease.request_id]
             self.queue.remove(request.id)

@@ -71,7 +71,7 @@ def load_rollout(engine: Engine) -> Rollout:
 
 class Coordinator:
     def __init__(self, run_dir: RunDir, *, host: str = "127.0.0.1", port: int = 0,
-                 clock: Callable[[], float] = time.time) -> None:
+                 expected_workers: int | None = None, clock: Callable[[], float] = time.time) -> None:
         if not run_dir.exists():
             raise RunNotFound(f"no run at {run_dir.path} (no {run_dir.db_path.name})")
         self.run_dir = run_dir
@@ -94,12 +94,13 @@ class Coordinator:
         self._stop_reason: str | None = None
         self._server: uvicorn.Server | None = None
         self.initial_status = rollout.status
+        self.expected_workers = expected_workers or self.config.workers
 
     # The group policy binds every group once, so it waits for the expected workers (or a timeout).
     def _gate(self) -> bool:
         if self.config.policy != "group":
             return True
-        if len(self.book.live_workers()) >= self.config.workers:
+        if len(self.book.live_workers()) >= self.expected_workers:
             return True
         return self.clock() - self.started_at > self.config.worker_wait_s
 
@@ -194,10 +195,10 @@ class Coordinator:
         now = self.clock()
         wall = max(now - self.started_at, 1e-9)
         # Engines take tens of seconds to start; the share that matters is of the generation phase.
-        # CPU time of this whole process since start (an upper bound of what the rollout paid):
-        # handler wall times overlap under concurrency and would overstate it.
+        # CPU time of this process (API, scheduling, commits, export) during the generation phase;
+        # handler wall times would overlap under concurrency and overstate it.
         generating = max(now - (self.book.first_lease_at or self.started_at), 1e-9)
-        cpu = time.process_time() - self.cpu_started
+        cpu = time.process_time() - (self.book.first_lease_cpu or self.cpu_started)
         return {"wall_s": wall, "generation_s": generating, "cpu_s": cpu, "api_wall_s": self.control.busy_s,
                 "export_s": export_s, "api_calls": self.control.calls, "cpu_share": cpu / generating}
 

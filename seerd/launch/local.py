@@ -116,7 +116,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 def run_local(run_dir: RunDir, workers: int, on_tick: Callable[[LeaseBook], None] | None = None,
               coordinator: Coordinator | None = None) -> CoordinatorResult:
-    coordinator = coordinator or Coordinator(run_dir)
+    coordinator = coordinator or Coordinator(run_dir, expected_workers=workers)
     pool = WorkerPool(run_dir, workers)
 
     def tick(book: LeaseBook) -> None:
