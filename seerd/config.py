@@ -46,7 +46,9 @@ class RunConfig:
     sampling: SamplingDefaults = SamplingDefaults()
     engine: EngineConfig = EngineConfig()
     lease_ttl_s: float = 30.0
-    # `group` binds groups to workers once; wait this long for every worker to register first.
+    # Hold every lease until all workers registered (or worker_wait_s passed). Always on for
+    # `group`, which binds groups to workers once; optional for the others.
+    wait_for_workers: bool = False
     worker_wait_s: float = 300.0
     sqlite_synchronous: str = "FULL"
 

@@ -118,7 +118,8 @@ def run_seerd(model: str, prompts: Path, policy: str, chunk_tokens: int, n: int,
            "--run-dir", str(run_dir), "--workers", "2", "--policy", policy, "--chunk-tokens", str(chunk_tokens),
            "--n", str(n), "--max-tokens", "100000", "--temperature", "1.0", "--seed", str(seed),
            "--kv-cache-gib", str(ENGINE["kv_cache_gib"]), "--max-num-seqs", str(ENGINE["max_num_seqs"]),
-           "--dtype", ENGINE["dtype"], "--engine-api", engine_api, "--no-progress"]
+           "--dtype", ENGINE["dtype"], "--engine-api", engine_api, "--no-progress",
+           "--wait-for-workers"]  # like the baseline's barrier: both engines up before the clock starts
     done = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"seerd run failed: {done.stderr[-2000:]}")

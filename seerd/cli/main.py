@@ -62,11 +62,13 @@ def cli(verbose: bool) -> None:
 @click.option("--engine-api", default="auto", show_default=True, type=click.Choice(["auto", "stepped", "async"]),
               help="vLLM driver: stepped = LLMEngine in the worker process; async = AsyncLLM (auto: async with CUDA).")
 @click.option("--lease-ttl", default=30.0, show_default=True, help="Seconds a lease lives without a heartbeat.")
+@click.option("--wait-for-workers", is_flag=True,
+              help="Hand out no work until every worker is up (always so for --policy group).")
 @click.option("--progress/--no-progress", default=None, help="Progress bar (default: when on a terminal).")
 def run(input_path: Path, model_path: Path, run_dir: Path, workers: int, policy: str, chunk_tokens: int,
         n: int, max_tokens: int, temperature: float, top_p: float, top_k: int, seed: int,
-        kv_cache_gib: float, max_num_seqs: int, max_model_len: int | None, dtype: str, engine_api: str, lease_ttl: float,
-        progress: bool | None) -> None:
+        kv_cache_gib: float, max_num_seqs: int, max_model_len: int | None, dtype: str, engine_api: str,
+        lease_ttl: float, wait_for_workers: bool, progress: bool | None) -> None:
     """Run a rollout on this machine: a coordinator and WORKERS local vLLM engines."""
     from seerd.io.prompts import ModelDirError, PromptFileError, load_model_limits, load_prompts
 
@@ -80,7 +82,7 @@ def run(input_path: Path, model_path: Path, run_dir: Path, workers: int, policy:
         sampling=SamplingDefaults(temperature=temperature, top_p=top_p, top_k=top_k),
         engine=EngineConfig(kv_cache_gib=kv_cache_gib, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                             dtype=dtype, api=engine_api),
-        lease_ttl_s=lease_ttl,
+        lease_ttl_s=lease_ttl, wait_for_workers=wait_for_workers,
     )
     try:
         config.validate()

@@ -9,6 +9,7 @@ traffic and pydantic's per-element validation cost more than the database commit
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import time
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from fastapi.responses import Response
 from seerd.coordinator.book import BadReport, ChunkReport, LeaseBook
 
 API_PREFIX = "/v1"
+LONG_POLL_MAX_S = 5.0
 
 
 class RegisterBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -33,6 +35,7 @@ class RegisterBody(msgspec.Struct, forbid_unknown_fields=True):
 class LeaseBody(msgspec.Struct):
     worker_id: str
     wanted: int
+    wait_s: float = 0.0  # long poll: wait up to this long for work before answering empty
 
 
 class ReportBody(msgspec.Struct):
@@ -63,6 +66,18 @@ class CoordinatorControl:
         self.told_done: set[str] = set()  # workers that have heard the rollout is complete
         self.busy_s = 0.0  # wall time inside API calls (overlapping calls count twice)
         self.calls = 0
+        self._queued = asyncio.Event()
+
+    def work_queued(self) -> None:
+        """Wake lease calls waiting for work (a chunk was re-queued, a lease expired)."""
+        self._queued.set()
+        self._queued = asyncio.Event()
+
+    async def wait_for_work(self, timeout_s: float) -> None:
+        try:
+            await asyncio.wait_for(self._queued.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            pass
 
 
 class ApiError(Exception):
@@ -150,7 +165,16 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
         if not control.scheduling_gate():  # e.g. `group` waits for every worker: ask again soon
             return _json({"chunks": [], "done": False, "retry_after_s": 0.05})
         grants = book.lease(body.worker_id, max(0, body.wanted), clock())
-        return _json({"chunks": grants, "done": False, "retry_after_s": 0.05 if grants else 0.2})
+        if not grants and body.wait_s > 0 and not book.is_complete():
+            # Long poll: an idle worker hears of new work at once and costs nothing meanwhile.
+            await control.wait_for_work(min(body.wait_s, LONG_POLL_MAX_S))
+            known(body.worker_id)
+            if book.is_complete():
+                control.told_done.add(body.worker_id)
+                return _json({"chunks": [], "done": True})
+            if control.accepting:
+                grants = book.lease(body.worker_id, max(0, body.wanted), clock())
+        return _json({"chunks": grants, "done": False, "retry_after_s": 0.0 if grants else 0.05})
 
     @app.post(f"{API_PREFIX}/report")
     async def report(request: Request) -> Response:
@@ -161,6 +185,8 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
             outcomes = book.report_many(body.worker_id, reports, clock())
         except BadReport as exc:
             raise ApiError(422, str(exc)) from None
+        if any(o.accepted and not o.request_finished and not o.duplicate for o in outcomes) or book.is_complete():
+            control.work_queued()
         results = [{"chunk_id": r.chunk_id, "accepted": o.accepted, "duplicate": o.duplicate, "reason": o.reason}
                    for r, o in zip(reports, outcomes)]
         return _json({"results": results, "done": book.is_complete()})
@@ -169,7 +195,10 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
     async def release(request: Request) -> Response:
         body = await _decode(request, ReleaseBody)
         known(body.worker_id)
-        return _json({"released": book.release(body.worker_id, body.chunk_id, body.epoch, body.reason, clock())})
+        released = book.release(body.worker_id, body.chunk_id, body.epoch, body.reason, clock())
+        if released:
+            control.work_queued()
+        return _json({"released": released})
 
     @app.post(f"{API_PREFIX}/heartbeat")
     async def heartbeat(request: Request) -> Response:

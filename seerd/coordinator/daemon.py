@@ -98,7 +98,7 @@ class Coordinator:
 
     # The group policy binds every group once, so it waits for the expected workers (or a timeout).
     def _gate(self) -> bool:
-        if self.config.policy != "group":
+        if self.config.policy != "group" and not self.config.wait_for_workers:
             return True
         if len(self.book.live_workers()) >= self.expected_workers:
             return True
@@ -163,7 +163,8 @@ class Coordinator:
         while True:
             now = self.clock()
             tick_started = time.perf_counter()
-            self.book.expire(now)
+            if self.book.expire(now):
+                self.control.work_queued()
             self.control.busy_s += time.perf_counter() - tick_started
             if on_tick:
                 on_tick(self.book)

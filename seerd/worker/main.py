@@ -23,6 +23,8 @@ from seerd.worker.engine import EngineDead, start_engine
 
 log = logging.getLogger("seerd.worker")
 
+LEASE_LONG_POLL_S = 1.0  # short enough that a freed slot is noticed soon, long enough to idle cheaply
+
 
 @dataclass
 class WorkerStats:
@@ -90,7 +92,8 @@ class Worker:
             retry_after = 0.2
             if wanted > 0:
                 try:
-                    reply = await self.client.call("POST", "lease", {"worker_id": self.worker_id, "wanted": wanted})
+                    reply = await self.client.call("POST", "lease", {"worker_id": self.worker_id, "wanted": wanted,
+                                                                     "wait_s": LEASE_LONG_POLL_S})
                 except NotRegistered:
                     await self._reregister()
                     continue

@@ -70,3 +70,37 @@ def test_unknown_worker_gets_404_and_bad_report_422(client):
     response = client.post("/v1/report", json={"worker_id": reg["worker_id"], "reports": [too_long]},
                            headers=auth)
     assert response.status_code == 422 and "budget" in response.text
+
+
+def test_long_poll_lease_wakes_when_a_chunk_is_requeued(tmp_path):
+    import asyncio
+    import time as real_time
+
+    import httpx
+
+    clock = FakeClock()
+    book = make_book(tmp_path, prompt_rows=rows(groups=1, n=1, max_tokens=40), now=clock())
+    app = create_app(book, SECRET, CoordinatorControl(), clock)
+    auth = {"Authorization": f"Bearer {SECRET}"}
+
+    async def scenario():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://coordinator", headers=auth) as http:
+            ids = []
+            for rank in (0, 1):
+                body = {**ENDPOINTS[2][2], "worker_id": f"w{rank}", "rank": rank}
+                ids.append((await http.post("/v1/register", json=body)).json()["worker_id"])
+            (grant,) = (await http.post("/v1/lease", json={"worker_id": ids[0], "wanted": 1})).json()["chunks"]
+            started = real_time.monotonic()
+            waiting = asyncio.create_task(http.post("/v1/lease", json={"worker_id": ids[1], "wanted": 1,
+                                                                       "wait_s": 5.0}))
+            await asyncio.sleep(0.2)
+            assert not waiting.done()  # nothing to lease: it waits instead of answering empty
+            report = {"chunk_id": grant["chunk_id"], "epoch": grant["epoch"], "token_ids": [3] * 16,
+                      "logprobs": [-0.5] * 16, "finish_reason": "length"}
+            await http.post("/v1/report", json={"worker_id": ids[0], "reports": [report]})
+            (second,) = (await waiting).json()["chunks"]
+            return second, real_time.monotonic() - started
+
+    second, waited = asyncio.run(scenario())
+    assert second["prompt_token_ids"][-16:] == [3] * 16 and waited < 2.0
