@@ -128,7 +128,7 @@ def _drive(rundir: RunDir, workers: int, progress: bool | None) -> None:
 
     started = time.monotonic()
     with ui.RunProgress(progress) as bar:
-        result = run_local(rundir, workers, on_tick=lambda book: bar.update(book.counts()))
+        result = run_local(rundir, workers, on_tick=bar.update)
     elapsed = time.monotonic() - started
     if result.status == RolloutStatus.FINISHED and result.export is not None:
         ui.info(f"finished in {elapsed:.1f}s")

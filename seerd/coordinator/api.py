@@ -13,6 +13,8 @@ import asyncio
 import hmac
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -57,9 +59,16 @@ class HeartbeatBody(msgspec.Struct):
 
 
 class CoordinatorControl:
-    """What the API needs from the daemon besides the book: whether to hand out work at all."""
+    """What the API needs from the daemon besides the book: whether to hand out work at all, and
+    the state thread.
+
+    Every call into the lease book runs on one dedicated thread (`run`): the book stays single-
+    owner, and a commit's fsync (milliseconds on a loaded disk) never blocks the event loop that
+    parses the other workers' requests.
+    """
 
     def __init__(self) -> None:
+        self._state_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="seerd-state")
         self.accepting = True  # false while draining (shutdown, preemption)
         self.scheduling_gate: Callable[[], bool] = lambda: True  # e.g. wait for every worker
         self.worker_stats: dict[str, dict] = {}
@@ -67,6 +76,13 @@ class CoordinatorControl:
         self.busy_s = 0.0  # wall time inside API calls (overlapping calls count twice)
         self.calls = 0
         self._queued = asyncio.Event()
+
+    async def run(self, fn, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN201
+        """Run `fn` on the state thread and wait for it without blocking the loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._state_thread, partial(fn, *args, **kwargs))
+
+    def close(self) -> None:
+        self._state_thread.shutdown(wait=True)
 
     def work_queued(self) -> None:
         """Wake lease calls waiting for work (a chunk was re-queued, a lease expired)."""
@@ -147,7 +163,7 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
         body = await _decode(request, RegisterBody)
         if body.rank < 0 or body.max_chunks < 1 or body.kv_capacity_tokens < 1 or not body.worker_id:
             raise ApiError(422, "rank >= 0, max_chunks >= 1, kv_capacity_tokens >= 1 and a worker_id are required")
-        worker = book.register(rank=body.rank, address=body.address, max_chunks=body.max_chunks,
+        worker = await control.run(book.register, rank=body.rank, address=body.address, max_chunks=body.max_chunks,
                                kv_capacity_tokens=body.kv_capacity_tokens, worker_id=body.worker_id[:100],
                                now=clock())
         return _json({"worker_id": worker.id, "lease_ttl_s": book.lease_ttl_s,
@@ -164,7 +180,7 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
             return _json({"chunks": [], "done": False, "retry_after_s": 0.5})
         if not control.scheduling_gate():  # e.g. `group` waits for every worker: ask again soon
             return _json({"chunks": [], "done": False, "retry_after_s": 0.05})
-        grants = book.lease(body.worker_id, max(0, body.wanted), clock())
+        grants = await control.run(book.lease, body.worker_id, max(0, body.wanted), clock())
         if not grants and body.wait_s > 0 and not book.is_complete():
             # Long poll: an idle worker hears of new work at once and costs nothing meanwhile.
             await control.wait_for_work(min(body.wait_s, LONG_POLL_MAX_S))
@@ -173,7 +189,7 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
                 control.told_done.add(body.worker_id)
                 return _json({"chunks": [], "done": True})
             if control.accepting:
-                grants = book.lease(body.worker_id, max(0, body.wanted), clock())
+                grants = await control.run(book.lease, body.worker_id, max(0, body.wanted), clock())
         return _json({"chunks": grants, "done": False, "retry_after_s": 0.0 if grants else 0.05})
 
     @app.post(f"{API_PREFIX}/report")
@@ -182,7 +198,7 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
         known(body.worker_id)
         reports = body.reports
         try:
-            outcomes = book.report_many(body.worker_id, reports, clock())
+            outcomes = await control.run(book.report_many, body.worker_id, reports, clock())
         except BadReport as exc:
             raise ApiError(422, str(exc)) from None
         if any(o.accepted and not o.request_finished and not o.duplicate for o in outcomes) or book.is_complete():
@@ -195,7 +211,7 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
     async def release(request: Request) -> Response:
         body = await _decode(request, ReleaseBody)
         known(body.worker_id)
-        released = book.release(body.worker_id, body.chunk_id, body.epoch, body.reason, clock())
+        released = await control.run(book.release, body.worker_id, body.chunk_id, body.epoch, body.reason, clock())
         if released:
             control.work_queued()
         return _json({"released": released})
@@ -204,7 +220,7 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
     async def heartbeat(request: Request) -> Response:
         body = await _decode(request, HeartbeatBody)
         known(body.worker_id)
-        abort = book.heartbeat(body.worker_id, body.running, clock())
+        abort = await control.run(book.heartbeat, body.worker_id, body.running, clock())
         control.worker_stats[body.worker_id] = body.stats
         done = book.is_complete()
         if done:
@@ -213,7 +229,8 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
 
     @app.get(f"{API_PREFIX}/status")
     async def status() -> Response:
-        return _json({"rollout_id": book.rollout_id, "policy": book.policy.name, **book.counts(),
+        counts = await control.run(book.counts)
+        return _json({"rollout_id": book.rollout_id, "policy": book.policy.name, **counts,
                       "complete": book.is_complete(), "accepting": control.accepting,
                       "coordinator_busy_s": control.busy_s, "api_calls": control.calls})
 

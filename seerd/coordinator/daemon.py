@@ -21,7 +21,7 @@ from sqlalchemy import Engine, select
 from seerd.config import RunConfig
 from seerd.coordinator.api import CoordinatorControl, create_app
 from seerd.coordinator.book import LeaseBook
-from seerd.db import Rollout, RolloutStatus, add_event, make_engine, make_sessionmaker
+from seerd.db import Rollout, RolloutStatus, WorkerStatus, add_event, make_engine, make_sessionmaker
 from seerd.db.migrate import upgrade
 from seerd.io.export import ExportResult, export_run
 from seerd.rundir import RunDir
@@ -94,13 +94,16 @@ class Coordinator:
         self._stop_reason: str | None = None
         self._server: uvicorn.Server | None = None
         self.initial_status = rollout.status
+        self.load: dict | None = None
         self.expected_workers = expected_workers or self.config.workers
 
     # The group policy binds every group once, so it waits for the expected workers (or a timeout).
     def _gate(self) -> bool:
         if self.config.policy != "group" and not self.config.wait_for_workers:
             return True
-        if len(self.book.live_workers()) >= self.expected_workers:
+        # list() copies in one step: the state thread may be registering a worker right now.
+        alive = [w for w in list(self.book.workers.values()) if w.status == WorkerStatus.ALIVE]
+        if len(alive) >= self.expected_workers:
             return True
         return self.clock() - self.started_at > self.config.worker_wait_s
 
@@ -115,7 +118,7 @@ class Coordinator:
         return {"model_path": self.config.model_path, "engine": self.config.engine.__dict__,
                 "seed": self.config.seed}
 
-    async def serve(self, on_tick: Callable[[LeaseBook], None] | None = None,
+    async def serve(self, on_tick: Callable[[dict], None] | None = None,
                     on_ready: Callable[[str, int], None] | None = None) -> CoordinatorResult:
         now = self.clock()
         if self.initial_status == RolloutStatus.FINISHED:
@@ -154,45 +157,50 @@ class Coordinator:
         finally:
             self._server.should_exit = True
             await server_task
+            self.control.close()
             for signum in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(signum)
             self.run_dir.address_path.unlink(missing_ok=True)
         return result
 
-    async def _watch(self, on_tick: Callable[[LeaseBook], None] | None) -> CoordinatorResult:
+    async def _watch(self, on_tick: Callable[[dict], None] | None) -> CoordinatorResult:
+        run = self.control.run
         while True:
-            now = self.clock()
-            tick_started = time.perf_counter()
-            if self.book.expire(now):
+            if await run(self.book.expire, self.clock()):
                 self.control.work_queued()
-            self.control.busy_s += time.perf_counter() - tick_started
             if on_tick:
-                on_tick(self.book)
+                on_tick(await run(self.book.counts))
             if self.book.is_complete():
                 return await self._finish()
             if self._stop_reason is not None:
-                self.book.set_rollout_status(RolloutStatus.INTERRUPTED, self.clock(), self._stop_reason)
+                await run(self.book.set_rollout_status, RolloutStatus.INTERRUPTED, self.clock(), self._stop_reason)
                 return CoordinatorResult(RolloutStatus.INTERRUPTED, None, self._stop_reason)
             await asyncio.sleep(EXPIRY_INTERVAL_S)
 
     async def _finish(self) -> CoordinatorResult:
+        export = await self.control.run(self._export_and_finish)
+        deadline = self.clock() + DONE_LINGER_S
+        while self.clock() < deadline and self._stop_reason is None:
+            live = await self.control.run(lambda: [w.id for w in self.book.live_workers()])
+            if not any(w not in self.control.told_done for w in live):
+                break
+            await asyncio.sleep(0.1)
+        return CoordinatorResult(RolloutStatus.FINISHED, export, load=self.load)
+
+    def _export_and_finish(self) -> ExportResult:
+        """On the state thread: write the outputs, then mark the rollout finished."""
         export_started = time.perf_counter()
         with self.sessions.begin() as session:
             export = export_run(session, self.rollout_id, self.run_dir)
-        load = self._load_figures(export_s=time.perf_counter() - export_started)
+        self.load = self._load_figures(export_s=time.perf_counter() - export_started)
         with self.sessions.begin() as session:
-            add_event(session, self.rollout_id, self.clock(), "coordinator_load", data=load)
+            add_event(session, self.rollout_id, self.clock(), "coordinator_load", data=self.load)
         # Outputs are on disk before the run is marked finished: a crash in between re-exports.
         self.book.set_rollout_status(RolloutStatus.FINISHED, self.clock())
-        deadline = self.clock() + DONE_LINGER_S
-        while self.clock() < deadline and self._stop_reason is None:
-            if not any(w not in self.control.told_done for w in (x.id for x in self.book.live_workers())):
-                break
-            await asyncio.sleep(0.1)
-        return CoordinatorResult(RolloutStatus.FINISHED, export, load=load)
+        return export
 
     def _load_figures(self, export_s: float) -> dict:
-        """The coordinator's share of this session's wall time (API handling + expiry scans)."""
+        """The coordinator's share of the generation phase, in CPU time of this process."""
         now = self.clock()
         wall = max(now - self.started_at, 1e-9)
         # Engines take tens of seconds to start; the share that matters is of the generation phase.

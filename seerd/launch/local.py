@@ -15,7 +15,6 @@ import sys
 import time
 from collections.abc import Callable
 
-from seerd.coordinator.book import LeaseBook
 from seerd.coordinator.daemon import Coordinator, CoordinatorResult, run_event_loop
 from seerd.db import RolloutStatus
 from seerd.rundir import RunDir
@@ -114,17 +113,17 @@ def _kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
-def run_local(run_dir: RunDir, workers: int, on_tick: Callable[[LeaseBook], None] | None = None,
+def run_local(run_dir: RunDir, workers: int, on_tick: Callable[[dict], None] | None = None,
               coordinator: Coordinator | None = None) -> CoordinatorResult:
     coordinator = coordinator or Coordinator(run_dir, expected_workers=workers)
     pool = WorkerPool(run_dir, workers)
 
-    def tick(book: LeaseBook) -> None:
-        reason = pool.supervise(book.is_complete())
+    def tick(counts: dict) -> None:
+        reason = pool.supervise(counts["requests_done"] == counts["requests_total"])
         if reason:
             coordinator.request_stop(reason)
         if on_tick:
-            on_tick(book)
+            on_tick(counts)
 
     try:
         result = run_event_loop(coordinator.serve(on_tick=tick, on_ready=pool.start))
