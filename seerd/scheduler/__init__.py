@@ -4,8 +4,9 @@ from seerd.scheduler.base import Assignment, Plan, Policy, QueuedRequest, Snapsh
 from seerd.scheduler.divided import DividedPolicy
 from seerd.scheduler.group import GroupPolicy
 from seerd.scheduler.queue import RequestQueue
+from seerd.scheduler.seer import SeerPolicy
 
-POLICIES: dict[str, type] = {"divided": DividedPolicy, "group": GroupPolicy}
+POLICIES: dict[str, type] = {"divided": DividedPolicy, "group": GroupPolicy, "seer": SeerPolicy}
 
 
 def make_policy(name: str) -> Policy:
@@ -17,5 +18,5 @@ def make_policy(name: str) -> Policy:
 
 __all__ = [
     "Assignment", "DividedPolicy", "GroupPolicy", "POLICIES", "Plan", "Policy", "QueuedRequest",
-    "RequestQueue", "Snapshot", "WorkerLoad", "make_policy",
+    "RequestQueue", "SeerPolicy", "Snapshot", "WorkerLoad", "make_policy",
 ]

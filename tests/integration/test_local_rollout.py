@@ -55,3 +55,16 @@ def test_chunking_is_invisible_under_greedy_sampling(tiny_model_dir, tmp_path):
         chunks = max(r["num_chunks"] for r in rows)
         assert chunks == (4 if policy == "divided" else 1) or any(r["finish_reason"] == "stop" for r in rows)
     assert outputs["divided"] == outputs["group"]
+
+
+def test_seer_policy_serves_every_groups_probe_first(tiny_model_dir, tmp_path):
+    prompts = write_token_prompts(tmp_path / "prompts.jsonl", groups=8, max_tokens=[24, 96, 48, 64])
+    run_dir = tmp_path / "run"
+    result = run_seerd("run", "--input", str(prompts), "--model", str(tiny_model_dir), "--run-dir", str(run_dir),
+                       "--policy", "seer", "--chunk-tokens", "16", "--n", "4",
+                       "--workers", "2", "--kv-cache-gib", "0.25", "--max-num-seqs", "4", "--no-progress")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_complete_output(run_dir, 32)
+    first_leased = db_rows(run_dir, "select r.is_probe from events e join requests r on r.id = e.request_id "
+                                    "where e.kind = 'chunk_leased' order by e.id limit 8")
+    assert [p for (p,) in first_leased] == [1] * 8

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from seerd.scheduler import DividedPolicy, GroupPolicy, QueuedRequest, RequestQueue, Snapshot, WorkerLoad
+from seerd.scheduler import (
+    DividedPolicy, GroupPolicy, QueuedRequest, RequestQueue, SeerPolicy, Snapshot, WorkerLoad,
+)
 
 
 def req(rid, gid, gidx, generated=0, max_tokens=100, prompt_len=10, queued_at=0.0, resp=0):
@@ -51,3 +53,45 @@ def test_group_rebinds_groups_of_a_gone_worker():
     plan = GroupPolicy().plan(snap("a", [load("a", 0)], queued, binding={0: "a", 1: "dead"}))
     assert dict(plan.new_bindings) == {1: "a"}
     assert [a.request_id for a in plan.assignments] == [0, 1]
+
+
+def seer_req(rid, gid, *, probe=False, generated=0, estimate=100, queued_at=0.0, last=None, max_tokens=100):
+    return QueuedRequest(rid, gid, gid, 0 if probe else 1, 10, generated, max_tokens, probe, estimate, last,
+                         queued_at)
+
+
+def test_seer_serves_probes_first_shortest_generated_first():
+    queued = [seer_req(1, 0, estimate=900), seer_req(2, 1, probe=True, generated=50),
+              seer_req(3, 2, probe=True, generated=10), seer_req(4, 3, estimate=50)]
+    order = [r.request_id for r in SeerPolicy().order(snap("a", [load("a", 0)], queued))]
+    assert order == [3, 2, 1, 4]
+
+
+def test_seer_serves_the_rest_longest_estimate_first():
+    queued = [seer_req(1, 0, estimate=100), seer_req(2, 1, estimate=700), seer_req(3, 2, estimate=300),
+              seer_req(4, 1, estimate=700, generated=64)]
+    order = [r.request_id for r in SeerPolicy().order(snap("a", [load("a", 0)], queued))]
+    assert order == [4, 2, 3, 1]  # equal estimates: the furthest along first
+
+
+def test_seer_starvation_bound_serves_the_oldest_first():
+    old = seer_req(9, 5, estimate=1, queued_at=0.0)
+    queued = [seer_req(1, 0, probe=True, queued_at=500.0), old]
+    snapshot = Snapshot(301.0, "a", 10, (load("a", 0),), RequestQueue.of(queued), {}, {0: 0, 5: 5}, 32)
+    assert [r.request_id for r in SeerPolicy(starvation_s=300).order(snapshot)] == [9, 1]
+
+
+def test_seer_never_exceeds_the_kv_budget_and_stops_at_the_head():
+    queued = [seer_req(1, 0, probe=True), seer_req(2, 1, probe=True, generated=5),
+              seer_req(3, 2, estimate=10, max_tokens=10)]
+    # Each probe needs 10 + generated + 32; the budget admits the first only, then stops.
+    plan = SeerPolicy().plan(snap("a", [load("a", 0, kv=60)], queued))
+    assert [a.request_id for a in plan.assignments] == [1]
+
+
+def test_seer_leaves_a_request_to_the_worker_holding_its_prefix_unless_spread_is_large():
+    queued = [seer_req(1, 0, last="b"), seer_req(2, 1)]
+    calm = SeerPolicy().plan(snap("a", [load("a", 0), load("b", 1, running=3)], queued))
+    assert [a.request_id for a in calm.assignments] == [2]
+    busy = SeerPolicy(affinity_spread=2).plan(snap("a", [load("a", 0), load("b", 1, running=3)], queued))
+    assert [a.request_id for a in busy.assignments] == [1, 2]
