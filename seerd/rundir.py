@@ -16,7 +16,7 @@ SECRET_BYTES = 32
 
 
 class RunDirError(RuntimeError):
-    pass
+    """A run directory file (secret, address) is missing or unreadable."""
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ def run_event_loop(main):  # noqa: ANN001, ANN201
 
 
 class RunNotFound(RuntimeError):
-    pass
+    """No run (database or rollout) where one was expected."""
 
 
 @dataclass(frozen=True)

@@ -66,7 +66,7 @@ ALLOWED_TRANSITIONS: dict[type[enum.Enum], dict[enum.Enum, frozenset[enum.Enum]]
 
 
 class IllegalTransition(RuntimeError):
-    pass
+    """A status change that its enum's transition table does not allow."""
 
 
 def check_transition(current: enum.Enum, new: enum.Enum) -> None:

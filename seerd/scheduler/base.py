@@ -6,7 +6,7 @@ the simulator (a later issue) drives the very same policies with a simulated clo
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -90,3 +90,34 @@ def chunk_budget(request: QueuedRequest, chunk_tokens: int) -> int:
 def kv_need(request: QueuedRequest, budget: int) -> int:
     """KV tokens a chunk can occupy at its end: the whole context plus its budget."""
     return request.prompt_len + request.generated + budget
+
+
+def free_slots(snapshot: Snapshot) -> int:
+    load = snapshot.worker(snapshot.worker_id)
+    return min(snapshot.wanted, load.max_chunks - load.running_chunks)
+
+
+def admit(snapshot: Snapshot, ordered: Iterable[QueuedRequest],
+          skip: Callable[[QueuedRequest], bool] = lambda _request: False) -> Plan:
+    """Give the asking worker requests in `ordered` order while it has free slots and KV room.
+
+    A request's chunk needs KV for its whole context plus its budget, so admitted chunks never
+    exceed the worker's KV (no preemption). If the next request does not fit, admission stops:
+    smaller ones never overtake the head.
+    """
+    load = snapshot.worker(snapshot.worker_id)
+    slots = free_slots(snapshot)
+    kv_free = load.kv_capacity_tokens - load.reserved_kv_tokens
+    assignments: list[Assignment] = []
+    for request in ordered:
+        if len(assignments) >= slots:
+            break
+        if skip(request):
+            continue
+        budget = chunk_budget(request, snapshot.chunk_tokens)
+        need = kv_need(request, budget)
+        if need > kv_free:
+            break
+        kv_free -= need
+        assignments.append(Assignment(request.request_id, snapshot.worker_id, budget))
+    return Plan(tuple(assignments))

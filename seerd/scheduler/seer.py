@@ -18,7 +18,7 @@ chunks in flight than the asking one (the paper uses 32 in-flight requests).
 
 from __future__ import annotations
 
-from seerd.scheduler.base import Assignment, Plan, QueuedRequest, Snapshot, chunk_budget, kv_need
+from seerd.scheduler.base import Plan, QueuedRequest, Snapshot, admit, free_slots
 
 DEFAULT_STARVATION_S = 300.0
 DEFAULT_AFFINITY_SPREAD = 32
@@ -44,25 +44,16 @@ class SeerPolicy:
         return sorted(snapshot.queued, key=key)
 
     def plan(self, snapshot: Snapshot) -> Plan:
-        load = snapshot.worker(snapshot.worker_id)
-        slots = min(snapshot.wanted, load.max_chunks - load.running_chunks)
-        kv_free = load.kv_capacity_tokens - load.reserved_kv_tokens
+        if free_slots(snapshot) <= 0:
+            return Plan()  # skip ordering the whole queue for nothing
+        asking = snapshot.worker(snapshot.worker_id)
         others = {w.worker_id: w for w in snapshot.workers if w.worker_id != snapshot.worker_id}
-        assignments: list[Assignment] = []
-        if slots <= 0:
-            return Plan()
-        for request in self.order(snapshot):
-            if len(assignments) >= slots:
-                break
+
+        def belongs_elsewhere(request: QueuedRequest) -> bool:
+            # Its previous worker holds its prefix: leave it there unless that one is much busier.
             home = others.get(request.last_worker or "")
-            if (home is not None and home.running_chunks < home.max_chunks
-                    and home.running_chunks - load.running_chunks <= self.affinity_spread
-                    and snapshot.now - request.queued_at <= self.starvation_s):
-                continue  # its previous worker holds its prefix; leave it there
-            budget = chunk_budget(request, snapshot.chunk_tokens)
-            need = kv_need(request, budget)
-            if need > kv_free:
-                break
-            kv_free -= need
-            assignments.append(Assignment(request.request_id, snapshot.worker_id, budget))
-        return Plan(tuple(assignments))
+            return (home is not None and home.running_chunks < home.max_chunks
+                    and home.running_chunks - asking.running_chunks <= self.affinity_spread
+                    and snapshot.now - request.queued_at <= self.starvation_s)
+
+        return admit(snapshot, self.order(snapshot), skip=belongs_elsewhere)
