@@ -101,10 +101,11 @@ def test_worker_kill9_leases_expire_and_run_elsewhere(tiny_model_dir, tmp_path):
             return rows[0] if rows else None
 
         victim, address, _ = wait_for(worker_with_leases, timeout=300, what="worker 0 holding leases")
-        held = {c for (c,) in db_rows(run_dir, "select id from chunks where lease_holder=? and status='leased'",
-                                      (victim,))}
         victim_pid = int(address.rsplit(":", 1)[1])
         os.kill(victim_pid, signal.SIGKILL)
+        # Read what it held after the kill: before it, it could still finish and report a chunk.
+        held = {c for (c,) in db_rows(run_dir, "select id from chunks where lease_holder=? and status='leased'",
+                                      (victim,))}
         # Its engine-core processes do not outlive it (they would hold their KV memory forever).
         wait_for(lambda: not live_group_members(victim_pid), timeout=30, what="the victim's engine to exit")
         assert proc.wait(timeout=600) == 0, (tmp_path / "run.log").read_text()[-3000:]
