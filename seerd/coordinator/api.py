@@ -10,6 +10,7 @@ traffic and pydantic's per-element validation cost more than the database commit
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import time
 from collections.abc import Callable
@@ -90,10 +91,8 @@ class CoordinatorControl:
         self._queued = asyncio.Event()
 
     async def wait_for_work(self, timeout_s: float) -> None:
-        try:
+        with contextlib.suppress(asyncio.TimeoutError):  # no new work in time: answer empty
             await asyncio.wait_for(self._queued.wait(), timeout_s)
-        except asyncio.TimeoutError:
-            pass
 
 
 class ApiError(Exception):

@@ -77,12 +77,12 @@ class Coordinator:
         self.run_dir = run_dir
         self.clock = clock
         self.host, self.port = host, port
-        probe_engine = make_engine(run_dir.db_path)
-        upgrade(probe_engine)
-        rollout = load_rollout(probe_engine)
-        probe_engine.dispose()
+        self.engine = open_database(run_dir)
+        rollout = load_rollout(self.engine)
         self.config = RunConfig.from_json(rollout.config_json)
-        self.engine = open_database(run_dir, synchronous=self.config.sqlite_synchronous)
+        if self.config.sqlite_synchronous != "FULL":  # pragmas are set per connection: reopen
+            self.engine.dispose()
+            self.engine = make_engine(run_dir.db_path, synchronous=self.config.sqlite_synchronous)
         self.sessions = make_sessionmaker(self.engine)
         self.rollout_id = rollout.id
         self.book = LeaseBook(self.sessions, rollout.id, make_policy(self.config.policy),

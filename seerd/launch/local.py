@@ -6,6 +6,7 @@ number of times); its leases expire meanwhile and run on the others.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -91,10 +92,8 @@ class WorkerPool:
         """Let workers that heard "done" exit, ask the others to stop, then reap every group."""
         deadline = time.monotonic() + (grace_s if complete else 0.0)
         for proc in self.procs.values():
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):  # still running: terminated below
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
             if proc.poll() is None:
                 proc.terminate()  # the worker shuts its engine down on SIGTERM
         for proc in self.procs.values():
@@ -107,10 +106,8 @@ class WorkerPool:
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):  # the group is already gone
         os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def run_local(run_dir: RunDir, workers: int, on_tick: Callable[[dict], None] | None = None,

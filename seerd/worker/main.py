@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -107,10 +108,8 @@ class Worker:
                 if reply["chunks"]:
                     continue
             self.slot_freed.clear()
-            try:
+            with contextlib.suppress(asyncio.TimeoutError):  # poll again after retry_after
                 await asyncio.wait_for(self.slot_freed.wait(), timeout=retry_after)
-            except asyncio.TimeoutError:
-                pass
 
     async def _run_chunk(self, grant: dict) -> None:
         chunk_id, epoch = grant["chunk_id"], grant["epoch"]
@@ -123,11 +122,9 @@ class Worker:
             log.exception("chunk %d failed", chunk_id)
             self.running.pop(chunk_id, None)
             self.slot_freed.set()
-            try:
+            with contextlib.suppress(NotRegistered):  # a restarted coordinator already voided the lease
                 await self.client.call("POST", "release", {"worker_id": self.worker_id, "chunk_id": chunk_id,
                                                            "epoch": epoch, "reason": repr(exc)[:200]})
-            except NotRegistered:
-                pass
             if isinstance(exc, EngineDead):  # nothing more can run here: exit, to be restarted
                 self.fatal = exc
                 self.done.set()
