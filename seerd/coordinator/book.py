@@ -27,6 +27,7 @@ from seerd.db import (
 )
 from seerd.io.codec import pack_floats, pack_ints, unpack_ints
 from seerd.scheduler import Policy, QueuedRequest, RequestQueue, Snapshot, WorkerLoad
+from seerd.scheduler.base import updated_estimate
 
 FINISH_REASONS = frozenset({"stop", "length"})
 CHUNKS, REQUESTS, GROUPS, EVENTS = Chunk.__table__, Request.__table__, Group.__table__, Event.__table__
@@ -407,8 +408,7 @@ class LeaseBook:
             if finished:
                 group = self.groups[request.group_id]
                 update_ = group_updates.setdefault(group.id, [group.finished, group.estimate])
-                # The group's estimate is its longest finished response (the paper's L_g).
-                update_[1] = total if update_[0] == 0 else max(update_[1], total)
+                update_[1] = updated_estimate(update_[0], update_[1], total)
                 update_[0] += 1
                 events.append(_event(self.rollout_id, now, "request_finished", worker_id, request.id, None,
                                      {"length": total, "finish_reason": finish_reason, "group_estimate": update_[1]}))

@@ -82,6 +82,16 @@ class Policy(Protocol):
     def plan(self, snapshot: Snapshot) -> Plan: ...
 
 
+def updated_estimate(finished_before: int, estimate: int, length: int) -> int:
+    """A group's estimate after one of its responses finishes with `length` tokens.
+
+    The paper's L_g: the longest finished response of the group. The first finish replaces the
+    starting value (the group's max_tokens, or a prior from an earlier rollout); later ones can
+    only raise it. One rule for the daemon's lease book and the simulator.
+    """
+    return length if finished_before == 0 else max(estimate, length)
+
+
 def chunk_budget(request: QueuedRequest, chunk_tokens: int) -> int:
     """The paper's rule: max_tokens = min(chunk_size, original_max_tokens - generated)."""
     return min(chunk_tokens, request.remaining)
