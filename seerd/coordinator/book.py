@@ -5,6 +5,10 @@ mirror changes only after that transaction commits. A worker's report is acknowl
 returns) only after its commit, so every token is either durable or was never acknowledged.
 Callers pass `now`: lease expiry is tested by moving time, never by sleeping.
 
+Target lengths (benchmark rows) are kept apart from everything the scheduler sees: `RequestState`
+and `QueuedRequest` have no such field; the book holds them in `worker_only_targets`, read only
+to tell a worker where to stop (`ChunkGrant.target_remaining`) and to check its report.
+
 Hot paths (lease, report) use Core statements with executemany and keep prompts and the tokens
 of unfinished requests in memory; the ORM models still define the schema.
 """
@@ -22,15 +26,17 @@ from sqlalchemy import Connection, Engine, bindparam, insert, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from seerd.db import (
-    Chunk, ChunkStatus, Event, Group, Request, RequestStatus, Rollout, RolloutStatus, Worker, WorkerStatus,
-    add_event, check_transition,
+    Chunk, ChunkStatus, Event, Group, Request, RequestStatus, RequestTarget, Rollout, RolloutStatus, Worker,
+    WorkerStatus, add_event, check_transition,
 )
 from seerd.io.codec import pack_floats, pack_ints, unpack_ints
 from seerd.scheduler import Policy, QueuedRequest, RequestQueue, Snapshot, WorkerLoad
 from seerd.scheduler.base import updated_estimate
 
-FINISH_REASONS = frozenset({"stop", "length"})
+# "length_target": the worker ended the response at its target length (benchmark rows).
+FINISH_REASONS = frozenset({"stop", "length", "length_target"})
 CHUNKS, REQUESTS, GROUPS, EVENTS = Chunk.__table__, Request.__table__, Group.__table__, Event.__table__
+TARGETS = RequestTarget.__table__
 
 
 class UnknownWorker(LookupError):
@@ -106,6 +112,9 @@ class ChunkGrant:
     max_tokens: int
     sampling: dict
     deadline: float
+    # Tokens left to the response's target length (benchmark rows), else None. The worker ends
+    # the chunk there with finish reason "length_target"; max_tokens stays the scheduler's budget.
+    target_remaining: int | None = None
 
 
 @dataclass(frozen=True)
@@ -155,6 +164,8 @@ class LeaseBook:
         self.queue = RequestQueue()
         self.unfinished_groups: dict[int, int] = {}  # group_id -> group_index
         self.bindings: dict[int, str] = {}  # group_id -> worker_id (group policy)
+        # request_id -> target length; never part of a snapshot (see the module docstring).
+        self.worker_only_targets: dict[int, int] = {}
         self.finished_requests = 0
         self.output_tokens = 0
         self.first_lease_at: float | None = None  # this session's; generation starts here
@@ -181,6 +192,10 @@ class LeaseBook:
                 self.groups[row.group_id].request_ids.append(row.id)
                 self.output_tokens += row.generated_tokens
                 self.finished_requests += row.status == RequestStatus.FINISHED
+            self.worker_only_targets = {rid: target for rid, target in conn.execute(
+                select(TARGETS.c.request_id, TARGETS.c.target_length)
+                .join(REQUESTS, REQUESTS.c.id == TARGETS.c.request_id)
+                .where(REQUESTS.c.rollout_id == self.rollout_id))}
             unfinished_chunks = conn.execute(
                 select(CHUNKS.c.id, CHUNKS.c.request_id, CHUNKS.c.status, CHUNKS.c.lease_epoch,
                        CHUNKS.c.lease_holder)
@@ -364,8 +379,9 @@ class LeaseBook:
         sampling["seed"] = chunk_seed(base_seed, group.index, request.response_index, lease.seq)
         context = group.prompt.tolist()
         context.extend(request.tokens)
+        target = self.worker_only_targets.get(request.id)
         return ChunkGrant(lease.chunk_id, lease.epoch, request.id, context, lease.max_tokens, sampling,
-                          lease.deadline)
+                          lease.deadline, None if target is None else target - request.generated)
 
     # ----------------------------------------------------------------- reports
     def report(self, worker_id: str, report: ChunkReport, now: float) -> ReportOutcome:
@@ -391,11 +407,11 @@ class LeaseBook:
             request = self.requests[lease.request_id]
             n_tokens = len(report.token_ids)
             total = request.generated + n_tokens
-            finished = (report.finish_reason == "stop" or total >= request.max_tokens
+            finished = (report.finish_reason in ("stop", "length_target") or total >= request.max_tokens
                         or n_tokens < lease.max_tokens)  # a short "length": the model's context is full
             new_status = RequestStatus.FINISHED if finished else RequestStatus.QUEUED
             check_transition(request.status, new_status)
-            finish_reason = report.finish_reason if report.finish_reason == "stop" else "length"
+            finish_reason = report.finish_reason  # the last chunk's says how the response ended
             chunk_rows.append({"cid": lease.chunk_id, "ep": lease.epoch, "fin": now, "n": n_tokens,
                                "tok": pack_ints(report.token_ids), "lp": pack_floats(report.logprobs),
                                "fr": report.finish_reason, "cached": report.cached_tokens})
@@ -476,6 +492,12 @@ class LeaseBook:
             raise BadReport(f"{len(report.token_ids)} tokens exceed the chunk budget {lease.max_tokens}")
         if not report.token_ids and report.finish_reason != "stop":
             raise BadReport("an empty chunk must end with finish_reason 'stop'")
+        target = self.worker_only_targets.get(lease.request_id)
+        total = self.requests[lease.request_id].generated + len(report.token_ids)
+        if target is not None and total > target:
+            raise BadReport(f"{total} tokens pass the response's target length {target}")
+        if report.finish_reason == "length_target" and total != target:
+            raise BadReport(f"finish_reason 'length_target' at {total} tokens, but the target is {target}")
 
     def _judge_unleased(self, worker_id: str, report: ChunkReport) -> ReportOutcome:
         """A report without a matching live lease: a harmless duplicate, or stale and rejected."""

@@ -10,7 +10,7 @@ from sqlalchemy import insert, select, update
 from sqlalchemy.orm import Session
 
 from seerd.config import RunConfig
-from seerd.db import Group, Request, RequestStatus, Rollout, RolloutStatus, add_event
+from seerd.db import Group, Request, RequestStatus, RequestTarget, Rollout, RolloutStatus, add_event
 from seerd.io.codec import pack_ints
 from seerd.io.prompts import PromptRow
 
@@ -68,6 +68,19 @@ def create_rollout(session: Session, config: RunConfig, rows: Sequence[PromptRow
         select(Request.group_id, Request.id).where(Request.rollout_id == rollout.id, Request.is_probe)
     ).all()
     session.execute(update(Group), [{"id": gid, "probe_request_id": rid} for gid, rid in probes])
+    _insert_targets(session, rollout.id, rows, id_of)
     add_event(session, rollout.id, now, "rollout_created",
               data={"groups": len(rows), "requests": sum(r.n for r in rows), "policy": config.policy})
     return rollout.id
+
+
+def _insert_targets(session: Session, rollout_id: int, rows: Sequence[PromptRow], group_id_of: dict[int, int]) -> None:
+    """Target lengths go to their own table, which only the grant-building code reads."""
+    targeted = {group_id_of[index]: row.target_lengths for index, row in enumerate(rows) if row.target_lengths}
+    if not targeted:
+        return
+    requests = session.execute(
+        select(Request.id, Request.group_id, Request.response_index).where(Request.rollout_id == rollout_id)
+    ).all()
+    session.execute(insert(RequestTarget), [
+        {"request_id": rid, "target_length": targeted[gid][k]} for rid, gid, k in requests if gid in targeted])

@@ -7,10 +7,11 @@ from seerd.db.group import Group
 from seerd.db.request import Request
 from seerd.db.rollout import Rollout
 from seerd.db.status import ChunkStatus, RequestStatus, RolloutStatus, WorkerStatus, check_transition
+from seerd.db.target import RequestTarget
 from seerd.db.worker import Worker
 
 __all__ = [
-    "Base", "Chunk", "ChunkStatus", "Event", "Group", "Request", "RequestStatus", "Rollout",
+    "Base", "Chunk", "ChunkStatus", "Event", "Group", "Request", "RequestStatus", "RequestTarget", "Rollout",
     "RolloutStatus", "Worker", "WorkerStatus", "add_event", "check_transition", "make_engine",
     "make_sessionmaker",
 ]

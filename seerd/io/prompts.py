@@ -3,7 +3,7 @@
 Each row has an ``id`` and exactly one of ``prompt_token_ids`` (list of token
 ids) or ``prompt`` (a string, or a list of ``{"role", "content"}`` chat
 messages rendered with the model's chat template). Optional per-row fields:
-``n``, ``max_tokens`` and the sampling overrides in ``_OPTIONAL_FIELDS``.
+``n``, ``max_tokens``, the sampling overrides in ``_OPTIONAL_FIELDS``, and ``target_lengths``.
 Other columns are ignored, so veRL parquet files load as-is. A null value
 counts as absent (Parquet fills columns that a row does not use with nulls).
 
@@ -12,6 +12,10 @@ Ids:
   * Parquet with an ``id`` column: every row needs a non-null ``id``.
   * Parquet without one (veRL layout): ``extra_info.index`` if every row has
     one, else the 1-based row number.
+
+``target_lengths`` (benchmarks): one length per response, exactly ``n`` integers in
+1..max_tokens. Workers end each response at its target as if the model had emitted EOS there
+(finish reason ``length_target``); the scheduler never sees it.
 
 Text prompts are tokenized with ``add_special_tokens=True`` (as vLLM does for
 a plain string); chat prompts are rendered with ``add_generation_prompt=True``
@@ -58,6 +62,8 @@ class PromptRow:
     max_tokens: int
     sampling: dict  # only the overrides given in the row
     source_line: int  # 1-based line (jsonl) or row number (parquet, 1-based)
+    # Where each response must end (benchmarks); read by workers only, never by the scheduler.
+    target_lengths: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -135,6 +141,7 @@ class _Parsed:
     max_tokens: int
     sampling: dict
     token_ids: list[int] | None = None
+    target_lengths: list[int] | None = None
     text: str | None = None
     messages: list[dict[str, str]] | None = None
     errors: list[str] = field(default_factory=list)
@@ -211,7 +218,28 @@ def _parse_row(rec: Any, k: int, prompt_id: Any, default_n: int,
             setattr(p, name, v)
         else:
             p.sampling[name] = _NORMALISE[kind](v)
+    _parse_target_lengths(rec.get("target_lengths"), p)
     return p
+
+
+def _parse_target_lengths(targets: Any, p: _Parsed) -> None:
+    """Checked after n and max_tokens, which bound it: exactly n integers in 1..max_tokens."""
+    if targets is None:
+        return
+    if not (isinstance(targets, list) and all(_is_int(t) for t in targets)):
+        bad = next((t for t in targets if not _is_int(t)), None) if isinstance(targets, list) else targets
+        p.errors.append(f"target_lengths must be a list of integers, found {_type_name(bad)} {bad!r:.40}")
+        return
+    if len(targets) != p.n:
+        p.errors.append(f"target_lengths has {len(targets)} entries but n is {p.n} (one per response)")
+        return
+    out_of_range = [(i, t) for i, t in enumerate(targets) if not 1 <= t <= p.max_tokens]
+    if out_of_range:
+        i, t = out_of_range[0]
+        more = f" (and {len(out_of_range) - 1} more)" if len(out_of_range) > 1 else ""
+        p.errors.append(f"target_lengths[{i}] = {t} must be in 1..max_tokens ({p.max_tokens}){more}")
+        return
+    p.target_lengths = targets
 
 
 def _read_json(path: Path) -> tuple[list[tuple[int, Any]], list[tuple[int, str]], str]:
@@ -365,7 +393,8 @@ def load_prompts(
                                      for k, msg in errors])
     return [
         PromptRow(prompt_id=p.prompt_id, prompt_token_ids=tuple(p.token_ids or ()),
-                  n=p.n, max_tokens=p.max_tokens, sampling=p.sampling, source_line=p.k)
+                  n=p.n, max_tokens=p.max_tokens, sampling=p.sampling, source_line=p.k,
+                  target_lengths=tuple(p.target_lengths) if p.target_lengths is not None else None)
         for p in parsed
     ]
 

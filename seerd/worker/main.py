@@ -27,6 +27,20 @@ log = logging.getLogger("seerd.worker")
 LEASE_LONG_POLL_S = 1.0  # short enough that a freed slot is noticed soon, long enough to idle cheaply
 
 
+def generation_budget(grant: dict) -> int:
+    """The chunk's budget, cut at the response's target length when the row has one."""
+    target_remaining = grant.get("target_remaining")
+    return grant["max_tokens"] if target_remaining is None else min(grant["max_tokens"], target_remaining)
+
+
+def reported_finish_reason(grant: dict, finish_reason: str, num_tokens: int) -> str:
+    """Say "length_target" when the chunk ended because the response reached its target (as if
+    the model emitted EOS there); an EOS before it stays "stop"."""
+    if finish_reason == "length" and grant.get("target_remaining") == num_tokens:
+        return "length_target"
+    return finish_reason
+
+
 @dataclass
 class WorkerStats:
     chunks_done: int = 0
@@ -115,7 +129,7 @@ class Worker:
         chunk_id, epoch = grant["chunk_id"], grant["epoch"]
         try:
             result = await self.engine.run(f"c{chunk_id}e{epoch}", grant["prompt_token_ids"],
-                                           grant["max_tokens"], grant["sampling"])
+                                           generation_budget(grant), grant["sampling"])
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the engine failed this chunk: give it back, it runs elsewhere
@@ -132,7 +146,9 @@ class Worker:
         self.stats.chunks_done += 1
         self.stats.tokens_out += len(result.token_ids)
         await self.reports.put({"chunk_id": chunk_id, "epoch": epoch, "token_ids": result.token_ids,
-                                "logprobs": result.logprobs, "finish_reason": result.finish_reason,
+                                "logprobs": result.logprobs,
+                                "finish_reason": reported_finish_reason(grant, result.finish_reason,
+                                                                        len(result.token_ids)),
                                 "cached_tokens": result.cached_tokens})
 
     async def _report_loop(self) -> None:

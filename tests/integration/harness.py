@@ -90,7 +90,7 @@ def assert_complete_output(run_dir: Path, expected: dict[tuple[int, int], int] |
     for row in rows:
         assert row["length"] == len(row["token_ids"]) == len(row["logprobs"]) > 0
         assert all(math.isfinite(lp) and lp <= 1e-6 for lp in row["logprobs"])
-        assert row["finish_reason"] in ("stop", "length")
+        assert row["finish_reason"] in ("stop", "length", "length_target")
     # The database agrees: chunks of each request are 0..k-1, all done, and add up.
     per_request = db_rows(run_dir, """
         select g.group_index, r.response_index, r.generated_tokens, r.num_chunks,

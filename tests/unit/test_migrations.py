@@ -59,3 +59,31 @@ def test_seerd_db_upgrade_command(tmp_path):
     assert f"empty -> {head_revisions()[0]}" in result.output
     again = CliRunner().invoke(cli, ["db", "upgrade", str(tmp_path / "run")])
     assert f"{head_revisions()[0]} -> {head_revisions()[0]}" in again.output
+
+
+def test_rows_of_a_0001_database_survive_the_upgrade_to_head(tmp_path):
+    """A run created by the first schema: its rows come through, and the new tables work."""
+    engine = make_engine(tmp_path / "state.db")
+    upgrade(engine, "0001")
+    with engine.begin() as conn:
+        conn.exec_driver_sql(
+            "insert into rollouts (id, status, policy, seed, model_path, input_path, input_sha256, config_json, "
+            "created_at) values (1, 'running', 'divided', 0, 'm', 'in.jsonl', '00', '{}', 1.0)")
+        conn.exec_driver_sql(
+            "insert into prompt_groups (id, rollout_id, group_index, prompt_id, prompt_token_ids, prompt_len, "
+            "prompt_hash, n, max_tokens, sampling_json, length_estimate, finished_requests) "
+            "values (1, 1, 0, 'p0', x'01000000', 1, 'h', 2, 40, '{}', 40, 1)")
+        conn.exec_driver_sql(
+            "insert into requests (id, rollout_id, group_id, response_index, status, is_probe, generated_tokens, "
+            "num_chunks, finish_reason, queued_at) values (1, 1, 1, 0, 'finished', 1, 12, 1, 'stop', 1.0), "
+            "(2, 1, 1, 1, 'queued', 0, 0, 0, null, 1.0)")
+    upgrade(engine)
+    assert current_revision(engine) == head_revisions()[0]
+    with engine.begin() as conn:
+        assert conn.exec_driver_sql(
+            "select id, status, generated_tokens, finish_reason from requests order by id").all() == [
+            (1, "finished", 12, "stop"), (2, "queued", 0, None)]
+        assert conn.exec_driver_sql("select length_estimate from prompt_groups").scalar() == 40
+        conn.exec_driver_sql("insert into request_targets (request_id, target_length) values (2, 30)")
+        conn.exec_driver_sql("delete from requests where id = 2")  # targets go with their request
+        assert conn.exec_driver_sql("select count(*) from request_targets").scalar() == 0

@@ -111,6 +111,17 @@ def test_token_ids_and_defaults(tmp_path: Path, tiny_model_dir: Path) -> None:
     ]
 
 
+def test_target_lengths_one_per_response(tmp_path: Path, tiny_model_dir: Path) -> None:
+    f = write_jsonl(tmp_path / "p.jsonl", [
+        {"id": "a", "prompt_token_ids": [1, 2], "n": 3, "max_tokens": 20, "target_lengths": [1, 20, 7]},
+        {"id": "b", "prompt_token_ids": [3], "target_lengths": None},
+        {"id": "c", "prompt_token_ids": [3], "target_lengths": [16, 2]},  # default n=2, max_tokens=16
+    ])
+    got = load(f, tiny_model_dir, default_n=2, default_max_tokens=16)
+    assert [r.target_lengths for r in got] == [(1, 20, 7), None, (16, 2)]
+    assert got[0].sampling == {}  # not a sampling override
+
+
 def test_crlf_and_bom(tmp_path: Path, tiny_model_dir: Path) -> None:
     f = tmp_path / "p.jsonl"
     f.write_bytes(b'\xef\xbb\xbf{"id": 1, "prompt_token_ids": [1]}\r\n{"id": 2, "prompt_token_ids": [2]}\r\n')
@@ -275,6 +286,16 @@ ROW_ERRORS: list[tuple[str, Any, str]] = [
     ("len_plus_max_tokens", {"id": "x", "prompt_token_ids": [1] * 10, "max_tokens": MAX_LEN - 9},
      f"prompt length 10 + max_tokens {MAX_LEN - 9} = {MAX_LEN + 1} exceeds max_model_len {MAX_LEN}"),
     ("duplicate_id", {**GOOD}, "duplicate id 'good' (also on line 1)"),
+    ("targets_not_list", {**GOOD, "id": "x", "target_lengths": 5}, "target_lengths must be a list of integers"),
+    ("targets_float", {**GOOD, "id": "x", "n": 2, "target_lengths": [3, 4.0]}, "list of integers, found float"),
+    ("targets_too_few", {**GOOD, "id": "x", "n": 3, "target_lengths": [3, 4]},
+     "target_lengths has 2 entries but n is 3"),
+    ("targets_too_many_default_n", {**GOOD, "id": "x", "target_lengths": [3, 4]},
+     "target_lengths has 2 entries but n is 1"),
+    ("targets_zero", {**GOOD, "id": "x", "n": 2, "target_lengths": [3, 0]},
+     "target_lengths[1] = 0 must be in 1..max_tokens (16)"),
+    ("targets_over_row_max", {**GOOD, "id": "x", "n": 2, "max_tokens": 8, "target_lengths": [9, 8]},
+     "target_lengths[0] = 9 must be in 1..max_tokens (8)"),
 ]
 
 
