@@ -37,7 +37,7 @@ class EngineConfig:
 class RunConfig:
     input_path: str
     model_path: str
-    policy: str = "divided"
+    policy: str = "seer"
     workers: int = 2
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     n: int = 4

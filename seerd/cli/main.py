@@ -46,8 +46,9 @@ def cli(verbose: bool) -> None:
 @click.option("--run-dir", required=True, type=click.Path(path_type=Path),
               help="Where the run's database, secret, logs and outputs live.")
 @click.option("--workers", default=2, show_default=True, help="Local vLLM worker processes.")
-@click.option("--policy", default="divided", show_default=True, type=click.Choice(["divided", "group", "seer"]),
-              help="divided: chunked FCFS; group: veRL baseline; seer: context-aware (probes first).")
+@click.option("--policy", default="seer", show_default=True, type=click.Choice(["seer", "divided", "group"]),
+              help="seer: context-aware (probes first, then longest estimate); divided: chunked FCFS; "
+                   "group: veRL baseline.")
 @click.option("--chunk-tokens", default=DEFAULT_CHUNK_TOKENS, show_default=True,
               help="Tokens per chunk before a request goes back to the queue.")
 @click.option("--n", "n", default=4, show_default=True, help="Responses per prompt (rows may override).")

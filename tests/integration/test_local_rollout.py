@@ -22,7 +22,7 @@ def test_rollout_has_every_response_once_with_logprobs(tiny_model_dir, tmp_path)
     rows = assert_complete_output(run_dir, {(g, k) for g in range(8) for k in range(4)})
     assert max(r["num_chunks"] for r in rows) >= 3  # several chunks per request
     assert {r["finish_reason"] for r in rows} <= {"stop", "length"}
-    # Both workers came up (divided starts with the first one ready, so it may do all the work).
+    # Both workers came up (seer, the default, starts with the first one ready: it may do all the work).
     assert db_rows(run_dir, "select count(*) from workers")[0][0] == 2
     # State and outputs are private to the user.
     for name in ("state.db", "secret", "rollouts.parquet", "rollouts.jsonl"):
