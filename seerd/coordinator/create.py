@@ -14,7 +14,7 @@ from seerd.db import Group, Request, RequestStatus, RequestTarget, Rollout, Roll
 from seerd.io.codec import pack_ints
 from seerd.io.prompts import PromptRow
 
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "seed", "stop_token_ids")
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos")
 
 
 def prompt_hash(token_ids: Sequence[int]) -> str:

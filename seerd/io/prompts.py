@@ -114,9 +114,10 @@ _TYPE_TESTS: dict[str, Callable[[Any], bool]] = {
     "an integer": _is_int,
     "a number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
     "a list of integers": lambda v: isinstance(v, list) and all(_is_int(t) for t in v),
+    "a boolean": lambda v: isinstance(v, bool),
 }
 _NORMALISE: dict[str, Callable[[Any], Any]] = {
-    "an integer": int, "a number": float, "a list of integers": list}
+    "an integer": int, "a number": float, "a list of integers": list, "a boolean": bool}
 
 # Optional per-row fields: name -> (type, range test, range description).
 # n and max_tokens become PromptRow fields; the rest are sampling overrides.
@@ -128,6 +129,9 @@ _OPTIONAL_FIELDS: dict[str, tuple[str, Callable[[Any], bool], str]] = {
     "top_k": ("an integer", lambda v: v == -1 or v > 0, "-1 or > 0"),
     "seed": ("an integer", lambda v: True, ""),
     "stop_token_ids": ("a list of integers", lambda v: True, ""),
+    # Generate past the model's EOS (vLLM's ignore_eos): with target_lengths, every response then
+    # ends exactly at its target, which benchmarks need; stop_token_ids still stop.
+    "ignore_eos": ("a boolean", lambda v: True, ""),
 }
 
 

@@ -74,6 +74,7 @@ def sampling_params(max_tokens: int, sampling: dict):  # noqa: ANN201
         top_k=int(sampling.get("top_k", -1) or -1),
         seed=sampling.get("seed"),
         stop_token_ids=list(sampling.get("stop_token_ids") or []),
+        ignore_eos=bool(sampling.get("ignore_eos", False)),
         logprobs=0,  # the sampled token's own logprob only
         flat_logprobs=True,  # plain lists instead of a dict per position
         detokenize=False,

@@ -152,13 +152,13 @@ def test_chat_prompt_rendered_with_template(
 def test_per_row_overrides(tmp_path: Path, tiny_model_dir: Path) -> None:
     f = write_jsonl(tmp_path / "p.jsonl", [
         {"id": "a", "prompt_token_ids": [1], "n": 3, "max_tokens": 5, "temperature": 1,
-         "top_p": 0.9, "top_k": -1, "seed": -7, "stop_token_ids": [2, 9]},
+         "top_p": 0.9, "top_k": -1, "seed": -7, "stop_token_ids": [2, 9], "ignore_eos": True},
         {"id": "b", "prompt_token_ids": [1], "temperature": 0.0, "top_k": 40},
     ])
     a, b = load(f, tiny_model_dir, default_n=1, default_max_tokens=16)
     assert (a.n, a.max_tokens) == (3, 5)
     assert a.sampling == {"temperature": 1.0, "top_p": 0.9, "top_k": -1, "seed": -7,
-                          "stop_token_ids": [2, 9]}
+                          "stop_token_ids": [2, 9], "ignore_eos": True}
     assert isinstance(a.sampling["temperature"], float)
     assert (b.n, b.max_tokens, b.sampling) == (1, 16, {"temperature": 0.0, "top_k": 40})
 
@@ -286,6 +286,7 @@ ROW_ERRORS: list[tuple[str, Any, str]] = [
     ("len_plus_max_tokens", {"id": "x", "prompt_token_ids": [1] * 10, "max_tokens": MAX_LEN - 9},
      f"prompt length 10 + max_tokens {MAX_LEN - 9} = {MAX_LEN + 1} exceeds max_model_len {MAX_LEN}"),
     ("duplicate_id", {**GOOD}, "duplicate id 'good' (also on line 1)"),
+    ("ignore_eos_int", {**GOOD, "id": "x", "ignore_eos": 1}, "ignore_eos must be a boolean"),
     ("targets_not_list", {**GOOD, "id": "x", "target_lengths": 5}, "target_lengths must be a list of integers"),
     ("targets_float", {**GOOD, "id": "x", "n": 2, "target_lengths": [3, 4.0]}, "list of integers, found float"),
     ("targets_too_few", {**GOOD, "id": "x", "n": 3, "target_lengths": [3, 4]},
