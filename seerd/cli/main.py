@@ -14,6 +14,7 @@ from pathlib import Path
 import click
 
 from seerd.cli import ui
+from seerd.cli.sim import sim
 from seerd.config import DEFAULT_CHUNK_TOKENS, ConfigError, EngineConfig, RunConfig, SamplingDefaults
 from seerd.db import RolloutStatus, make_engine, make_sessionmaker
 from seerd.db.migrate import current_revision, head_revisions, upgrade
@@ -219,6 +220,9 @@ def _existing_run(run_dir: Path) -> RunDir:
         ui.error(f"no run at {run_dir} (no {rundir.db_path.name}); start one with `seerd run`")
         raise SystemExit(EXIT_BAD_INPUT)
     return rundir
+
+
+cli.add_command(sim)
 
 
 def main() -> None:

@@ -18,5 +18,17 @@ def make_policy(name: str) -> Policy:
 
 __all__ = [
     "Assignment", "DividedPolicy", "GroupPolicy", "POLICIES", "Plan", "Policy", "QueuedRequest",
-    "RequestQueue", "SeerPolicy", "Snapshot", "WorkerLoad", "make_policy",
+    "RequestQueue", "SeerPolicy", "Snapshot", "WorkerLoad", "make_policy", "make_sim_policy",
 ]
+
+
+def make_sim_policy(name: str, true_lengths: dict[int, int]) -> Policy:
+    """The daemon's policies plus the simulation-only oracles, which need the true lengths."""
+    from seerd.scheduler.oracle import OraclePolicy, StreamRLOraclePolicy
+
+    oracles = {"oracle": OraclePolicy, "streamrl-oracle": StreamRLOraclePolicy}
+    if name in oracles:
+        return oracles[name](true_lengths)
+    if name in POLICIES:
+        return POLICIES[name]()
+    raise ValueError(f"unknown policy {name!r}; choose from {', '.join([*POLICIES, *oracles])}")

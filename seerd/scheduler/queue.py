@@ -1,14 +1,16 @@
 """The request buffer as the scheduler sees it: queued requests kept in order as they change.
 
-The lease book updates it incrementally (a request enters when it waits for its next chunk and
-leaves when leased), so a lease call costs O(log n + k) rather than a rebuild and sort of every
-queued request.
+The lease book (and the simulator) update it incrementally: a request enters when it waits for
+its next chunk and leaves when leased. Besides first-come-first-served order, a policy can ask for
+its own order by name and key (`ordered`); the index is built once and then kept up to date on
+every put and remove, so a lease call costs O(log n + k) rather than a sort of every queued request.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left, insort
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 from seerd.scheduler.base import QueuedRequest
 
@@ -17,6 +19,8 @@ class RequestQueue:
     def __init__(self) -> None:
         self._items: dict[int, QueuedRequest] = {}
         self._fcfs: list[tuple[float, int]] = []  # (queued_at, request_id), ascending
+        # name -> (key function, [(key, request_id)] ascending); keys must end in the request id
+        self._indexes: dict[str, tuple[Callable[[QueuedRequest], Any], list]] = {}
 
     @classmethod
     def of(cls, requests: Iterable[QueuedRequest]) -> RequestQueue:
@@ -30,12 +34,28 @@ class RequestQueue:
             self.remove(request.request_id)
         self._items[request.request_id] = request
         insort(self._fcfs, (request.queued_at, request.request_id))
+        for key, order in self._indexes.values():
+            insort(order, (key(request), request.request_id))
 
     def remove(self, request_id: int) -> QueuedRequest:
         request = self._items.pop(request_id)
         index = bisect_left(self._fcfs, (request.queued_at, request_id))
         del self._fcfs[index]
+        for key, order in self._indexes.values():
+            del order[bisect_left(order, (key(request), request_id))]
         return request
+
+    def ordered(self, name: str, key: Callable[[QueuedRequest], Any]) -> Iterator[QueuedRequest]:
+        """Queued requests ascending by `key`, ties by request id; the index named `name` is
+        built on first use and maintained from then on. `key` must depend on the request only
+        (not on the clock) and must be the same function every time a name is used."""
+        if name not in self._indexes:
+            self._indexes[name] = (key, sorted((key(r), r.request_id) for r in self._items.values()))
+        for _, request_id in self._indexes[name][1]:
+            yield self._items[request_id]
+
+    def get(self, request_id: int) -> QueuedRequest:
+        return self._items[request_id]
 
     def fcfs(self) -> Iterator[QueuedRequest]:
         """Oldest first; ties by request id."""

@@ -1,47 +1,69 @@
 """`seer`: context-aware scheduling, the Seer paper's Algorithm 2, on divided rollout.
 
 Each time a worker asks for work, queued requests are served in this order:
-1. starved requests: queued longer than `starvation_s`, oldest first. This is the anti-starvation
-   bound: no queued request waits longer than `starvation_s` plus the time until a worker with
-   room asks (the paper only says "occasionally serve underserved groups").
+1. the oldest starved request (queued longer than `starvation_s`, default 600 s), at most
+   `starved_per_call` (1) per lease call. This is the anti-starvation rule ("occasionally serve
+   underserved groups" in the paper): a request starved at time T is served once the starved
+   requests older than it have been, one per lease call that admits anything. Serving every
+   starved request at once instead turned the policy into FCFS for minutes at a time in the
+   simulator (docs/simulator.md).
 2. probes (one speculative request per group), shortest generated length first: short probes
    finish and leave, long ones reveal the tail groups early;
-3. the rest, longest group estimate first (the estimate is the group's longest finished response,
-   or its max_tokens while none has finished), then the furthest along, then the oldest.
+3. the rest, longest expected length first, where a request's expected length is its group's
+   estimate (the group's longest finished response, or its max_tokens while none has finished)
+   or, once it has generated more than that, its own length so far; then the furthest along,
+   then the oldest.
 Chunks are admitted only while the worker has free sequence slots and KV room for the chunk's
 whole context plus its budget; if the next request in order does not fit, nothing more is
 admitted this call (no preemption by construction, no reordering around the head).
-Affinity: a request whose previous chunk ran on another live worker with free slots is left for
-that worker (its prefix cache holds the request), unless that worker has `affinity_spread` more
-chunks in flight than the asking one (the paper uses 32 in-flight requests).
+Affinity: a request whose previous chunk ran on another live worker with a free slot and KV room
+for the chunk is left for that worker (its prefix cache holds the request), unless that worker has
+`affinity_spread` more chunks in flight than the asking one (the paper uses 32 in-flight requests).
 """
 
 from __future__ import annotations
 
-from seerd.scheduler.base import Plan, QueuedRequest, Snapshot, admit, free_slots
+from collections.abc import Iterator
 
-DEFAULT_STARVATION_S = 300.0
+from seerd.scheduler.base import Plan, QueuedRequest, Snapshot, admit, chunk_budget, free_slots, kv_need
+
+DEFAULT_STARVATION_S = 600.0
 DEFAULT_AFFINITY_SPREAD = 32
+DEFAULT_STARVED_PER_CALL = 1
+
+
+def seer_key(r: QueuedRequest) -> tuple:
+    """Probes first, shortest generated first; then longest group estimate, furthest along, oldest."""
+    if r.is_probe:
+        return (0, r.generated, r.queued_at)
+    # A response is at least as long as what it has generated: past its group's estimate, its own
+    # progress is the better lower bound (otherwise a long response of a group whose first
+    # finished response was short waits behind every other group after each of its chunks).
+    return (1, -max(r.group_estimate, r.generated), -r.generated, r.queued_at)
 
 
 class SeerPolicy:
     name = "seer"
 
     def __init__(self, starvation_s: float = DEFAULT_STARVATION_S,
-                 affinity_spread: int = DEFAULT_AFFINITY_SPREAD) -> None:
+                 affinity_spread: int = DEFAULT_AFFINITY_SPREAD,
+                 starved_per_call: int = DEFAULT_STARVED_PER_CALL) -> None:
         self.starvation_s = starvation_s
+        self.starved_per_call = starved_per_call
         self.affinity_spread = affinity_spread
 
-    def order(self, snapshot: Snapshot) -> list[QueuedRequest]:
-        """Every queued request in serving order (the heart of the policy; tested directly)."""
-        def key(r: QueuedRequest) -> tuple:
-            if snapshot.now - r.queued_at > self.starvation_s:
-                return (0, r.queued_at, 0, 0, r.request_id)
-            if r.is_probe:
-                return (1, r.generated, r.queued_at, 0, r.request_id)
-            return (2, -r.group_estimate, -r.generated, r.queued_at, r.request_id)
-
-        return sorted(snapshot.queued, key=key)
+    def order(self, snapshot: Snapshot) -> Iterator[QueuedRequest]:
+        """Every queued request in serving order, lazily (the heart of the policy; tested directly)."""
+        starved: set[int] = set()
+        for request in snapshot.queued.fcfs():  # oldest first: the starved are a prefix
+            if (len(starved) >= self.starved_per_call
+                    or snapshot.now - request.queued_at <= self.starvation_s):
+                break
+            starved.add(request.request_id)
+            yield request
+        for request in snapshot.queued.ordered("seer", seer_key):
+            if request.request_id not in starved:
+                yield request
 
     def plan(self, snapshot: Snapshot) -> Plan:
         if free_slots(snapshot) <= 0:
@@ -52,7 +74,10 @@ class SeerPolicy:
         def belongs_elsewhere(request: QueuedRequest) -> bool:
             # Its previous worker holds its prefix: leave it there unless that one is much busier.
             home = others.get(request.last_worker or "")
-            return (home is not None and home.running_chunks < home.max_chunks
+            if home is None or home.running_chunks >= home.max_chunks:
+                return False
+            headroom = home.kv_capacity_tokens - home.reserved_kv_tokens
+            return (headroom >= kv_need(request, chunk_budget(request, snapshot.chunk_tokens))
                     and home.running_chunks - asking.running_chunks <= self.affinity_spread
                     and snapshot.now - request.queued_at <= self.starvation_s)
 

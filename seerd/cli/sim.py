@@ -1,0 +1,113 @@
+"""`seerd sim`: what would each policy do on this cluster with these lengths?"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import click
+
+from seerd.sim.costs import Efficiency
+from seerd.sim.presets import PRESETS, get_preset
+from seerd.sim.report import PRIOR_POLICY, SIM_POLICIES, SimSettings, format_table, plot, run_comparison, summarize
+from seerd.sim.workload import TraceError, load_trace
+
+EXIT_BAD_INPUT = 2
+
+
+def _bad(message: str) -> None:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(EXIT_BAD_INPUT)
+
+
+@click.command()
+@click.option("--preset", "preset_name", default="qwen2-vl-72b", show_default=True,
+              type=click.Choice(list(PRESETS)), help="Cluster, model and length statistics (the paper's workloads).")
+@click.option("--trace", "trace_path", type=click.Path(path_type=Path),
+              help='JSONL lengths to replay ({"group": id, "length": L, "prompt_len": P}); the preset '
+                   "supplies the cluster and cost model.")
+@click.option("--policies", default="group,divided,seer,oracle", show_default=True,
+              help=f"Comma-separated, from {', '.join([*SIM_POLICIES, PRIOR_POLICY])}.")
+@click.option("--seed", default=0, show_default=True, help="First seed (workload and pool hits).")
+@click.option("--seeds", default=1, show_default=True, help="Seeds to run (medians are reported).")
+@click.option("--iterations", default=1, show_default=True,
+              help="RL iterations over the same prompts with drifting lengths (adds seer+prior from the 2nd).")
+@click.option("--chunk-tokens", type=int, help="Chunk size (default: the preset's).")
+@click.option("--requests", type=int, help="Requests per iteration (default: the preset's).")
+@click.option("--instances", type=int, help="Instances (default: the preset's).")
+@click.option("--within-share", default=0.15, show_default=True,
+              help="Within-group share of the log-length variance (0 = identical lengths in a group).")
+@click.option("--pool-hit-rate", default=1.0, show_default=True,
+              help="Chance that a chunk continued elsewhere finds its KV in the pool (else it recomputes).")
+@click.option("--prefill-mfu", type=float, help="Prefill efficiency (default 0.5).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
+@click.option("--plot", "plot_dir", type=click.Path(path_type=Path), help="Write PNG plots into this directory.")
+def sim(preset_name: str, trace_path: Path | None, policies: str, seed: int, seeds: int, iterations: int,
+        chunk_tokens: int | None, requests: int | None, instances: int | None, within_share: float,
+        pool_hit_rate: float, prefill_mfu: float | None, as_json: bool, plot_dir: Path | None) -> None:
+    """Simulate a rollout under each policy with the daemon's own scheduler code."""
+    preset = get_preset(preset_name)
+    names = [p.strip() for p in policies.split(",") if p.strip()]
+    unknown = [p for p in names if p not in (*SIM_POLICIES, PRIOR_POLICY)]
+    if unknown or not names:
+        _bad(f"unknown policy {', '.join(unknown) or '(none)'}; choose from {', '.join([*SIM_POLICIES, PRIOR_POLICY])}")
+    if seeds < 1 or iterations < 1:
+        _bad("--seeds and --iterations must be at least 1")
+    if PRIOR_POLICY in names and iterations < 2:
+        _bad(f"{PRIOR_POLICY} needs --iterations 2 or more (the prior is the iteration before)")
+    if not 0.0 <= pool_hit_rate <= 1.0:
+        _bad(f"--pool-hit-rate must be in [0, 1], got {pool_hit_rate}")
+    if not 0.0 <= within_share < 1.0:
+        _bad(f"--within-share must be in [0, 1), got {within_share}")
+    if chunk_tokens is not None and chunk_tokens < 1:
+        _bad("--chunk-tokens must be positive")
+    if instances is not None:
+        if instances < 1:
+            _bad("--instances must be positive")
+        preset = preset.with_changes(instances=instances)
+    if requests is not None and requests < preset.group_size:
+        _bad(f"--requests must be at least the group size {preset.group_size}")
+    efficiency = Efficiency() if prefill_mfu is None else replace(Efficiency(), prefill_mfu=prefill_mfu)
+    if not 0.0 < efficiency.prefill_mfu <= 1.0:
+        _bad("--prefill-mfu must be in (0, 1]")
+    workload = None
+    if trace_path is not None:
+        if iterations > 1:
+            _bad("--iterations needs a generated workload, not --trace")
+        try:
+            workload = load_trace(trace_path, preset)
+        except TraceError as exc:
+            _bad(str(exc))
+    settings = SimSettings(preset, chunk_tokens or preset.chunk_tokens, pool_hit_rate=pool_hit_rate,
+                           within_share=within_share, efficiency=efficiency, requests=requests,
+                           record_timeline=plot_dir is not None)
+    try:
+        costs = preset.costs(efficiency)
+        results = run_comparison(settings, names, range(seed, seed + seeds), workload=workload, iterations=iterations)
+    except (ValueError, RuntimeError) as exc:
+        _bad(str(exc))
+    summary = summarize(results)
+    first = next(iter(results.values()))[0]
+    document = {
+        "preset": preset.name,
+        "workload": {"source": workload.source if workload else "generated", "requests": first.requests,
+                     "output_tokens": first.output_tokens, "seeds": list(range(seed, seed + seeds)),
+                     "iterations": iterations, "within_share": within_share},
+        "cluster": {"instances": preset.instances, "chunk_tokens": settings.chunk_tokens,
+                    "max_num_seqs": preset.max_num_seqs, "pool_hit_rate": pool_hit_rate, **costs.describe()},
+        "policies": summary,
+        "paper": {k: v for k, v in vars(preset.paper).items() if v is not None},
+    }
+    if plot_dir is not None:
+        document["plots"] = [str(p) for p in plot(results, plot_dir)]
+    if as_json:
+        click.echo(json.dumps(document, indent=2))
+        return
+    click.echo(f"preset {preset.name}: {preset.instances} instances x {preset.parallelism.gpus} GPU, "
+               f"{first.requests} requests ({first.output_tokens:,} output tokens), chunk {settings.chunk_tokens}, "
+               f"KV {costs.kv_capacity_tokens():,} tokens/instance, {seeds} seed(s) x {iterations} iteration(s)")
+    click.echo(format_table(summary, preset))
+    for path in document.get("plots", []):
+        click.echo(f"wrote {path}")

@@ -1,0 +1,275 @@
+"""The discrete-event simulator: the daemon's scheduler code driven by a simulated clock.
+
+The simulator plays the coordinator's part with the same objects the lease book uses: a
+`RequestQueue` of `QueuedRequest`s, `Snapshot`s with `WorkerLoad`s, a `Policy.plan()` call when a
+worker asks for work, and the same estimate rule (`updated_estimate`). Workers ask as the daemon's
+do: after their chunks finish, and, while they have free slots, whenever new work is queued (the
+daemon wakes its long-polling workers then). Only the engines are modelled (`SimInstance`).
+The lengths are known to the engines alone, as a model's EOS is; policies never see them, except
+the simulation-only oracles, which are given them at construction.
+Deterministic for a seed: events are ordered by (time, sequence number) and all randomness
+comes from one seeded generator.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+import time
+from dataclasses import dataclass, field
+
+from seerd.scheduler import make_sim_policy
+from seerd.scheduler.base import Policy, QueuedRequest, Snapshot, WorkerLoad, kv_need, updated_estimate
+from seerd.scheduler.queue import RequestQueue
+from seerd.sim.costs import InstanceCosts
+from seerd.sim.engine import WATERMARK_FRACTION, SimInstance, SimSeq
+from seerd.sim.workload import Workload
+
+
+@dataclass
+class SimRequest:
+    request_id: int
+    group_index: int
+    response_index: int
+    true_length: int
+    max_tokens: int
+    is_probe: bool
+    generated: int = 0
+    last_instance: int | None = None
+    queued_at: float = 0.0
+    finished_at: float | None = None
+    first_leased_at: float | None = None
+    chunks: int = 0
+
+
+@dataclass
+class SimGroupState:
+    index: int
+    prompt_len: int
+    n: int
+    estimate: int
+    request_ids: list[int] = field(default_factory=list)
+    finished: int = 0
+
+
+@dataclass
+class Lease:
+    request_id: int
+    instance: int
+    kv_reserved: int
+
+
+@dataclass
+class SimResult:
+    policy: str
+    total_time_s: float
+    output_tokens: int
+    requests: int
+    finish_times: list[float]
+    instance_busy_s: list[float]
+    preemptions: int
+    recomputed_tokens: int
+    pool_loads: int
+    local_continuations: int
+    chunks: int
+    plan_calls: int
+    wall_s: float
+    timelines: list[list[tuple[float, int, int]]]
+    kv_capacity: int
+
+    @property
+    def throughput_tok_s(self) -> float:
+        return self.output_tokens / self.total_time_s if self.total_time_s > 0 else 0.0
+
+    @property
+    def tail_time_s(self) -> float:
+        """Time spent only on the last 10% of requests: the end minus when 90% had finished."""
+        ordered = sorted(self.finish_times)
+        k = -(-9 * len(ordered) // 10)  # ceil(0.9 n): the request that completes the first 90%
+        return self.total_time_s - ordered[k - 1]
+
+    @property
+    def idle_fraction(self) -> float:
+        if self.total_time_s <= 0:
+            return 0.0
+        return sum(1.0 - min(1.0, b / self.total_time_s) for b in self.instance_busy_s) / len(self.instance_busy_s)
+
+
+class Simulation:
+    def __init__(self, workload: Workload, policy: Policy | str, costs: InstanceCosts, *, instances: int,
+                 chunk_tokens: int, max_num_seqs: int, seed: int, pool_hit_rate: float = 1.0,
+                 priors: dict[int, int] | None = None, kv_capacity: int | None = None,
+                 record_timeline: bool = True) -> None:
+        if instances < 1 or chunk_tokens < 1 or max_num_seqs < 1:
+            raise ValueError("instances, chunk_tokens and max_num_seqs must be positive")
+        if not 0.0 <= pool_hit_rate <= 1.0:
+            raise ValueError(f"pool_hit_rate must be in [0, 1], got {pool_hit_rate}")
+        self.chunk_tokens = chunk_tokens
+        self.rng = random.Random(seed)
+        capacity = kv_capacity if kv_capacity is not None else costs.kv_capacity_tokens()
+        self.kv_capacity = capacity
+        self.instances = [SimInstance(i, costs, kv_capacity=capacity, max_num_seqs=max_num_seqs,
+                                      pool_hit_rate=pool_hit_rate, rng=self.rng, record_timeline=record_timeline)
+                          for i in range(instances)]
+        # What a worker registers: its KV less the engine's watermark, so that chunks admitted
+        # within it are always admitted by the engine too.
+        self.worker_kv = int(capacity * (1.0 - WATERMARK_FRACTION))
+        self.max_chunks = max_num_seqs
+        self.worker_ids = [f"sim-{i}" for i in range(instances)]
+        self.running_chunks = [0] * instances
+        self.reserved_kv = [0] * instances
+        self.groups: dict[int, SimGroupState] = {}
+        self.requests: dict[int, SimRequest] = {}
+        self.queue = RequestQueue()
+        self.unfinished_groups: dict[int, int] = {}
+        self.bindings: dict[int, str] = {}
+        self.leases: dict[int, Lease] = {}
+        self._next_chunk = 0
+        self._events: list[tuple[float, int, int, int]] = []
+        self._event_seq = 0
+        self.plan_calls = 0
+        self.finished = 0
+        priors = priors or {}
+        for g in workload.groups:
+            if any(length > g.max_tokens for length in g.lengths):
+                raise ValueError(f"group {g.index} has a length above its max_tokens {g.max_tokens}")
+            estimate = min(g.max_tokens, priors.get(g.index, g.max_tokens))
+            state = SimGroupState(g.index, g.prompt_len, len(g.lengths), estimate)
+            self.groups[g.index] = state
+            self.unfinished_groups[g.index] = g.index
+            for k, length in enumerate(g.lengths):
+                rid = len(self.requests)
+                self.requests[rid] = SimRequest(rid, g.index, k, length, g.max_tokens, is_probe=k == 0)
+                state.request_ids.append(rid)
+                self.queue.put(self._view(self.requests[rid]))
+        # A name builds the policy here: the simulation-only oracles need the true lengths.
+        self.policy = make_sim_policy(policy, self.true_lengths()) if isinstance(policy, str) else policy
+
+    def true_lengths(self) -> dict[int, int]:
+        """For the simulation-only oracles."""
+        return {rid: r.true_length for rid, r in self.requests.items()}
+
+    # ------------------------------------------------------------- the coordinator's part
+    def _view(self, r: SimRequest) -> QueuedRequest:
+        g = self.groups[r.group_index]
+        last = self.worker_ids[r.last_instance] if r.last_instance is not None else None
+        return QueuedRequest(r.request_id, r.group_index, r.group_index, r.response_index, g.prompt_len,
+                             r.generated, r.max_tokens, r.is_probe, g.estimate, last, r.queued_at)
+
+    def _loads(self) -> tuple[WorkerLoad, ...]:
+        return tuple(WorkerLoad(wid, i, self.running_chunks[i], self.reserved_kv[i], self.max_chunks, self.worker_kv)
+                     for i, wid in enumerate(self.worker_ids))
+
+    def _ask(self, i: int, now: float) -> list[SimSeq]:
+        """Worker i asks for work; returns the chunks it was leased."""
+        wanted = self.max_chunks - self.running_chunks[i]
+        if wanted <= 0 or not len(self.queue):
+            return []
+        self.plan_calls += 1
+        snapshot = Snapshot(now, self.worker_ids[i], wanted, self._loads(), self.queue, self.bindings,
+                            self.unfinished_groups, self.chunk_tokens)
+        plan = self.policy.plan(snapshot)
+        self.bindings.update(plan.new_bindings)
+        seqs = []
+        for a in plan.assignments:
+            if a.worker_id != self.worker_ids[i]:
+                raise RuntimeError(f"policy {self.policy.name} assigned to another worker")
+            view = self.queue.remove(a.request_id)
+            r = self.requests[a.request_id]
+            if not 1 <= a.max_tokens <= r.max_tokens - r.generated:
+                raise RuntimeError(f"policy gave request {r.request_id} an impossible budget {a.max_tokens}")
+            reserve = kv_need(view, a.max_tokens)
+            self.running_chunks[i] += 1
+            self.reserved_kv[i] += reserve
+            chunk_id = self._next_chunk
+            self._next_chunk += 1
+            self.leases[chunk_id] = Lease(r.request_id, i, reserve)
+            r.chunks += 1
+            if r.first_leased_at is None:
+                r.first_leased_at = now
+            seqs.append(SimSeq(chunk_id, r.request_id, r.group_index, self.groups[r.group_index].prompt_len,
+                               r.generated, min(a.max_tokens, r.true_length - r.generated), r.last_instance))
+        return seqs
+
+    def _complete(self, i: int, finished: list[SimSeq], now: float) -> bool:
+        """Chunks reported by instance i; returns whether any request went back to the queue."""
+        requeued = False
+        for seq in finished:
+            lease = self.leases.pop(seq.chunk_id)
+            self.running_chunks[i] -= 1
+            self.reserved_kv[i] -= lease.kv_reserved
+            r = self.requests[lease.request_id]
+            r.generated += seq.target
+            r.last_instance = i
+            if r.generated >= r.true_length or r.generated >= r.max_tokens:
+                r.finished_at = now
+                self.finished += 1
+                g = self.groups[r.group_index]
+                g.estimate = updated_estimate(g.finished, g.estimate, r.generated)
+                g.finished += 1
+                if g.finished == g.n:
+                    del self.unfinished_groups[g.index]
+                for rid in g.request_ids:  # queued views carry the estimate: refresh them
+                    if rid in self.queue:
+                        self.queue.put(self._view(self.requests[rid]))
+            else:
+                r.queued_at = now
+                self.queue.put(self._view(r))
+                requeued = True
+        return requeued
+
+    # ------------------------------------------------------------- the event loop
+    def _reschedule(self, i: int) -> None:
+        instance = self.instances[i]
+        instance.version += 1
+        end = instance.schedule()
+        if end is not None:
+            self._event_seq += 1
+            heapq.heappush(self._events, (end, self._event_seq, i, instance.version))
+
+    def _hand_out(self, first: int, now: float, woke_others: bool) -> None:
+        """Worker `first` asks; if work was queued, every other worker with free slots asks too."""
+        order = [first] + ([j for j in range(len(self.instances)) if j != first] if woke_others else [])
+        for j in order:
+            seqs = self._ask(j, now)
+            if not seqs and j != first:
+                continue
+            instance = self.instances[j]
+            if j != first:
+                done = instance.sync(now)
+                if done and self._complete(j, done, instance.clock):
+                    pass  # queued again: later workers in this pass see it
+            for seq in seqs:
+                instance.submit(seq)
+            self._reschedule(j)
+
+    def run(self) -> SimResult:
+        started = time.perf_counter()
+        for i in range(len(self.instances)):
+            for seq in self._ask(i, 0.0):
+                self.instances[i].submit(seq)
+        for i in range(len(self.instances)):
+            self._reschedule(i)
+        while self._events:
+            t, _, i, version = heapq.heappop(self._events)
+            instance = self.instances[i]
+            if version != instance.version:
+                continue
+            finished = instance.sync(t)
+            requeued = self._complete(i, finished, instance.clock)
+            self._hand_out(i, instance.clock, requeued)
+        if self.finished != len(self.requests):
+            stuck = len(self.requests) - self.finished
+            raise RuntimeError(f"policy {self.policy.name} left {stuck} requests unfinished "
+                               f"({len(self.queue)} queued, {len(self.leases)} leased)")
+        finish_times = [r.finished_at for r in self.requests.values()]
+        total = max(finish_times)
+        stats = [inst.stats for inst in self.instances]
+        return SimResult(
+            policy=self.policy.name, total_time_s=total,
+            output_tokens=sum(r.true_length for r in self.requests.values()), requests=len(self.requests),
+            finish_times=finish_times, instance_busy_s=[s.busy_s for s in stats],
+            preemptions=sum(s.preemptions for s in stats), recomputed_tokens=sum(s.recomputed_tokens for s in stats),
+            pool_loads=sum(s.pool_loads for s in stats), local_continuations=sum(s.local_continuations for s in stats),
+            chunks=self._next_chunk, plan_calls=self.plan_calls, wall_s=time.perf_counter() - started,
+            timelines=[inst.timeline for inst in self.instances], kv_capacity=self.kv_capacity)
