@@ -51,6 +51,8 @@ class RunConfig:
     wait_for_workers: bool = False
     worker_wait_s: float = 300.0
     sqlite_synchronous: str = "FULL"
+    # An earlier run whose lengths seeded the group estimates (`--prior`; see coordinator/prior.py).
+    prior_run_dir: str | None = None
 
     def validate(self) -> None:
         problems = []

@@ -67,16 +67,23 @@ def cli(verbose: bool) -> None:
 @click.option("--lease-ttl", default=30.0, show_default=True, help="Seconds a lease lives without a heartbeat.")
 @click.option("--wait-for-workers", is_flag=True,
               help="Hand out no work until every worker is up (always so for --policy group).")
+@click.option("--prior", "prior_dir", default=None, type=click.Path(path_type=Path),
+              help="A finished earlier run of the same prompts: its longest response per prompt seeds each "
+                   "group's length estimate (matched by a hash of the prompt tokens).")
 @click.option("--progress/--no-progress", default=None, help="Progress bar (default: when on a terminal).")
 def run(input_path: Path, model_path: Path, run_dir: Path, workers: int, policy: str, chunk_tokens: int,
         n: int, max_tokens: int, temperature: float, top_p: float, top_k: int, seed: int,
         kv_cache_gib: float, max_num_seqs: int, max_model_len: int | None, dtype: str, engine_api: str,
-        lease_ttl: float, wait_for_workers: bool, progress: bool | None) -> None:
+        lease_ttl: float, wait_for_workers: bool, prior_dir: Path | None, progress: bool | None) -> None:
     """Run a rollout on this machine: a coordinator and WORKERS local vLLM engines."""
+    from seerd.coordinator.create import prompt_hash
+    from seerd.coordinator.prior import PriorRunError, read_prior
     from seerd.io.prompts import ModelDirError, PromptFileError, load_model_limits, load_prompts
 
     rundir = RunDir(run_dir.resolve())
     if rundir.exists():
+        if prior_dir is not None:
+            ui.warn("--prior is ignored: the run exists and keeps the estimates it started with")
         _run_existing(rundir, input_path, progress)
         return
     config = RunConfig(
@@ -86,30 +93,37 @@ def run(input_path: Path, model_path: Path, run_dir: Path, workers: int, policy:
         engine=EngineConfig(kv_cache_gib=kv_cache_gib, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                             dtype=dtype, api=engine_api),
         lease_ttl_s=lease_ttl, wait_for_workers=wait_for_workers,
+        prior_run_dir=str(prior_dir.resolve()) if prior_dir is not None else None,
     )
     try:
         config.validate()
         limits = load_model_limits(model_path)
         rows = load_prompts(input_path, model_path, default_n=n, default_max_tokens=max_tokens,
                             max_model_len=max_model_len or limits.max_model_len)
-    except (ConfigError, ModelDirError, PromptFileError) as exc:
+        prior = None if prior_dir is None else read_prior(prior_dir, {prompt_hash(r.prompt_token_ids) for r in rows})
+    except (ConfigError, ModelDirError, PromptFileError, PriorRunError) as exc:
         ui.error(str(exc))
         raise SystemExit(EXIT_BAD_INPUT) from None
-    _create_run(rundir, config, rows, _file_sha256(input_path))
+    seeded = _create_run(rundir, config, rows, _file_sha256(input_path), prior)
     ui.info(f"run {rundir.path}: {len(rows)} groups, {sum(r.n for r in rows)} requests, policy {policy}, "
             f"{workers} workers")
+    if prior is not None:
+        ui.info(f"--prior {prior.run_dir}: seeded the estimates of {seeded} of {len(rows)} groups")
     _drive(rundir, workers, progress)
 
 
-def _create_run(rundir: RunDir, config: RunConfig, rows: list, input_sha: str) -> None:
-    from seerd.coordinator.create import create_rollout
+def _create_run(rundir: RunDir, config: RunConfig, rows: list, input_sha: str, prior) -> int:  # noqa: ANN001
+    """Create the run's state; return how many groups the prior seeded."""
+    from seerd.coordinator.create import create_rollout, prompt_hash
 
     rundir.create()
     engine = make_engine(rundir.db_path, synchronous=config.sqlite_synchronous)
     upgrade(engine)
     with make_sessionmaker(engine).begin() as session:
-        create_rollout(session, config, rows, input_sha256=input_sha, now=time.time())
+        create_rollout(session, config, rows, input_sha256=input_sha, now=time.time(), prior=prior)
     engine.dispose()
+    return 0 if prior is None else sum(prior.longest_recent(prompt_hash(r.prompt_token_ids)) is not None
+                                       for r in rows)
 
 
 def _run_existing(rundir: RunDir, input_path: Path, progress: bool | None) -> None:

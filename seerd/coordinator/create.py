@@ -10,6 +10,7 @@ from sqlalchemy import insert, select, update
 from sqlalchemy.orm import Session
 
 from seerd.config import RunConfig
+from seerd.coordinator.prior import PriorLengths, seed_from_prior
 from seerd.db import Group, Request, RequestStatus, RequestTarget, Rollout, RolloutStatus, add_event
 from seerd.io.codec import pack_ints
 from seerd.io.prompts import PromptRow
@@ -34,8 +35,11 @@ def group_sampling(config: RunConfig, row: PromptRow) -> dict:
 
 
 def create_rollout(session: Session, config: RunConfig, rows: Sequence[PromptRow], *,
-                   input_sha256: str, now: float) -> int:
-    """Insert the rollout, a group per row and n requests per group; the caller commits."""
+                   input_sha256: str, now: float, prior: PriorLengths | None = None) -> int:
+    """Insert the rollout, a group per row and n requests per group; the caller commits.
+
+    With `prior` (lengths of an earlier run, `--prior`), matched groups start from its estimate.
+    """
     rollout = Rollout(status=RolloutStatus.CREATED, policy=config.policy, seed=config.seed,
                       model_path=config.model_path, input_path=config.input_path,
                       input_sha256=input_sha256, config_json=config.to_json(), created_at=now)
@@ -69,8 +73,11 @@ def create_rollout(session: Session, config: RunConfig, rows: Sequence[PromptRow
     ).all()
     session.execute(update(Group), [{"id": gid, "probe_request_id": rid} for gid, rid in probes])
     _insert_targets(session, rollout.id, rows, id_of)
+    seeded = 0 if prior is None else seed_from_prior(session, rollout.id, prior, model_path=config.model_path,
+                                                     now=now)
     add_event(session, rollout.id, now, "rollout_created",
-              data={"groups": len(rows), "requests": sum(r.n for r in rows), "policy": config.policy})
+              data={"groups": len(rows), "requests": sum(r.n for r in rows), "policy": config.policy,
+                    "groups_seeded_from_prior": seeded})
     return rollout.id
 
 

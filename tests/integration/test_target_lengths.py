@@ -104,3 +104,21 @@ def test_seer_starts_long_groups_before_short_ones(tiny_model_dir, tmp_path):
     assert max(long_starts) < min(short_starts), sorted(leases, key=lambda x: x[2])
     # And probes first, as before.
     assert max(order for _, probe, order in leases if probe) < min(long_starts)
+
+
+def test_next_iteration_with_prior_starts_from_the_earlier_lengths(tiny_model_dir, tmp_path):
+    targets = [[9, 20], [40, 33], [3, 5]]
+    prompts = write_target_prompts(tmp_path / "prompts.jsonl", targets, max_tokens=48, ignore_eos=True)
+    common = ["--input", str(prompts), "--model", str(tiny_model_dir), "--chunk-tokens", "16", "--workers", "1",
+              "--kv-cache-gib", "0.25", "--max-num-seqs", "8", "--no-progress"]
+    first = run_seerd("run", "--run-dir", str(tmp_path / "it1"), *common)
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = run_seerd("run", "--run-dir", str(tmp_path / "it2"), "--prior", str(tmp_path / "it1"), *common)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "seeded the estimates of 3 of 3 groups" in second.stderr
+    ((data,),) = db_rows(tmp_path / "it2", "select data_json from events where kind = 'prior_seeded'")
+    assert json.loads(data)["groups_seeded"] == 3
+    history = db_rows(tmp_path / "it2", "select h.age, h.length, g.group_index from prompt_length_history h "
+                                        "join prompt_groups g on g.prompt_hash = h.prompt_hash")
+    assert sorted((g, length) for age, length, g in history if age == 1) == sorted(
+        (g, t) for g, ts in enumerate(targets) for t in ts)

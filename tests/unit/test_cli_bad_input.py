@@ -95,3 +95,21 @@ def test_resume_and_export_of_an_unknown_run(tmp_path):
         assert result.exit_code == EXIT_BAD_INPUT and "no run at" in result.output
     result = CliRunner().invoke(cli, ["db", "upgrade", str(tmp_path / "nowhere")])
     assert result.exit_code == EXIT_BAD_INPUT
+
+
+def test_prior_that_is_not_a_run(tmp_path, tiny_model_dir):
+    (tmp_path / "prompts.jsonl").write_bytes(jsonl(GOOD))
+    result, run_dir = invoke(tmp_path, "--prior", str(tmp_path / "nowhere"), model=tiny_model_dir)
+    assert result.exit_code == EXIT_BAD_INPUT and "--prior" in result.output and "no run there" in result.output
+    assert not run_dir.exists()
+
+
+def test_prior_that_is_unfinished(tmp_path, tiny_model_dir):
+    from tests.unit.helpers import make_book
+
+    (tmp_path / "earlier").mkdir()
+    make_book(tmp_path / "earlier")  # a run that was created and never finished
+    (tmp_path / "prompts.jsonl").write_bytes(jsonl(GOOD))
+    result, run_dir = invoke(tmp_path, "--prior", str(tmp_path / "earlier"), model=tiny_model_dir)
+    assert result.exit_code == EXIT_BAD_INPUT and "not finished" in result.output, result.output
+    assert not run_dir.exists()

@@ -87,3 +87,7 @@ def test_rows_of_a_0001_database_survive_the_upgrade_to_head(tmp_path):
         conn.exec_driver_sql("insert into request_targets (request_id, target_length) values (2, 30)")
         conn.exec_driver_sql("delete from requests where id = 2")  # targets go with their request
         assert conn.exec_driver_sql("select count(*) from request_targets").scalar() == 0
+        conn.exec_driver_sql("insert into prompt_length_history (rollout_id, prompt_hash, age, length) "
+                             "values (1, 'h', 1, 12)")
+        conn.exec_driver_sql("delete from rollouts where id = 1")  # history goes with its rollout
+        assert conn.exec_driver_sql("select count(*) from prompt_length_history").scalar() == 0
