@@ -76,6 +76,8 @@ class SimResult:
     wall_s: float
     timelines: list[list[tuple[float, int, int]]]
     kv_capacity: int
+    peak_kv: list[int]
+    mean_batch: float  # sequences per decode step, over all steps of all instances
 
     @property
     def throughput_tok_s(self) -> float:
@@ -133,6 +135,7 @@ class Simulation:
         for g in workload.groups:
             if any(length > g.max_tokens for length in g.lengths):
                 raise ValueError(f"group {g.index} has a length above its max_tokens {g.max_tokens}")
+            # Like `seerd run --prior`: the prior is the starting estimate, replaced at the first finish.
             estimate = min(g.max_tokens, priors.get(g.index, g.max_tokens))
             state = SimGroupState(g.index, g.prompt_len, len(g.lengths), estimate)
             self.groups[g.index] = state
@@ -272,4 +275,6 @@ class Simulation:
             preemptions=sum(s.preemptions for s in stats), recomputed_tokens=sum(s.recomputed_tokens for s in stats),
             pool_loads=sum(s.pool_loads for s in stats), local_continuations=sum(s.local_continuations for s in stats),
             chunks=self._next_chunk, plan_calls=self.plan_calls, wall_s=time.perf_counter() - started,
-            timelines=[inst.timeline for inst in self.instances], kv_capacity=self.kv_capacity)
+            timelines=[inst.timeline for inst in self.instances], kv_capacity=self.kv_capacity,
+            peak_kv=[s.peak_kv for s in stats],
+            mean_batch=sum(s.decoded_tokens for s in stats) / max(1, sum(s.decode_steps for s in stats)))

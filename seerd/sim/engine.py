@@ -59,6 +59,9 @@ class SimSeq:
 class InstanceStats:
     busy_s: float = 0.0
     prefill_s: float = 0.0
+    decode_steps: int = 0
+    decoded_tokens: int = 0  # tokens per step on average = decoded_tokens / decode_steps
+    peak_kv: int = 0  # the most KV tokens ever held: never above capacity
     preemptions: int = 0
     recomputed_tokens: int = 0  # context rebuilt by prefill after preemption or migration
     pool_loads: int = 0
@@ -115,8 +118,11 @@ class SimInstance:
         elapsed = end - start if steps == planned else self.costs.segment_time(batch, self.kv_used, steps)
         self.clock = start + elapsed
         self.stats.busy_s += elapsed
+        self.stats.decode_steps += steps
+        self.stats.decoded_tokens += batch * steps
         self.step += steps
         self.kv_used += batch * steps
+        self.stats.peak_kv = max(self.stats.peak_kv, self.kv_used)
         self._segment = None if steps == planned else (self.clock, planned - steps, end)
         finished = []
         while self._ends and self._ends[0][0] <= self.step:
@@ -173,6 +179,7 @@ class SimInstance:
             self.running[seq.chunk_id] = seq
             heapq.heappush(self._ends, (seq.end_step, seq.chunk_id))
             self.kv_used += context
+            self.stats.peak_kv = max(self.stats.peak_kv, self.kv_used)
         if build_s:
             self.clock += build_s
             self.stats.busy_s += build_s

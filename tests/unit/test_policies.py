@@ -95,3 +95,83 @@ def test_seer_leaves_a_request_to_the_worker_holding_its_prefix_unless_spread_is
     assert [a.request_id for a in calm.assignments] == [2]
     busy = SeerPolicy(affinity_spread=2).plan(snap("a", [load("a", 0), load("b", 1, running=3)], queued))
     assert [a.request_id for a in busy.assignments] == [1, 2]
+
+
+def test_seer_serves_starved_requests_one_per_call_oldest_first():
+    starved = [seer_req(10 + i, 5 + i, estimate=1, queued_at=float(i)) for i in range(3)]
+    queued = [seer_req(1, 0, probe=True, queued_at=700.0), *starved]
+    snapshot = Snapshot(700.0, "a", 10, (load("a", 0),), RequestQueue.of(queued), {}, {}, 32)
+    # Only the oldest starved one jumps the queue; the others keep their place (estimate order).
+    assert [r.request_id for r in SeerPolicy(starvation_s=600).order(snapshot)] == [10, 1, 11, 12]
+    assert [r.request_id for r in SeerPolicy(starvation_s=600, starved_per_call=2).order(snapshot)][:2] == [10, 11]
+
+
+def test_seer_ranks_a_request_past_its_groups_estimate_by_its_own_length():
+    """A response longer than its group's finished ones is at least that long: it must not wait
+    behind every group with a larger estimate after each chunk."""
+    queued = [seer_req(1, 0, estimate=300), seer_req(2, 1, estimate=100, generated=500, max_tokens=1000),
+              seer_req(3, 2, estimate=600)]
+    order = [r.request_id for r in SeerPolicy().order(snap("a", [load("a", 0)], queued))]
+    assert order == [3, 2, 1]
+
+
+def test_seer_affinity_only_to_a_worker_with_kv_room():
+    queued = [seer_req(1, 0, last="b"), seer_req(2, 1)]
+    full = [load("a", 0), load("b", 1, reserved=9_990, kv=10_000)]  # b has slots but no KV room
+    plan = SeerPolicy().plan(snap("a", full, queued))
+    assert [a.request_id for a in plan.assignments] == [1, 2]
+
+
+def test_seer_order_follows_estimate_updates_in_the_queue_index():
+    queue = RequestQueue.of([seer_req(1, 0, estimate=100), seer_req(2, 1, estimate=200)])
+    snapshot = Snapshot(0.0, "a", 10, (load("a", 0),), queue, {}, {}, 32)
+    assert [r.request_id for r in SeerPolicy().order(snapshot)] == [2, 1]
+    queue.put(seer_req(1, 0, estimate=900))  # the lease book re-puts a group's views on a finish
+    assert [r.request_id for r in SeerPolicy().order(snapshot)] == [1, 2]
+
+
+def test_oracle_serves_the_longest_true_length_first_in_chunks():
+    from seerd.scheduler.oracle import OraclePolicy
+
+    queued = [seer_req(1, 0), seer_req(2, 1), seer_req(3, 2)]
+    plan = OraclePolicy({1: 20, 2: 90, 3: 50}).plan(snap("a", [load("a", 0)], queued))
+    assert [(a.request_id, a.max_tokens) for a in plan.assignments] == [(2, 32), (3, 32), (1, 32)]
+
+
+def test_streamrl_oracle_is_group_atomic_and_bucketed():
+    from seerd.scheduler.oracle import StreamRLOraclePolicy
+
+    # Group 0: longest 300 (bucket 9); group 1: 40 (bucket 6); group 2: 260 (bucket 9).
+    queued = [req(1, 0, 0, resp=0), req(2, 0, 0, resp=1), req(3, 1, 1, resp=0), req(4, 2, 2, resp=0),
+              req(5, 2, 2, resp=1)]
+    true_lengths = {1: 300, 2: 10, 3: 40, 4: 260, 5: 200}
+    policy = StreamRLOraclePolicy(true_lengths)
+    plan = policy.plan(snap("a", [load("a", 0, max_chunks=3)], queued))
+    # Bucket 9 in input order: group 0 (2 requests) fits; group 2 (2 more) does not: stop there.
+    assert [(a.request_id, a.max_tokens) for a in plan.assignments] == [(1, 300), (2, 10)]
+    rest = [r for r in queued if r.request_id not in (1, 2)]
+    plan = policy.plan(snap("a", [load("a", 0, max_chunks=4)], rest))
+    assert [a.request_id for a in plan.assignments] == [4, 5, 3]
+
+
+def test_queue_indexes_stay_sorted_under_random_puts_and_removes():
+    import random
+
+    rng = random.Random(7)
+    queue = RequestQueue()
+    key = lambda r: (-r.group_estimate, r.queued_at)  # noqa: E731
+    list(queue.ordered("test", key))
+    live: dict[int, QueuedRequest] = {}
+    for step in range(2000):
+        rid = rng.randrange(200)
+        if rid in live and rng.random() < 0.4:
+            queue.remove(rid)
+            del live[rid]
+        else:
+            live[rid] = seer_req(rid, rid % 17, estimate=rng.randrange(50), queued_at=float(step))
+            queue.put(live[rid])
+        if step % 100 == 0:
+            expected = sorted(live.values(), key=lambda r: (key(r), r.request_id))
+            assert [r.request_id for r in queue.ordered("test", key)] == [r.request_id for r in expected]
+            assert [r.request_id for r in queue.fcfs()] == [r.request_id for r in sorted(
+                live.values(), key=lambda r: (r.queued_at, r.request_id))]

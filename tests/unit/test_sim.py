@@ -1,0 +1,229 @@
+"""The simulator: its cost model, workloads, engine model and the driver around the real policies."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+
+import pytest
+from click.testing import CliRunner
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from seerd.cli.main import cli
+from seerd.sim.costs import InstanceCosts
+from seerd.sim.driver import SimResult, Simulation
+from seerd.sim.presets import PRESETS, get_preset
+from seerd.sim.report import SimSettings, run_comparison, summarize
+from seerd.sim.workload import SimGroup, TraceError, Workload, generate, load_trace, next_iteration
+
+QWEN = get_preset("qwen2-vl-72b")
+
+
+def small_workload(lengths_per_group: list[list[int]], prompt_len: int = 32, max_tokens: int = 512) -> Workload:
+    return Workload(tuple(SimGroup(i, prompt_len, max_tokens, tuple(ls)) for i, ls in enumerate(lengths_per_group)),
+                    "hand-made")
+
+
+def simulate(workload: Workload, policy: str, *, instances: int = 2, kv: int = 4000, chunk: int = 64,
+             max_num_seqs: int = 16, seed: int = 0, pool_hit_rate: float = 1.0) -> tuple[Simulation, SimResult]:
+    sim = Simulation(workload, policy, QWEN.costs(), instances=instances, chunk_tokens=chunk,
+                     max_num_seqs=max_num_seqs, seed=seed, pool_hit_rate=pool_hit_rate, kv_capacity=kv)
+    return sim, sim.run()
+
+
+# ----------------------------------------------------------------- cost model
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_segment_time_is_the_exact_sum_of_its_steps(preset: str) -> None:
+    costs = get_preset(preset).costs()
+    for batch, context, steps in [(1, 100, 7), (64, 200_000, 50), (256, 10, 300), (300, 2_000_000, 40)]:
+        summed = sum(costs.step_time(batch, context + i * batch) for i in range(steps))
+        assert math.isclose(costs.segment_time(batch, context, steps), summed, rel_tol=1e-9)
+
+
+def test_segment_time_across_the_memory_to_compute_crossing() -> None:
+    costs = QWEN.costs()
+    fixed, m0, m1, f0, f1 = costs._linear_terms(4096)
+    assert f0 > m0 and m1 > f1  # compute-bound at small context, memory-bound later: one crossing
+    crossing = (f0 - m0) / (m1 - f1)
+    start = max(0.0, crossing - 4096 * 20)
+    summed = sum(costs.step_time(4096, start + i * 4096) for i in range(60))
+    assert math.isclose(costs.segment_time(4096, start, 60), summed, rel_tol=1e-9)
+
+
+def test_steps_within_inverts_segment_time() -> None:
+    costs = QWEN.costs()
+    for budget in (0.0, 0.05, 1.0, 30.0):
+        k = costs.steps_within(32, 100_000, 10_000, budget)
+        assert costs.segment_time(32, 100_000, k) <= budget < costs.segment_time(32, 100_000, k + 1)
+
+
+def test_cost_model_orders_of_magnitude() -> None:
+    """Checks of the derivation, not of any target: decode of a 72B model at TP8 is ~10 ms at
+    batch 1 (weights / 8 / HBM bandwidth); a full KV read dominates at large batch."""
+    costs = QWEN.costs()
+    assert 0.008 < costs.step_time(1, 1000) < 0.02
+    assert costs.step_time(128, 1_000_000) > 2 * costs.step_time(1, 1000)
+    for preset in PRESETS.values():
+        assert preset.costs().kv_capacity_tokens() > preset.max_tokens  # one request always fits
+
+
+# ----------------------------------------------------------------- workloads
+def test_generator_matches_preset_statistics_and_correlates_within_groups() -> None:
+    workload = generate(QWEN, seed=3)
+    lengths = [length for g in workload.groups for length in g.lengths]
+    assert len(lengths) == QWEN.requests
+    assert abs(statistics.mean(lengths) / QWEN.mean_tokens - 1) < 0.08
+    assert max(lengths) == QWEN.max_tokens and min(lengths) >= 16
+    # Most of the log-length variance lies between groups (within_share 0.15).
+    logs = [[math.log(x) for x in g.lengths] for g in workload.groups]
+    within = statistics.mean(statistics.pvariance(g) for g in logs)
+    total = statistics.pvariance([x for g in logs for x in g])
+    assert within / total < 0.3
+
+
+def test_generator_is_deterministic_and_iterations_drift() -> None:
+    assert generate(QWEN, 5, requests=160) == generate(QWEN, 5, requests=160)
+    first = generate(QWEN, 5, requests=1600)
+    second = next_iteration(first, QWEN, 9)
+    assert [g.prompt_len for g in first.groups] == [g.prompt_len for g in second.groups]
+    assert [g.lengths for g in first.groups] != [g.lengths for g in second.groups]
+    # The same prompts stay predictive: group maxima correlate across iterations.
+    a = [math.log(max(g.lengths)) for g in first.groups]
+    b = [math.log(max(g.lengths)) for g in second.groups]
+    assert statistics.correlation(a, b) > 0.6
+
+
+def test_trace_replay_and_its_errors(tmp_path) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"group": "a", "length": 10, "prompt_len": 5}\n{"group": "a", "length": 30, "prompt_len": 5}\n'
+                     '\n{"group": 7, "length": 20}\n')
+    workload = load_trace(trace, QWEN)
+    assert [g.lengths for g in workload.groups] == [(10, 30), (20,)]
+    assert [g.prompt_len for g in workload.groups] == [5, QWEN.prompt_tokens]
+    for text, message in [('{"group": 1}', "length"), ("nope", "not JSON"),
+                          ('{"group": 1, "length": 99999999}', "1..40960"),
+                          ('{"group": 1, "length": 3, "prompt_len": 2}\n{"group": 1, "length": 3, "prompt_len": 4}',
+                           "two prompt lengths"), ("", "no requests")]:
+        trace.write_text(text)
+        with pytest.raises(TraceError, match=message):
+            load_trace(trace, QWEN)
+
+
+# ----------------------------------------------------------------- the simulation
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(groups=st.lists(st.lists(st.integers(1, 400), min_size=1, max_size=4), min_size=1, max_size=10),
+       policy=st.sampled_from(["group", "divided", "seer", "oracle", "streamrl-oracle"]),
+       chunk=st.sampled_from([16, 64, 1000]), seed=st.integers(0, 3))
+def test_every_request_completes_exactly_once_and_only_group_preempts(groups, policy, chunk, seed) -> None:
+    workload = small_workload(groups)
+    sim, result = simulate(workload, policy, chunk=chunk, kv=1500, max_num_seqs=6, seed=seed, pool_hit_rate=0.5)
+    assert result.requests == sum(len(g) for g in groups)
+    assert all(r.finished_at is not None and r.generated == r.true_length for r in sim.requests.values())
+    assert len(result.finish_times) == result.requests and not sim.leases and not len(sim.queue)
+    assert result.output_tokens == sum(map(sum, groups))
+    assert all(peak <= result.kv_capacity for peak in result.peak_kv)
+    if policy != "group":
+        assert result.preemptions == 0  # KV admission by construction
+
+
+def test_group_policy_preempts_when_kv_runs_out() -> None:
+    """veRL's engine admits by prompt and grows; with KV for ~3 full responses it must preempt."""
+    workload = small_workload([[400] * 4, [400] * 4])
+    _, result = simulate(workload, "group", kv=1400, max_num_seqs=8)
+    assert result.preemptions > 0 and result.recomputed_tokens > 0
+    _, divided = simulate(workload, "divided", kv=1400, max_num_seqs=8)
+    assert divided.preemptions == 0
+
+
+def test_same_seed_same_report_and_seeds_differ() -> None:
+    config = SimSettings(QWEN, chunk_tokens=4096, pool_hit_rate=0.5, requests=320, record_timeline=False)
+
+    def report(seed: int) -> dict:
+        summary = summarize(run_comparison(config, ["group", "seer", "oracle"], [seed]))
+        return {p: {k: v for k, v in e.items() if k != "sim_wall_s"} for p, e in summary.items()}
+
+    assert report(1) == report(1)
+    assert report(1) != report(2)
+
+
+def test_seer_starts_long_groups_before_short_ones() -> None:
+    """Once probes reveal the lengths, the long groups' other requests go first (slots bind)."""
+    workload = small_workload([[20] * 4, [300] * 4, [20] * 4, [300] * 4])
+    sim, _ = simulate(workload, "seer", instances=1, kv=100_000, max_num_seqs=4, chunk=64)
+    start = {(r.group_index, r.response_index): r.first_leased_at for r in sim.requests.values()}
+    long_rest = [start[(g, k)] for g in (1, 3) for k in range(1, 4)]
+    short_rest = [start[(g, k)] for g in (0, 2) for k in range(1, 4)]
+    assert max(long_rest) < min(short_rest)
+
+
+def test_tail_time_is_the_time_spent_on_the_last_tenth() -> None:
+    result = SimResult("x", 100.0, 1, 10, [float(t) for t in (1, 2, 3, 4, 5, 6, 7, 8, 40, 100)], [50.0], 0, 0, 0, 0,
+                       0, 0, 0.0, [], 1, [0], 0.0)
+    assert result.tail_time_s == 60.0  # 9 of 10 were done at t=40
+    assert result.idle_fraction == 0.5
+
+
+def test_pool_hit_rate_trades_recompute_for_loads() -> None:
+    workload = small_workload([[300] * 4 for _ in range(6)])
+    _, with_pool = simulate(workload, "divided", pool_hit_rate=1.0, chunk=32)
+    _, without = simulate(workload, "divided", pool_hit_rate=0.0, chunk=32)
+    assert with_pool.recomputed_tokens == 0 and with_pool.pool_loads > 0
+    assert without.pool_loads == 0 and without.recomputed_tokens > 0
+
+
+def test_preset_scale_simulates_every_policy() -> None:
+    """A tenth of the qwen preset on 2 instances (so KV binds) through every policy."""
+    config = SimSettings(QWEN.with_changes(instances=2), chunk_tokens=4096, requests=960, record_timeline=False)
+    summary = summarize(run_comparison(config, ["group", "divided", "seer", "oracle", "streamrl-oracle"], [0]))
+    assert summary["group"]["x_group"] == 1.0 and summary["oracle"]["x_oracle"] == 1.0
+    assert summary["group"]["preemptions"] > 0
+    assert all(summary[p]["preemptions"] == 0 for p in ("divided", "seer", "oracle", "streamrl-oracle"))
+
+
+# ----------------------------------------------------------------- the command
+def test_sim_command_json_schema(tmp_path) -> None:
+    result = CliRunner().invoke(cli, ["sim", "--preset", "moonlight", "--requests", "160", "--policies",
+                                      "group,seer,oracle", "--json", "--plot", str(tmp_path / "plots")])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    assert doc["preset"] == "moonlight"
+    for name in ("group", "seer", "oracle"):
+        entry = doc["policies"][name]
+        for key in ("throughput_tok_s", "total_time_s", "tail_time_s", "preemptions", "idle_fraction"):
+            assert isinstance(entry[key], (int, float))
+    pngs = sorted(p.name for p in (tmp_path / "plots").iterdir())
+    assert "completion_cdf.png" in pngs and "instances_seer.png" in pngs
+    assert all((tmp_path / "plots" / p).stat().st_size > 10_000 for p in pngs)
+
+
+def test_sim_command_with_a_trace_and_iterations(tmp_path) -> None:
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps({"group": g, "length": 100 + 50 * g}) + "\n" for g in range(8) for _ in range(4)))
+    result = CliRunner().invoke(cli, ["sim", "--trace", str(trace), "--policies", "group,seer"])
+    assert result.exit_code == 0, result.output
+    assert "32 requests" in result.output and "seer" in result.output
+    result = CliRunner().invoke(cli, ["sim", "--requests", "320", "--iterations", "2", "--policies", "seer,seer+prior",
+                                      "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["policies"]["seer+prior"]["runs"] == 1
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--policies", "fastest"], "unknown policy"),
+    (["--policies", "seer+prior"], "--iterations 2"),
+    (["--pool-hit-rate", "2"], "pool-hit-rate"),
+    (["--trace", "/nonexistent.jsonl"], "cannot read trace"),
+    (["--requests", "3"], "at least the group size"),
+])
+def test_sim_command_bad_input_exits_2(args, message) -> None:
+    result = CliRunner().invoke(cli, ["sim", *args])
+    assert result.exit_code == 2
+    assert message in result.output
+
+
+def test_costs_reject_a_model_that_does_not_fit() -> None:
+    tiny_cluster = QWEN.parallelism.__class__(gpus=1)
+    with pytest.raises(ValueError, match="does not fit"):
+        InstanceCosts(QWEN.model, tiny_cluster).kv_capacity_tokens()
