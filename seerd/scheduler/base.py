@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -56,11 +57,12 @@ class Snapshot:
     group_indices: Mapping[int, int]  # group_id -> group_index, for every unfinished group
     chunk_tokens: int
 
+    @cached_property
+    def loads_by_id(self) -> dict[str, WorkerLoad]:
+        return {load.worker_id: load for load in self.workers}
+
     def worker(self, worker_id: str) -> WorkerLoad:
-        for load in self.workers:
-            if load.worker_id == worker_id:
-                return load
-        raise KeyError(worker_id)
+        return self.loads_by_id[worker_id]
 
 
 @dataclass(frozen=True)

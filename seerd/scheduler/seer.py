@@ -69,11 +69,13 @@ class SeerPolicy:
         if free_slots(snapshot) <= 0:
             return Plan()  # skip ordering the whole queue for nothing
         asking = snapshot.worker(snapshot.worker_id)
-        others = {w.worker_id: w for w in snapshot.workers if w.worker_id != snapshot.worker_id}
+        loads = snapshot.loads_by_id
 
         def belongs_elsewhere(request: QueuedRequest) -> bool:
             # Its previous worker holds its prefix: leave it there unless that one is much busier.
-            home = others.get(request.last_worker or "")
+            if request.last_worker is None or request.last_worker == asking.worker_id:
+                return False
+            home = loads.get(request.last_worker)
             if home is None or home.running_chunks >= home.max_chunks:
                 return False
             headroom = home.kv_capacity_tokens - home.reserved_kv_tokens

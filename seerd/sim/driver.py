@@ -119,6 +119,7 @@ class Simulation:
         self.max_chunks = max_num_seqs
         self.worker_ids = [f"sim-{i}" for i in range(instances)]
         self.running_chunks = [0] * instances
+        self._loads_cache: tuple[WorkerLoad, ...] | None = None
         self.reserved_kv = [0] * instances
         self.groups: dict[int, SimGroupState] = {}
         self.requests: dict[int, SimRequest] = {}
@@ -160,8 +161,11 @@ class Simulation:
                              r.generated, r.max_tokens, r.is_probe, g.estimate, last, r.queued_at)
 
     def _loads(self) -> tuple[WorkerLoad, ...]:
-        return tuple(WorkerLoad(wid, i, self.running_chunks[i], self.reserved_kv[i], self.max_chunks, self.worker_kv)
-                     for i, wid in enumerate(self.worker_ids))
+        if self._loads_cache is None:  # rebuilt only after a lease or a report changed a load
+            self._loads_cache = tuple(
+                WorkerLoad(wid, i, self.running_chunks[i], self.reserved_kv[i], self.max_chunks, self.worker_kv)
+                for i, wid in enumerate(self.worker_ids))
+        return self._loads_cache
 
     def _ask(self, i: int, now: float) -> list[SimSeq]:
         """Worker i asks for work; returns the chunks it was leased."""
@@ -184,6 +188,7 @@ class Simulation:
             reserve = kv_need(view, a.max_tokens)
             self.running_chunks[i] += 1
             self.reserved_kv[i] += reserve
+            self._loads_cache = None
             chunk_id = self._next_chunk
             self._next_chunk += 1
             self.leases[chunk_id] = Lease(r.request_id, i, reserve)
@@ -201,6 +206,7 @@ class Simulation:
             lease = self.leases.pop(seq.chunk_id)
             self.running_chunks[i] -= 1
             self.reserved_kv[i] -= lease.kv_reserved
+            self._loads_cache = None
             r = self.requests[lease.request_id]
             r.generated += seq.target
             r.last_instance = i
