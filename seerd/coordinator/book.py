@@ -496,6 +496,8 @@ class LeaseBook:
         total = self.requests[lease.request_id].generated + len(report.token_ids)
         if target is not None and total > target:
             raise BadReport(f"{total} tokens pass the response's target length {target}")
+        if report.finish_reason == "length_target" and target is None:
+            raise BadReport("finish_reason 'length_target' for a request without a target length")
         if report.finish_reason == "length_target" and total != target:
             raise BadReport(f"finish_reason 'length_target' at {total} tokens, but the target is {target}")
 

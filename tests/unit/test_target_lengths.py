@@ -87,7 +87,7 @@ def test_length_target_without_a_target_is_refused(tmp_path):
     w = register(book)
     grant = book.lease(w, wanted=1, now=1001.0)[0]
     assert grant.target_remaining is None
-    with pytest.raises(BadReport, match="target"):
+    with pytest.raises(BadReport, match="without a target length"):
         book.report(w, ChunkReport(grant.chunk_id, grant.epoch, [7], [-1.0], "length_target"), now=1002.0)
 
 
