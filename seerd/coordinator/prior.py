@@ -66,13 +66,14 @@ def read_prior(run_dir: Path, prompt_hashes: set[str]) -> PriorLengths:
                 raise PriorRunError(f"--prior {run_dir}: its database holds no rollout")
             if rollout.status != RolloutStatus.FINISHED:
                 raise PriorRunError(
-                    f"--prior {run_dir}: the run is not finished (status {rollout.status.value}); its unfinished "
-                    f"responses are the longest, so its lengths would understate the estimates. Finish it with "
-                    f"`seerd resume {run_dir}` or pick a finished run")
+                    f"--prior {run_dir}: the run is not finished (status {rollout.status.value}); its "
+                    f"unfinished responses are the longest, so its lengths would understate the estimates. "
+                    f"Finish it with `seerd resume {run_dir}` or pick a finished run")
             lengths: dict[str, list[tuple[int, int]]] = defaultdict(list)
             own = conn.execute(select(Group.prompt_hash, Request.generated_tokens)
                                .join(Group, Group.id == Request.group_id)
-                               .where(Request.rollout_id == rollout.id, Request.status == RequestStatus.FINISHED))
+                               .where(Request.rollout_id == rollout.id,
+                                      Request.status == RequestStatus.FINISHED))
             for prompt_hash, length in own:
                 if prompt_hash in prompt_hashes:
                     lengths[prompt_hash].append((1, length))

@@ -24,7 +24,7 @@ def row(prompt_id: str, prompt: tuple[int, ...], max_tokens: int = 40, n: int = 
 def finish_run(book: LeaseBook, lengths: dict[str, list[int]]) -> LeaseBook:
     """Run every request to the length given per prompt id (by response index), as EOS."""
     book.register(rank=0, address="test", max_chunks=64, kv_capacity_tokens=10**6, worker_id="w", now=1000.0)
-    prompt_ids = {gid: row_id for gid, row_id in _prompt_ids(book).items()}
+    prompt_ids = _prompt_ids(book)
     book.set_rollout_status(RolloutStatus.RUNNING, 1000.0)
     while not book.is_complete():
         for grant in book.lease("w", wanted=64, now=1001.0):
@@ -102,7 +102,9 @@ def test_history_older_than_the_limit_is_dropped(tmp_path):
         s.add_all([PromptLengthHistory(rollout_id=book.rollout_id, prompt_hash=prompt_hash(PROMPT_A), age=age,
                                        length=100 + age) for age in (1, MAX_HISTORY_AGE - 1, MAX_HISTORY_AGE)])
     prior = read_prior(run_dir, all_hashes(PROMPT_A))
-    assert sorted(prior.lengths[prompt_hash(PROMPT_A)]) == [(1, 4), (2, 101), (MAX_HISTORY_AGE, 100 + MAX_HISTORY_AGE - 1)]
+    # Its own response is age 1 here; its age-1 and age-(MAX-1) history become 2 and MAX; age MAX is dropped.
+    assert sorted(prior.lengths[prompt_hash(PROMPT_A)]) == [
+        (1, 4), (2, 101), (MAX_HISTORY_AGE, 100 + MAX_HISTORY_AGE - 1)]
 
 
 def test_the_first_finish_replaces_the_seed_and_later_ones_only_raise_it(tmp_path):
