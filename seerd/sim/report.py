@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from seerd.scheduler.seer import SeerPolicy
 from seerd.sim.costs import Efficiency
 from seerd.sim.driver import SimResult, Simulation
 from seerd.sim.presets import Preset
@@ -29,15 +30,21 @@ class SimSettings:
     efficiency: Efficiency = Efficiency()
     requests: int | None = None  # override the preset's requests per iteration
     record_timeline: bool = True
+    seer_starvation_s: float | None = None  # override seer's anti-starvation bound
+    kv_tokens: int | None = None  # override the KV capacity per instance
 
 
 def simulate(settings: SimSettings, workload: Workload, policy: str, seed: int,
              priors: dict[int, int] | None = None) -> SimResult:
     preset = settings.preset
-    sim = Simulation(workload, policy.removesuffix("+prior"), preset.costs(settings.efficiency),
+    name = policy.removesuffix("+prior")
+    chosen: str | SeerPolicy = name
+    if name == "seer" and settings.seer_starvation_s is not None:
+        chosen = SeerPolicy(starvation_s=settings.seer_starvation_s)
+    sim = Simulation(workload, chosen, preset.costs(settings.efficiency),
                      instances=preset.instances, chunk_tokens=settings.chunk_tokens,
                      max_num_seqs=preset.max_num_seqs, seed=seed, pool_hit_rate=settings.pool_hit_rate,
-                     priors=priors, record_timeline=settings.record_timeline)
+                     priors=priors, record_timeline=settings.record_timeline, kv_capacity=settings.kv_tokens)
     result = sim.run()
     result.policy = policy
     return result

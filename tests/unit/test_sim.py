@@ -227,3 +227,23 @@ def test_costs_reject_a_model_that_does_not_fit() -> None:
     tiny_cluster = QWEN.parallelism.__class__(gpus=1)
     with pytest.raises(ValueError, match="does not fit"):
         InstanceCosts(QWEN.model, tiny_cluster).kv_capacity_tokens()
+
+
+def test_profiled_costs_sum_exactly_and_the_cpu_preset_runs() -> None:
+    cpu = get_preset("cpu-tiny")
+    costs = cpu.costs()
+    assert costs.kv_capacity_tokens() == cpu.kv_tokens
+    summed = sum(costs.step_time(8, 1000 + 8 * i) for i in range(30))
+    assert math.isclose(costs.segment_time(8, 1000, 30), summed, rel_tol=1e-9)
+    assert costs.steps_within(8, 1000, 100, costs.segment_time(8, 1000, 30)) == 30
+    config = SimSettings(cpu, chunk_tokens=cpu.chunk_tokens, record_timeline=False)
+    summary = summarize(run_comparison(config, ["group", "seer"], [0]))
+    assert summary["seer"]["preemptions"] == 0 and summary["group"]["total_time_s"] > 0
+
+
+def test_sim_command_overrides_kv_and_sequences() -> None:
+    result = CliRunner().invoke(cli, ["sim", "--preset", "cpu-tiny", "--kv-tokens", "900", "--max-num-seqs", "4",
+                                      "--policies", "divided", "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    assert doc["cluster"]["kv_capacity_tokens"] == 900 and doc["cluster"]["max_num_seqs"] == 4
