@@ -18,10 +18,13 @@ lease); throughput = output tokens / that time; tail time = time from when 90% o
 finished to the end. Policies run interleaved (group, divided, seer, group, ...) so that drift on
 this noisy machine hits them alike; the table shows medians and each run's figure.
 
-    python tools/bench_policies_real.py [--groups 48] [--n 8] [--repeats 3] [--trace-out trace.jsonl]
+    python tools/bench_policies_real.py [--groups 48] [--n 8] [--repeats 3] [--trace-out trace.jsonl] [--with-sim]
 
 `--trace-out FILE` writes the workload as JSONL, one line per request: {"group", "length",
-"prompt_len"}, for `seerd sim --trace FILE`.
+"prompt_len"}, for `seerd sim --trace FILE`. `--with-sim` also runs `seerd sim` on that trace
+(its preset's cluster model with 2 instances and the same chunk size) and prints its ratios to
+group beside the measured ones: the simulator models the preset's GPUs, not these CPU engines,
+so only ratios compare.
 """
 
 from __future__ import annotations
@@ -70,6 +73,20 @@ def write_trace(path: Path, rows: list[dict]) -> None:
                                          "prompt_len": len(row["prompt_token_ids"])}) + "\n")
 
 
+def ratio(value: float, base: float) -> float:
+    return value / base if base > 0 else math.nan  # a tiny workload can have no tail at all
+
+
+def simulate(trace: Path, policies: list[str], chunk_tokens: int) -> dict[str, dict]:
+    """`seerd sim` on the trace: per policy, its throughput and tail time (see the issue's --json)."""
+    cmd = [sys.executable, "-m", "seerd.cli.main", "sim", "--trace", str(trace), "--instances", "2",
+           "--chunk-tokens", str(chunk_tokens), "--policies", ",".join(policies), "--json"]
+    done = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"seerd sim failed: {done.stderr[-2000:]}")
+    return json.loads(done.stdout)["policies"]
+
+
 def env() -> dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind", PYTHONPATH=str(REPO))
 
@@ -115,6 +132,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0, help="workload seed; sampling seeds vary per repeat")
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--trace-out", type=Path, help="write the workload as a JSONL trace for `seerd sim`")
+    parser.add_argument("--with-sim", action="store_true",
+                        help="also print the simulator's prediction for the same trace (ratios to group)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     policies = [p for p in args.policies.split(",") if p]
@@ -129,8 +148,8 @@ def main() -> int:
     rows = make_workload(args.groups, args.n, args.max_tokens, args.sigma, args.within_sigma, args.seed)
     prompts = work / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    if args.trace_out:
-        write_trace(args.trace_out, rows)
+    trace = args.trace_out or work / "trace.jsonl"
+    write_trace(trace, rows)
     samples: dict[str, list[dict]] = {p: [] for p in policies}
     for repeat in range(args.repeats):
         for policy in policies:
@@ -147,10 +166,16 @@ def main() -> int:
         tok_s = statistics.median(r["tok_s"] for r in runs)
         tail = statistics.median(r["tail_s"] for r in runs)
         table.append({"policy": policy, "median_tok_s": tok_s, "x_group": tok_s / base_tok_s,
-                      "median_tail_s": tail, "tail_x_group": tail / base_tail,
+                      "median_tail_s": tail, "tail_x_group": ratio(tail, base_tail),
                       "median_total_s": statistics.median(r["seconds"] for r in runs),
                       "samples_tok_s": [round(r["tok_s"]) for r in runs],
                       "samples_tail_s": [round(r["tail_s"], 1) for r in runs]})
+    if args.with_sim:
+        predicted = simulate(trace, policies, args.chunk_tokens)
+        for row in table:
+            sim = predicted[row["policy"]]
+            row["sim_x_group"] = ratio(sim["throughput_tok_s"], predicted["group"]["throughput_tok_s"])
+            row["sim_tail_x_group"] = ratio(sim["tail_time_s"], predicted["group"]["tail_time_s"])
     lengths = sorted(t for r in rows for t in r["target_lengths"])
     kv = samples["group"][0]["kv_capacity_tokens"]
     if args.json:
@@ -161,11 +186,13 @@ def main() -> int:
           f"{statistics.mean(lengths):.0f} median {lengths[len(lengths) // 2]} max {lengths[-1]}; chunk "
           f"{args.chunk_tokens}; KV {kv} tokens and {args.max_num_seqs} seqs per engine; 2 engines; "
           f"{args.repeats} repeats")
-    print(f"{'policy':<8} {'tok/s':>7} {'x group':>8} {'total s':>8} {'tail s':>7} {'tail x group':>13}  "
+    sim_head = f" {'sim x group':>11} {'sim tail x':>10}" if args.with_sim else ""
+    print(f"{'policy':<8} {'tok/s':>7} {'x group':>8} {'total s':>8} {'tail s':>7} {'tail x group':>13}{sim_head}  "
           f"samples tok/s | tail s")
     for row in table:
+        sim_cols = (f" {row['sim_x_group']:>11.2f} {row['sim_tail_x_group']:>10.2f}" if args.with_sim else "")
         print(f"{row['policy']:<8} {row['median_tok_s']:>7.0f} {row['x_group']:>8.2f} {row['median_total_s']:>8.1f} "
-              f"{row['median_tail_s']:>7.1f} {row['tail_x_group']:>13.2f}  {row['samples_tok_s']} | "
+              f"{row['median_tail_s']:>7.1f} {row['tail_x_group']:>13.2f}{sim_cols}  {row['samples_tok_s']} | "
               f"{row['samples_tail_s']}")
     return 0
 
