@@ -407,11 +407,15 @@ class LeaseBook:
             request = self.requests[lease.request_id]
             n_tokens = len(report.token_ids)
             total = request.generated + n_tokens
+            # A worker that stopped at the target but called it "length" must not get a 0-token chunk next.
+            at_target = total == self.worker_only_targets.get(request.id)
             finished = (report.finish_reason in ("stop", "length_target") or total >= request.max_tokens
-                        or n_tokens < lease.max_tokens)  # a short "length": the model's context is full
+                        or n_tokens < lease.max_tokens  # a short "length": the model's context is full
+                        or at_target)
             new_status = RequestStatus.FINISHED if finished else RequestStatus.QUEUED
             check_transition(request.status, new_status)
-            finish_reason = report.finish_reason  # the last chunk's says how the response ended
+            finish_reason = ("length_target" if at_target and report.finish_reason == "length"
+                             else report.finish_reason)
             chunk_rows.append({"cid": lease.chunk_id, "ep": lease.epoch, "fin": now, "n": n_tokens,
                                "tok": pack_ints(report.token_ids), "lp": pack_floats(report.logprobs),
                                "fr": report.finish_reason, "cached": report.cached_tokens})

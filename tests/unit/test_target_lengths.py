@@ -69,6 +69,16 @@ def test_eos_before_the_target_stays_stop(tmp_path):
         assert s.get(Request, grant.request_id).finish_reason == "stop"
 
 
+def test_a_plain_length_report_at_the_target_still_ends_the_response(tmp_path):
+    book = make_book(tmp_path, chunk_tokens=16, prompt_rows=target_rows())
+    w = register(book, max_chunks=16)
+    grant = next(g for g in book.lease(w, wanted=16, now=1001.0) if g.target_remaining == 16)
+    assert book.report(w, ChunkReport(grant.chunk_id, grant.epoch, [7] * 16, [-1.0] * 16, "length"),
+                       now=1002.0).request_finished
+    with book.sessions.begin() as s:
+        assert s.get(Request, grant.request_id).finish_reason == "length_target"
+
+
 @pytest.mark.parametrize("tokens,reason,message", [
     (6, "length", "pass the response's target length 5"),
     (4, "length_target", "the target is 5"),
