@@ -22,9 +22,9 @@ this noisy machine hits them alike; the table shows medians and each run's figur
 
 `--trace-out FILE` writes the workload as JSONL, one line per request: {"group", "length",
 "prompt_len"}, for `seerd sim --trace FILE`. `--with-sim` also runs `seerd sim` on that trace
-(its preset's cluster model with 2 instances and the same chunk size) and prints its ratios to
-group beside the measured ones: the simulator models the preset's GPUs, not these CPU engines,
-so only ratios compare.
+(preset --sim-preset, default `cpu-tiny`, the simulator's profile of these CPU engines; 2
+instances, the same chunk size, KV tokens and sequences per engine as measured) and prints its
+ratios to group beside the measured ones.
 """
 
 from __future__ import annotations
@@ -77,10 +77,12 @@ def ratio(value: float, base: float) -> float:
     return value / base if base > 0 else math.nan  # a tiny workload can have no tail at all
 
 
-def simulate(trace: Path, policies: list[str], chunk_tokens: int) -> dict[str, dict]:
+def simulate(trace: Path, policies: list[str], *, preset: str, chunk_tokens: int, kv_tokens: int,
+             max_num_seqs: int) -> dict[str, dict]:
     """`seerd sim` on the trace: per policy, its throughput and tail time (see the issue's --json)."""
-    cmd = [sys.executable, "-m", "seerd.cli.main", "sim", "--trace", str(trace), "--instances", "2",
-           "--chunk-tokens", str(chunk_tokens), "--policies", ",".join(policies), "--json"]
+    cmd = [sys.executable, "-m", "seerd.cli.main", "sim", "--preset", preset, "--trace", str(trace),
+           "--instances", "2", "--chunk-tokens", str(chunk_tokens), "--kv-tokens", str(kv_tokens),
+           "--max-num-seqs", str(max_num_seqs), "--policies", ",".join(policies), "--json"]
     done = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
         raise RuntimeError(f"seerd sim failed: {done.stderr[-2000:]}")
@@ -134,6 +136,7 @@ def main() -> int:
     parser.add_argument("--trace-out", type=Path, help="write the workload as a JSONL trace for `seerd sim`")
     parser.add_argument("--with-sim", action="store_true",
                         help="also print the simulator's prediction for the same trace (ratios to group)")
+    parser.add_argument("--sim-preset", default="cpu-tiny", help="the simulator's cost model for --with-sim")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     policies = [p for p in args.policies.split(",") if p]
@@ -170,14 +173,15 @@ def main() -> int:
                       "median_total_s": statistics.median(r["seconds"] for r in runs),
                       "samples_tok_s": [round(r["tok_s"]) for r in runs],
                       "samples_tail_s": [round(r["tail_s"], 1) for r in runs]})
+    kv = samples["group"][0]["kv_capacity_tokens"]
     if args.with_sim:
-        predicted = simulate(trace, policies, args.chunk_tokens)
+        predicted = simulate(trace, policies, preset=args.sim_preset, chunk_tokens=args.chunk_tokens, kv_tokens=kv,
+                             max_num_seqs=args.max_num_seqs)
         for row in table:
             sim = predicted[row["policy"]]
             row["sim_x_group"] = ratio(sim["throughput_tok_s"], predicted["group"]["throughput_tok_s"])
             row["sim_tail_x_group"] = ratio(sim["tail_time_s"], predicted["group"]["tail_time_s"])
     lengths = sorted(t for r in rows for t in r["target_lengths"])
-    kv = samples["group"][0]["kv_capacity_tokens"]
     if args.json:
         print(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "kv_capacity_tokens": kv,
                           "table": table}, indent=1))
