@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from seerd.scheduler.seer import DEFAULT_STARVATION_S
 from tests.integration.harness import assert_complete_output, db_rows, run_seerd
 
 pytestmark = pytest.mark.vllm
@@ -95,9 +96,9 @@ def run_short_and_long_groups(tiny_model_dir: Path, tmp_path: Path, policy: str)
 
 def test_seer_starts_long_groups_before_short_ones(tiny_model_dir, tmp_path):
     run_dir, leases = run_short_and_long_groups(tiny_model_dir, tmp_path, "seer")
-    # seer's starvation bound (300 s from creation) would reorder everything: the run must beat it.
+    # Past seer's starvation bound (from creation) the oldest requests go first: the run must beat it.
     ((span,),) = db_rows(run_dir, "select finished_at - created_at from rollouts")
-    assert span < 300, f"the run took {span:.0f}s, past seer's starvation bound"
+    assert span < DEFAULT_STARVATION_S, f"the run took {span:.0f}s, past seer's starvation bound"
     long_starts = [order for g, probe, order in leases if g in LONG_GROUPS and not probe]
     short_starts = [order for g, probe, order in leases if g in SHORT_GROUPS and not probe]
     assert len(long_starts) == len(short_starts) == 12
