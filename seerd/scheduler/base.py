@@ -109,17 +109,42 @@ def free_slots(snapshot: Snapshot) -> int:
     return min(snapshot.wanted, load.max_chunks - load.running_chunks)
 
 
+DEFAULT_BALANCE_SPREAD = 32  # the paper's threshold: in-flight requests between instances
+
+
+def balanced_slots(snapshot: Snapshot, spread: int = DEFAULT_BALANCE_SPREAD) -> int:
+    """Free slots the asking worker may fill while staying within `spread` chunks in flight of
+    the least loaded live worker that can still take a chunk (a free slot and KV room for one).
+
+    The paper routes to the least loaded instance once the spread of in-flight requests passes
+    32; workers here pull, so the same rule caps what one asking worker takes. Without it, the
+    first worker to ask after start-up took every chunk its KV could hold while the others idled.
+    """
+    me = snapshot.worker(snapshot.worker_id)
+    slots = free_slots(snapshot)
+    lighter = [w.running_chunks for w in snapshot.workers
+               if w.worker_id != me.worker_id and w.running_chunks < w.max_chunks
+               and w.kv_capacity_tokens - w.reserved_kv_tokens >= snapshot.chunk_tokens]
+    if lighter:
+        slots = min(slots, min(lighter) + spread - me.running_chunks)
+    return max(0, slots)
+
+
 def admit(snapshot: Snapshot, ordered: Iterable[QueuedRequest],
-          skip: Callable[[QueuedRequest], bool] = lambda _request: False) -> Plan:
+          skip: Callable[[QueuedRequest], bool] = lambda _request: False, *, limit: int | None = None) -> Plan:
     """Give the asking worker requests in `ordered` order while it has free slots and KV room.
 
     A request's chunk needs KV for its whole context plus its budget, so admitted chunks never
-    exceed the worker's KV (no preemption). If the next request does not fit, admission stops:
-    smaller ones never overtake the head.
+    exceed the worker's KV (no preemption). A request that does not fit here but fits another
+    live worker with a free slot is left for that one; one that fits no worker stops admission,
+    so smaller ones never overtake a head that waits for room (the paper: "choose an instance
+    with room; if none has room, schedule nothing"). `limit` caps the number of chunks.
     """
     load = snapshot.worker(snapshot.worker_id)
-    slots = free_slots(snapshot)
+    slots = free_slots(snapshot) if limit is None else min(limit, free_slots(snapshot))
     kv_free = load.kv_capacity_tokens - load.reserved_kv_tokens
+    room_elsewhere = max((w.kv_capacity_tokens - w.reserved_kv_tokens for w in snapshot.workers
+                          if w.worker_id != load.worker_id and w.running_chunks < w.max_chunks), default=-1)
     assignments: list[Assignment] = []
     for request in ordered:
         if len(assignments) >= slots:
@@ -129,6 +154,8 @@ def admit(snapshot: Snapshot, ordered: Iterable[QueuedRequest],
         budget = chunk_budget(request, snapshot.chunk_tokens)
         need = kv_need(request, budget)
         if need > kv_free:
+            if need <= room_elsewhere:
+                continue  # another worker has room for it and takes it when it asks
             break
         kv_free -= need
         assignments.append(Assignment(request.request_id, snapshot.worker_id, budget))

@@ -2,16 +2,21 @@
 
 Every request is an independent unit; after each chunk it goes back to the buffer. A worker is
 given chunks while it has free sequence slots and KV room for each chunk's whole context plus its
-budget, so admitted chunks never exceed the engine's KV (no preemption by construction).
+budget, so admitted chunks never exceed the engine's KV (no preemption by construction), and
+while it stays within 32 chunks in flight of the least loaded worker with room (`balanced_slots`).
 """
 
 from __future__ import annotations
 
-from seerd.scheduler.base import Plan, Snapshot, admit
+from seerd.scheduler.base import DEFAULT_BALANCE_SPREAD, Plan, Snapshot, admit, balanced_slots
 
 
 class DividedPolicy:
     name = "divided"
 
+    def __init__(self, balance_spread: int = DEFAULT_BALANCE_SPREAD) -> None:
+        self.balance_spread = balance_spread
+
     def plan(self, snapshot: Snapshot) -> Plan:
-        return admit(snapshot, snapshot.queued.fcfs())
+        limit = balanced_slots(snapshot, self.balance_spread)
+        return admit(snapshot, snapshot.queued.fcfs(), limit=limit) if limit > 0 else Plan()

@@ -1,7 +1,7 @@
 """Simulation-only policies that know every response's true length (for comparison).
 
 - `oracle`: divided rollout served longest true length first (then furthest along, then oldest),
-  with the same chunking and KV admission as `seer`, so the two differ only in what they know:
+  with the same chunking, KV admission and load balance as `seer`, so the two differ only in what they know:
   the paper's "oracle longest-first scheduler".
 - `streamrl-oracle`: group-atomic. Whole groups go to one worker together, unchunked, in buckets
   of their longest true response (powers of two), longest bucket first and input order within a
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from seerd.scheduler.base import Assignment, Plan, QueuedRequest, Snapshot, admit, free_slots
+from seerd.scheduler.base import Assignment, Plan, QueuedRequest, Snapshot, admit, balanced_slots, free_slots
 
 
 class OraclePolicy:
@@ -30,9 +30,10 @@ class OraclePolicy:
         return (-self.true_lengths[r.request_id], -r.generated, r.queued_at)
 
     def plan(self, snapshot: Snapshot) -> Plan:
-        if free_slots(snapshot) <= 0:
+        limit = balanced_slots(snapshot)
+        if limit <= 0:
             return Plan()
-        return admit(snapshot, snapshot.queued.ordered("oracle", self._key))
+        return admit(snapshot, snapshot.queued.ordered("oracle", self._key), limit=limit)
 
 
 class StreamRLOraclePolicy:
@@ -72,8 +73,10 @@ class StreamRLOraclePolicy:
             # KV the daemon reserves (context + budget) is exactly what it will use.
             budgets = [self.true_lengths[r.request_id] - r.generated for r in members]
             need = sum(r.prompt_len + r.generated + b for r, b in zip(members, budgets))
-            if len(members) > slots or need > kv_free:
+            idle = load.running_chunks == 0 and not assignments
+            if not idle and (len(members) > slots or need > kv_free):
                 break  # group-atomic and in order: nothing overtakes the head group
+            # (A group too big for any worker still runs, alone on an idle one, and preempts.)
             slots -= len(members)
             kv_free -= need
             assignments.extend(Assignment(r.request_id, snapshot.worker_id, b) for r, b in zip(members, budgets))

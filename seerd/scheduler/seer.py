@@ -21,16 +21,20 @@ admitted this call (no preemption by construction, no reordering around the head
 Affinity: a request whose previous chunk ran on another live worker with a free slot and KV room
 for the chunk is left for that worker (its prefix cache holds the request), unless that worker has
 `affinity_spread` more chunks in flight than the asking one (the paper uses 32 in-flight requests).
+Balance: the asking worker takes no more than keeps it within `balance_spread` (32) chunks in flight
+of the least loaded worker with room (`balanced_slots`): the paper's "least loaded" routing.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
-from seerd.scheduler.base import Plan, QueuedRequest, Snapshot, admit, chunk_budget, free_slots, kv_need
+from seerd.scheduler.base import (
+    DEFAULT_BALANCE_SPREAD, Plan, QueuedRequest, Snapshot, admit, balanced_slots, chunk_budget, kv_need,
+)
 
 DEFAULT_STARVATION_S = 1800.0
-DEFAULT_AFFINITY_SPREAD = 32
+DEFAULT_AFFINITY_SPREAD = DEFAULT_BALANCE_SPREAD
 DEFAULT_STARVED_PER_CALL = 1
 
 
@@ -49,9 +53,11 @@ class SeerPolicy:
 
     def __init__(self, starvation_s: float = DEFAULT_STARVATION_S,
                  affinity_spread: int = DEFAULT_AFFINITY_SPREAD,
-                 starved_per_call: int = DEFAULT_STARVED_PER_CALL) -> None:
+                 starved_per_call: int = DEFAULT_STARVED_PER_CALL,
+                 balance_spread: int = DEFAULT_BALANCE_SPREAD) -> None:
         self.starvation_s = starvation_s
         self.starved_per_call = starved_per_call
+        self.balance_spread = balance_spread
         self.affinity_spread = affinity_spread
 
     def order(self, snapshot: Snapshot) -> Iterator[QueuedRequest]:
@@ -68,7 +74,8 @@ class SeerPolicy:
                 yield request
 
     def plan(self, snapshot: Snapshot) -> Plan:
-        if free_slots(snapshot) <= 0:
+        limit = balanced_slots(snapshot, self.balance_spread)
+        if limit <= 0:
             return Plan()  # skip ordering the whole queue for nothing
         asking = snapshot.worker(snapshot.worker_id)
         loads = snapshot.loads_by_id
@@ -85,4 +92,4 @@ class SeerPolicy:
                     and home.running_chunks - asking.running_chunks <= self.affinity_spread
                     and snapshot.now - request.queued_at <= self.starvation_s)
 
-        return admit(snapshot, self.order(snapshot), skip=belongs_elsewhere)
+        return admit(snapshot, self.order(snapshot), skip=belongs_elsewhere, limit=limit)

@@ -201,7 +201,7 @@ class Simulation:
 
     def _complete(self, i: int, finished: list[SimSeq], now: float) -> bool:
         """Chunks reported by instance i; returns whether any request went back to the queue."""
-        requeued = False
+        requeued = False  # noqa: unused by callers now
         for seq in finished:
             lease = self.leases.pop(seq.chunk_id)
             self.running_chunks[i] -= 1
@@ -236,28 +236,37 @@ class Simulation:
             self._event_seq += 1
             heapq.heappush(self._events, (end, self._event_seq, i, instance.version))
 
-    def _hand_out(self, first: int, now: float, woke_others: bool) -> None:
-        """Worker `first` asks; if work was queued, every other worker with free slots asks too."""
-        order = [first] + ([j for j in range(len(self.instances)) if j != first] if woke_others else [])
-        for j in order:
-            seqs = self._ask(j, now)
-            if not seqs and j != first:
-                continue
-            instance = self.instances[j]
-            if j != first:
-                done = instance.sync(now)
-                if done and self._complete(j, done, instance.clock):
-                    pass  # queued again: later workers in this pass see it
-            for seq in seqs:
-                instance.submit(seq)
+    def _hand_out(self, first: int, now: float) -> None:
+        """Worker `first` asks for work, then every worker with free slots, in rounds until a
+        round hands out nothing: a daemon's worker asks again at once while it has free slots
+        and got something, and long-polls otherwise (woken when work is queued)."""
+        others = [j for j in range(len(self.instances)) if j != first]
+        touched = {first}
+        order = [first, *others]
+        while True:
+            handed = False
+            for j in order:
+                seqs = self._ask(j, now)
+                if not seqs:
+                    continue
+                handed = True
+                instance = self.instances[j]
+                if j not in touched:
+                    touched.add(j)
+                    done = instance.sync(now)
+                    if done:
+                        self._complete(j, done, instance.clock)
+                for seq in seqs:
+                    instance.submit(seq)
+            if not handed:
+                break
+        for j in touched:
             self._reschedule(j)
 
     def run(self) -> SimResult:
         started = time.perf_counter()
-        for i in range(len(self.instances)):
-            for seq in self._ask(i, 0.0):
-                self.instances[i].submit(seq)
-        for i in range(len(self.instances)):
+        self._hand_out(0, 0.0)
+        for i in range(1, len(self.instances)):
             self._reschedule(i)
         while self._events:
             t, _, i, version = heapq.heappop(self._events)
@@ -265,8 +274,8 @@ class Simulation:
             if version != instance.version:
                 continue
             finished = instance.sync(t)
-            requeued = self._complete(i, finished, instance.clock)
-            self._hand_out(i, instance.clock, requeued)
+            self._complete(i, finished, instance.clock)
+            self._hand_out(i, instance.clock)
         if self.finished != len(self.requests):
             stuck = len(self.requests) - self.finished
             raise RuntimeError(f"policy {self.policy.name} left {stuck} requests unfinished "

@@ -126,15 +126,15 @@ PRESETS: dict[str, Preset] = {
 
 
 # The tiny random Llama of tools/make_tiny_model.py on this machine's vLLM-CPU, as
-# tools/bench_policies_real.py runs it: 2 workers, 5 MiB of KV each (2 layers x K,V x 4 heads x 32
-# x 4 bytes = 2048 bytes per token: 2560 tokens), 32 sequences, chunks of 64, 48 groups of 8,
-# lengths up to 512 with the qwen preset's mean/max ratio. Costs: the measured profile.
+# tools/bench_policies_real.py runs it: 2 workers with 5 MiB of KV each, which the workers
+# registered as 5,120 tokens (the run databases' kv_capacity_tokens), 32 sequences, chunks of 64,
+# 48 groups of 8, lengths up to 512 with the qwen preset's mean/max ratio. Costs: the profile.
 TINY = ModelShape("tiny-llama", layers=2, attn_dim=128, kv_bytes_per_token=2048, total_params=0.2e6,
                   active_params=0.2e6, weight_bytes=0.8e6)
 PRESETS["cpu-tiny"] = Preset(
     "cpu-tiny", TINY, SINGLE_GPU, instances=2, requests=384, group_size=8, max_tokens=512,
     mean_tokens=round(512 * 7615 / 40960), prompt_tokens=40, chunk_tokens=64, max_num_seqs=32,
-    profile="cpu-tiny", kv_tokens=2560)
+    profile="cpu-tiny", kv_tokens=5120)
 
 
 def get_preset(name: str) -> Preset:

@@ -175,3 +175,26 @@ def test_queue_indexes_stay_sorted_under_random_puts_and_removes():
             assert [r.request_id for r in queue.ordered("test", key)] == [r.request_id for r in expected]
             assert [r.request_id for r in queue.fcfs()] == [r.request_id for r in sorted(
                 live.values(), key=lambda r: (r.queued_at, r.request_id))]
+
+
+def test_a_worker_takes_no_more_than_32_chunks_beyond_the_least_loaded_one():
+    from seerd.scheduler.base import balanced_slots
+
+    queued = [req(i, i, i, queued_at=float(i)) for i in range(100)]
+    fresh = [load("a", 0, max_chunks=200, kv=10**6), load("b", 1, max_chunks=200, kv=10**6)]
+    assert balanced_slots(snap("a", fresh, queued)) == 32
+    assert len(DividedPolicy().plan(snap("a", fresh, queued)).assignments) == 32
+    ahead = [load("a", 0, running=40, max_chunks=200, kv=10**6), load("b", 1, max_chunks=200, kv=10**6)]
+    assert DividedPolicy().plan(snap("a", ahead, queued)).assignments == ()
+    # A lighter worker without KV room for a chunk does not hold the others back.
+    full = [load("a", 0, running=40, max_chunks=200, kv=10**6), load("b", 1, reserved=10**6, kv=10**6)]
+    assert len(DividedPolicy().plan(snap("a", full, queued)).assignments) == 100
+
+
+def test_a_request_that_fits_only_another_worker_is_left_for_it():
+    queued = [req(1, 0, 0, queued_at=0.0, generated=90, prompt_len=100),  # needs 100 + 90 + 10 = 200
+              req(2, 1, 1, queued_at=1.0)]  # needs 10 + 32 = 42
+    small_here = [load("a", 0, kv=100), load("b", 1, kv=1000)]
+    assert [a.request_id for a in DividedPolicy().plan(snap("a", small_here, queued)).assignments] == [2]
+    nowhere = [load("a", 0, kv=100), load("b", 1, kv=150)]  # the head fits no worker: wait for room
+    assert DividedPolicy().plan(snap("a", nowhere, queued)).assignments == ()
