@@ -71,7 +71,7 @@ def test_seer_serves_the_rest_longest_estimate_first():
     queued = [seer_req(1, 0, estimate=100), seer_req(2, 1, estimate=700), seer_req(3, 2, estimate=300),
               seer_req(4, 1, estimate=700, generated=64)]
     order = [r.request_id for r in SeerPolicy().order(snap("a", [load("a", 0)], queued))]
-    assert order == [4, 2, 3, 1]  # equal estimates: the furthest along first
+    assert order == [4, 2, 3, 1]  # the started one continues first; new ones longest estimate first
 
 
 def test_seer_starvation_bound_serves_the_oldest_first():
@@ -106,13 +106,13 @@ def test_seer_serves_starved_requests_one_per_call_oldest_first():
     assert [r.request_id for r in SeerPolicy(starvation_s=600, starved_per_call=2).order(snapshot)][:2] == [10, 11]
 
 
-def test_seer_ranks_a_request_past_its_groups_estimate_by_its_own_length():
-    """A response longer than its group's finished ones is at least that long: it must not wait
-    behind every group with a larger estimate after each chunk."""
-    queued = [seer_req(1, 0, estimate=300), seer_req(2, 1, estimate=100, generated=500, max_tokens=1000),
-              seer_req(3, 2, estimate=600)]
+def test_seer_continues_started_requests_first_come_first_served():
+    """Started responses continue in the order their chunks ended, whatever their group's
+    estimate; the estimate orders only the responses that have not started."""
+    queued = [seer_req(1, 0, estimate=300), seer_req(2, 1, estimate=100, generated=500, max_tokens=1000, queued_at=5.0),
+              seer_req(3, 2, estimate=600), seer_req(4, 3, estimate=900, generated=64, queued_at=2.0)]
     order = [r.request_id for r in SeerPolicy().order(snap("a", [load("a", 0)], queued))]
-    assert order == [3, 2, 1]
+    assert order == [4, 2, 3, 1]
 
 
 def test_seer_affinity_only_to_a_worker_with_kv_room():
