@@ -110,6 +110,9 @@ def free_slots(snapshot: Snapshot) -> int:
 
 
 DEFAULT_BALANCE_SPREAD = 32  # the paper's threshold: in-flight requests between instances
+# A lease call looks at most this many requests past those it leaves to other workers: bounded
+# work per call (otherwise a worker without room scans the whole queue on every call).
+MAX_PASSED_OVER = 256
 
 
 def balanced_slots(snapshot: Snapshot, spread: int = DEFAULT_BALANCE_SPREAD) -> int:
@@ -146,15 +149,18 @@ def admit(snapshot: Snapshot, ordered: Iterable[QueuedRequest],
     room_elsewhere = max((w.kv_capacity_tokens - w.reserved_kv_tokens for w in snapshot.workers
                           if w.worker_id != load.worker_id and w.running_chunks < w.max_chunks), default=-1)
     assignments: list[Assignment] = []
+    passed_over = 0
     for request in ordered:
-        if len(assignments) >= slots:
+        if len(assignments) >= slots or passed_over > MAX_PASSED_OVER:
             break
         if skip(request):
+            passed_over += 1
             continue
         budget = chunk_budget(request, snapshot.chunk_tokens)
         need = kv_need(request, budget)
         if need > kv_free:
             if need <= room_elsewhere:
+                passed_over += 1
                 continue  # another worker has room for it and takes it when it asks
             break
         kv_free -= need

@@ -201,7 +201,7 @@ class Simulation:
 
     def _complete(self, i: int, finished: list[SimSeq], now: float) -> bool:
         """Chunks reported by instance i; returns whether any request went back to the queue."""
-        requeued = False  # noqa: unused by callers now
+        requeued = False
         for seq in finished:
             lease = self.leases.pop(seq.chunk_id)
             self.running_chunks[i] -= 1
@@ -236,20 +236,20 @@ class Simulation:
             self._event_seq += 1
             heapq.heappush(self._events, (end, self._event_seq, i, instance.version))
 
-    def _hand_out(self, first: int, now: float) -> None:
-        """Worker `first` asks for work, then every worker with free slots, in rounds until a
-        round hands out nothing: a daemon's worker asks again at once while it has free slots
-        and got something, and long-polls otherwise (woken when work is queued)."""
-        others = [j for j in range(len(self.instances)) if j != first]
+    def _hand_out(self, first: int, now: float, *, wake_all: bool) -> None:
+        """Worker `first` asks for work (its chunks just ended); with `wake_all` (work was
+        queued) every other worker with free slots asks too, as the daemon wakes its
+        long-polling workers. A worker that got something asks again at once (it still has free
+        slots), in rounds until a round hands out nothing."""
         touched = {first}
-        order = [first, *others]
-        while True:
-            handed = False
+        order = [first] + ([j for j in range(len(self.instances)) if j != first] if wake_all else [])
+        while order:
+            again = []
             for j in order:
                 seqs = self._ask(j, now)
                 if not seqs:
                     continue
-                handed = True
+                again.append(j)
                 instance = self.instances[j]
                 if j not in touched:
                     touched.add(j)
@@ -258,14 +258,13 @@ class Simulation:
                         self._complete(j, done, instance.clock)
                 for seq in seqs:
                     instance.submit(seq)
-            if not handed:
-                break
+            order = again
         for j in touched:
             self._reschedule(j)
 
     def run(self) -> SimResult:
         started = time.perf_counter()
-        self._hand_out(0, 0.0)
+        self._hand_out(0, 0.0, wake_all=True)
         for i in range(1, len(self.instances)):
             self._reschedule(i)
         while self._events:
@@ -274,8 +273,8 @@ class Simulation:
             if version != instance.version:
                 continue
             finished = instance.sync(t)
-            self._complete(i, finished, instance.clock)
-            self._hand_out(i, instance.clock)
+            requeued = self._complete(i, finished, instance.clock)
+            self._hand_out(i, instance.clock, wake_all=requeued)
         if self.finished != len(self.requests):
             stuck = len(self.requests) - self.finished
             raise RuntimeError(f"policy {self.policy.name} left {stuck} requests unfinished "
