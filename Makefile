@@ -17,7 +17,7 @@ models/tiny/config.json: tools/make_tiny_model.py | setup
 demo: setup models/tiny/config.json
 	rm -rf $(DEMO_RUN)
 	$(SEERD) run --input examples/prompts.jsonl --model models/tiny --run-dir $(DEMO_RUN) \
-		--workers 2 --policy divided --chunk-tokens 64 --n 4 --max-tokens 256 --seed 0
+		--workers 2 --policy seer --chunk-tokens 64 --n 4 --max-tokens 256 --seed 0
 	$(PY) tools/show_outputs.py $(DEMO_RUN)
 
 test: setup
