@@ -44,12 +44,15 @@ def _bad(message: str) -> None:
 @click.option("--pool-hit-rate", default=1.0, show_default=True,
               help="Chance that a chunk continued elsewhere finds its KV in the pool (else it recomputes).")
 @click.option("--prefill-mfu", type=float, help="Prefill efficiency (default 0.5).")
+@click.option("--chunk-gap-ms", type=float,
+              help="Control-plane time per chunk boundary (default: the preset's; 25 for cpu-tiny, else 0).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
 @click.option("--plot", "plot_dir", type=click.Path(path_type=Path), help="Write PNG plots into this directory.")
 def sim(preset_name: str, trace_path: Path | None, policies: str, seed: int, seeds: int, iterations: int,
         chunk_tokens: int | None, requests: int | None, instances: int | None, max_num_seqs: int | None,
         kv_tokens: int | None, within_share: float,
-        pool_hit_rate: float, prefill_mfu: float | None, as_json: bool, plot_dir: Path | None) -> None:
+        pool_hit_rate: float, prefill_mfu: float | None, chunk_gap_ms: float | None, as_json: bool,
+        plot_dir: Path | None) -> None:
     """Simulate a rollout under each policy with the daemon's own scheduler code."""
     preset = get_preset(preset_name)
     names = [p.strip() for p in policies.split(",") if p.strip()]
@@ -64,6 +67,8 @@ def sim(preset_name: str, trace_path: Path | None, policies: str, seed: int, see
         _bad(f"--pool-hit-rate must be in [0, 1], got {pool_hit_rate}")
     if not 0.0 <= within_share < 1.0:
         _bad(f"--within-share must be in [0, 1), got {within_share}")
+    if chunk_gap_ms is not None and chunk_gap_ms < 0:
+        _bad("--chunk-gap-ms must not be negative")
     if chunk_tokens is not None and chunk_tokens < 1:
         _bad("--chunk-tokens must be positive")
     if instances is not None:
@@ -91,7 +96,8 @@ def sim(preset_name: str, trace_path: Path | None, policies: str, seed: int, see
             _bad(str(exc))
     settings = SimSettings(preset, chunk_tokens or preset.chunk_tokens, pool_hit_rate=pool_hit_rate,
                            within_share=within_share, efficiency=efficiency, requests=requests,
-                           record_timeline=plot_dir is not None, kv_tokens=kv_tokens)
+                           record_timeline=plot_dir is not None, kv_tokens=kv_tokens,
+                           chunk_gap_s=None if chunk_gap_ms is None else chunk_gap_ms / 1e3)
     try:
         costs = preset.costs(efficiency)
         results = run_comparison(settings, names, range(seed, seed + seeds), workload=workload, iterations=iterations)
@@ -105,7 +111,9 @@ def sim(preset_name: str, trace_path: Path | None, policies: str, seed: int, see
                      "output_tokens": first.output_tokens, "seeds": list(range(seed, seed + seeds)),
                      "iterations": iterations, "within_share": within_share},
         "cluster": {"instances": preset.instances, "chunk_tokens": settings.chunk_tokens,
-                    "max_num_seqs": preset.max_num_seqs, "pool_hit_rate": pool_hit_rate, **costs.describe(),
+                    "max_num_seqs": preset.max_num_seqs, "pool_hit_rate": pool_hit_rate,
+                    "chunk_gap_s": preset.chunk_gap_s if settings.chunk_gap_s is None else settings.chunk_gap_s,
+                    **costs.describe(),
                     **({"kv_capacity_tokens": kv_tokens} if kv_tokens else {})},
         "policies": summary,
         "paper": {k: v for k, v in vars(preset.paper).items() if v is not None},

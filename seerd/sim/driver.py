@@ -26,6 +26,9 @@ from seerd.sim.engine import WATERMARK_FRACTION, SimInstance, SimSeq
 from seerd.sim.workload import Workload
 
 
+REPORT_EVENT = -1  # the version field of an event that delivers a report, not a segment end
+
+
 @dataclass
 class SimRequest:
     request_id: int
@@ -101,9 +104,15 @@ class Simulation:
     def __init__(self, workload: Workload, policy: Policy | str, costs: InstanceCosts, *, instances: int,
                  chunk_tokens: int, max_num_seqs: int, seed: int, pool_hit_rate: float = 1.0,
                  priors: dict[int, int] | None = None, kv_capacity: int | None = None,
-                 record_timeline: bool = True) -> None:
+                 record_timeline: bool = True, chunk_gap_s: float = 0.0) -> None:
         if instances < 1 or chunk_tokens < 1 or max_num_seqs < 1:
             raise ValueError("instances, chunk_tokens and max_num_seqs must be positive")
+        if chunk_gap_s < 0:
+            raise ValueError(f"chunk_gap_s must not be negative, got {chunk_gap_s}")
+        # Control-plane time between a chunk's end in the engine and the coordinator acting on
+        # it (report, then the worker's next lease): the lease and its slot stay held meanwhile.
+        self.chunk_gap_s = chunk_gap_s
+        self._reports: dict[int, list[SimSeq]] = {}
         if not 0.0 <= pool_hit_rate <= 1.0:
             raise ValueError(f"pool_hit_rate must be in [0, 1], got {pool_hit_rate}")
         self.chunk_tokens = chunk_tokens
@@ -236,6 +245,18 @@ class Simulation:
             self._event_seq += 1
             heapq.heappush(self._events, (end, self._event_seq, i, instance.version))
 
+    def _engine_finished(self, i: int, finished: list[SimSeq]) -> None:
+        """Chunks that just ended in engine i: reported now, or after the control-plane gap."""
+        if not finished:
+            return
+        clock = self.instances[i].clock
+        if self.chunk_gap_s <= 0:
+            self._complete(i, finished, clock)
+            return
+        self._event_seq += 1
+        self._reports[self._event_seq] = finished
+        heapq.heappush(self._events, (clock + self.chunk_gap_s, self._event_seq, i, REPORT_EVENT))
+
     def _hand_out(self, first: int, now: float, *, wake_all: bool) -> None:
         """Worker `first` asks for work (its chunks just ended); with `wake_all` (work was
         queued) every other worker with free slots asks too, as the daemon wakes its
@@ -253,9 +274,7 @@ class Simulation:
                 instance = self.instances[j]
                 if j not in touched:
                     touched.add(j)
-                    done = instance.sync(now)
-                    if done:
-                        self._complete(j, done, instance.clock)
+                    self._engine_finished(j, instance.sync(now))
                 for seq in seqs:
                     instance.submit(seq)
             order = again
@@ -268,11 +287,20 @@ class Simulation:
         for i in range(1, len(self.instances)):
             self._reschedule(i)
         while self._events:
-            t, _, i, version = heapq.heappop(self._events)
+            t, event_id, i, version = heapq.heappop(self._events)
             instance = self.instances[i]
+            if version == REPORT_EVENT:  # a report reaches the coordinator after the gap
+                self._engine_finished(i, instance.sync(t))  # the engine to a step boundary first
+                requeued = self._complete(i, self._reports.pop(event_id), t)
+                self._hand_out(i, t, wake_all=requeued)
+                continue
             if version != instance.version:
                 continue
             finished = instance.sync(t)
+            if self.chunk_gap_s > 0:
+                self._engine_finished(i, finished)
+                self._reschedule(i)  # the engine goes on with its other sequences meanwhile
+                continue
             requeued = self._complete(i, finished, instance.clock)
             self._hand_out(i, instance.clock, wake_all=requeued)
         if self.finished != len(self.requests):

@@ -32,6 +32,7 @@ class SimSettings:
     record_timeline: bool = True
     seer_starvation_s: float | None = None  # override seer's anti-starvation bound
     kv_tokens: int | None = None  # override the KV capacity per instance
+    chunk_gap_s: float | None = None  # override the preset's control-plane gap per chunk
 
 
 def simulate(settings: SimSettings, workload: Workload, policy: str, seed: int,
@@ -44,7 +45,8 @@ def simulate(settings: SimSettings, workload: Workload, policy: str, seed: int,
     sim = Simulation(workload, chosen, preset.costs(settings.efficiency),
                      instances=preset.instances, chunk_tokens=settings.chunk_tokens,
                      max_num_seqs=preset.max_num_seqs, seed=seed, pool_hit_rate=settings.pool_hit_rate,
-                     priors=priors, record_timeline=settings.record_timeline, kv_capacity=settings.kv_tokens)
+                     priors=priors, record_timeline=settings.record_timeline, kv_capacity=settings.kv_tokens,
+                     chunk_gap_s=preset.chunk_gap_s if settings.chunk_gap_s is None else settings.chunk_gap_s)
     result = sim.run()
     result.policy = policy
     return result

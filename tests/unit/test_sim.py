@@ -115,10 +115,12 @@ def test_trace_replay_and_its_errors(tmp_path) -> None:
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(groups=st.lists(st.lists(st.integers(1, 400), min_size=1, max_size=4), min_size=1, max_size=10),
        policy=st.sampled_from(["group", "divided", "seer", "oracle", "streamrl-oracle"]),
-       chunk=st.sampled_from([16, 64, 1000]), seed=st.integers(0, 3))
-def test_every_request_completes_exactly_once_and_only_group_preempts(groups, policy, chunk, seed) -> None:
+       chunk=st.sampled_from([16, 64, 1000]), seed=st.integers(0, 3), gap=st.sampled_from([0.0, 0.05]))
+def test_every_request_completes_exactly_once_and_only_group_preempts(groups, policy, chunk, seed, gap) -> None:
     workload = small_workload(groups)
-    sim, result = simulate(workload, policy, chunk=chunk, kv=1500, max_num_seqs=6, seed=seed, pool_hit_rate=0.5)
+    sim = Simulation(workload, policy, QWEN.costs(), instances=2, chunk_tokens=chunk, max_num_seqs=6, seed=seed,
+                     pool_hit_rate=0.5, kv_capacity=1500, chunk_gap_s=gap)
+    result = sim.run()
     assert result.requests == sum(len(g) for g in groups)
     assert all(r.finished_at is not None and r.generated == r.true_length for r in sim.requests.values())
     assert len(result.finish_times) == result.requests and not sim.leases and not len(sim.queue)
@@ -248,3 +250,19 @@ def test_sim_command_overrides_kv_and_sequences() -> None:
     assert result.exit_code == 0, result.output
     doc = json.loads(result.output)
     assert doc["cluster"]["kv_capacity_tokens"] == 900 and doc["cluster"]["max_num_seqs"] == 4
+
+
+def test_a_control_plane_gap_per_chunk_slows_chunked_policies_only() -> None:
+    workload = small_workload([[300] * 4 for _ in range(6)])
+    results = {}
+    for gap in (0.0, 0.5):
+        sim = Simulation(workload, "divided", QWEN.costs(), instances=2, chunk_tokens=32, max_num_seqs=16, seed=0,
+                         kv_capacity=4000, chunk_gap_s=gap)
+        results[gap] = sim.run()
+        assert all(r.generated == r.true_length for r in sim.requests.values())
+    # 10 chunks per response, each boundary 0.5 s: at least 4.5 s more on the critical path.
+    assert results[0.5].total_time_s > results[0.0].total_time_s + 4.5
+    group = simulate(workload, "group", chunk=32, kv=4000)[1]
+    gapped = Simulation(workload, "group", QWEN.costs(), instances=2, chunk_tokens=32, max_num_seqs=16, seed=0,
+                        kv_capacity=4000, chunk_gap_s=0.5).run()
+    assert gapped.total_time_s <= group.total_time_s + 0.5 + 1e-9  # unchunked: one report at the very end
