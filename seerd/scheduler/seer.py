@@ -14,16 +14,18 @@ Each time a worker asks for work, queued requests are served in this order:
 3. continuations: requests that have started, in the order their last chunk ended (first come,
    first served), so that a chunk boundary never turns into a long wait for a started response;
 4. requests not yet started, longest group estimate first (the estimate is the group's longest
-   finished response, or its max_tokens while none has finished), then the oldest.
+   finished response; before any finishes, its max_tokens, or with `--prior` the longest
+   response of an earlier run of the same prompt), then the oldest.
    The estimate thus decides which responses start, not which running ones continue. Ordering
    continuations by estimate too (the literal reading of Algorithm 2) let the long responses of
    a group whose first finished response was short wait thousands of seconds at chunk
    boundaries: in the simulator on kimi-k2 that cost 1.22x -> 1.47x of `group` and a tail of
    0.48x -> 0.08x of group's; on the other presets the two orders were within noise
    (docs/simulator.md).
-Chunks are admitted only while the worker has free sequence slots and KV room for the chunk's
-whole context plus its budget; if the next request in order does not fit, nothing more is
-admitted this call (no preemption by construction, no reordering around the head).
+Admission (`base.admit`): chunks only while the worker has free sequence slots and KV room for
+the chunk's whole context plus its budget (no preemption by construction); a request that fits
+only another worker is left for it, and one that fits no worker stops admission (nothing smaller
+overtakes a head that waits for room).
 Affinity: a request whose previous chunk ran on another live worker with a free slot and KV room
 for the chunk is left for that worker (its prefix cache holds the request), unless that worker has
 `affinity_spread` more chunks in flight than the asking one (the paper uses 32 in-flight requests).
