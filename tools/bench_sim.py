@@ -55,7 +55,6 @@ def section_presets(seeds: list[int]) -> None:
                                            POLICIES, seeds))
         paper = preset.paper
         paper_x = {"divided": paper.divided_x, "seer": paper.seer_x, "oracle": paper.oracle_x}
-        paper_tail = {"group": paper.verl_tail_s and paper.verl_tail_s / paper.verl_total_s}
         print(f"### {name} ({preset.requests} requests, G={preset.group_size}, {preset.instances} instances "
               f"x {preset.parallelism.gpus} GPU, chunk {preset.chunk_tokens})\n")
         rows = []
