@@ -32,6 +32,7 @@ from seerd.db import (
 from seerd.io.codec import pack_floats, pack_ints, unpack_ints
 from seerd.scheduler import Policy, QueuedRequest, RequestQueue, Snapshot, WorkerLoad
 from seerd.scheduler.base import updated_estimate
+from seerd.scheduler.forecast import GrowthTable
 
 # "length_target": the worker ended the response at its target length (benchmark rows).
 FINISH_REASONS = frozenset({"stop", "length", "length_target"})
@@ -59,6 +60,7 @@ class GroupState:
     bound_worker: str | None
     finished: int
     request_ids: list[int] = field(default_factory=list)
+    finished_lengths: list[int] = field(default_factory=list)  # in the order the responses finished
 
 
 @dataclass
@@ -162,6 +164,7 @@ class LeaseBook:
         self.leases: dict[int, LeaseState] = {}
         self.workers: dict[str, WorkerState] = {}
         self.queue = RequestQueue()
+        self.growth = GrowthTable()  # seer's forecast ratios, learned from completed groups
         self.unfinished_groups: dict[int, int] = {}  # group_id -> group_index
         self.bindings: dict[int, str] = {}  # group_id -> worker_id (group policy)
         # request_id -> target length; never part of a snapshot (see the module docstring).
@@ -192,6 +195,7 @@ class LeaseBook:
                 self.groups[row.group_id].request_ids.append(row.id)
                 self.output_tokens += row.generated_tokens
                 self.finished_requests += row.status == RequestStatus.FINISHED
+            self._replay_finishes(conn)
             self.worker_only_targets = {rid: target for rid, target in conn.execute(
                 select(TARGETS.c.request_id, TARGETS.c.target_length)
                 .join(REQUESTS, REQUESTS.c.id == TARGETS.c.request_id)
@@ -215,11 +219,28 @@ class LeaseBook:
             if request.status == RequestStatus.QUEUED:
                 self._enqueue(request)
 
+    def _replay_finishes(self, conn: Connection) -> None:
+        """Finished lengths per group in finish order, and the growth table learned from them, as
+        the previous coordinator had them (the same finishes in the same order give the same table)."""
+        completed: list[GroupState] = []
+        for row in conn.execute(
+                select(REQUESTS.c.group_id, REQUESTS.c.generated_tokens)
+                .where(REQUESTS.c.rollout_id == self.rollout_id, REQUESTS.c.status == RequestStatus.FINISHED.value)
+                .order_by(REQUESTS.c.finished_at, REQUESTS.c.id)):
+            group = self.groups[row.group_id]
+            group.finished_lengths.append(row.generated_tokens)
+            if len(group.finished_lengths) == group.n:
+                completed.append(group)
+        for group in completed:
+            self.growth.observe_completed(group.finished_lengths)
+
     def _queued_view(self, request: RequestState) -> QueuedRequest:
         group = self.groups[request.group_id]
+        longest_unfinished = max((self.requests[rid].generated for rid in group.request_ids
+                                  if self.requests[rid].status != RequestStatus.FINISHED), default=0)
         return QueuedRequest(request.id, request.group_id, group.index, request.response_index, len(group.prompt),
                              request.generated, request.max_tokens, request.is_probe, group.estimate,
-                             request.last_worker, request.queued_at)
+                             request.last_worker, request.queued_at, group.n, group.finished, longest_unfinished)
 
     def _enqueue(self, request: RequestState) -> None:
         self.queue.put(self._queued_view(request))
@@ -290,7 +311,7 @@ class LeaseBook:
         loads = tuple(WorkerLoad(w.id, w.rank, len(w.leases), w.kv_reserved, w.max_chunks, w.kv_capacity_tokens)
                       for w in self.live_workers())
         return Snapshot(now, worker_id, wanted, loads, self.queue, self.bindings, self.unfinished_groups,
-                        self.chunk_tokens)
+                        self.chunk_tokens, self.growth.current)
 
     def lease(self, worker_id: str, wanted: int, now: float) -> list[ChunkGrant]:
         worker = self._worker(worker_id)
@@ -468,20 +489,24 @@ class LeaseBook:
                 request.status = RequestStatus.FINISHED
                 request.tokens = None  # durable in the database; the coordinator needs them no more
                 self.finished_requests += 1
+                self.groups[request.group_id].finished_lengths.append(request.generated)
             else:
                 request.tokens.extend(token_ids)
                 request.status = RequestStatus.QUEUED
                 request.queued_at = now
-                self._enqueue(request)
             outcomes[i] = ReportOutcome(True, request_finished=finished)
         for gid, (done, estimate) in group_updates.items():
             group = self.groups[gid]
             group.finished, group.estimate = done, estimate
             if done >= group.n:
                 self.unfinished_groups.pop(gid, None)
-            for rid in group.request_ids:  # the queue's views carry the estimate: refresh them
-                if rid in self.queue:
-                    self._enqueue(self.requests[rid])
+                self.growth.observe_completed(group.finished_lengths)
+        # The queue's views carry their group's estimate and progress: refresh the groups reported on.
+        for gid in {request.group_id for _, request, _, _, _ in effects}:
+            for rid in self.groups[gid].request_ids:
+                request = self.requests[rid]
+                if request.status == RequestStatus.QUEUED:
+                    self._enqueue(request)
         for i, report in enumerate(reports):
             if outcomes[i] is None:
                 outcomes[i] = self._judge_unleased(worker_id, report)

@@ -1,7 +1,7 @@
 """The scheduler interface: a policy is a pure function from a snapshot to a plan.
 
 The coordinator builds a `Snapshot` when a worker asks for work and applies the returned `Plan`;
-the simulator (a later issue) drives the very same policies with a simulated clock.
+the simulator (`seerd sim`) drives the very same policies with a simulated clock.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Protocol
+
+from seerd.scheduler.forecast import NO_GROWTH, GrowthRatios
 
 if TYPE_CHECKING:
     from seerd.scheduler.queue import RequestQueue
@@ -27,9 +29,13 @@ class QueuedRequest:
     generated: int  # tokens committed so far
     max_tokens: int  # the request's original budget
     is_probe: bool
-    group_estimate: int  # expected final length of the group's responses
+    group_estimate: int  # the paper's L_g: the group's longest finished response (else its start value)
     last_worker: str | None
     queued_at: float
+    # What the group's forecast (`forecast.group_forecast`) is made of besides the estimate.
+    group_size: int = 1
+    group_finished: int = 0  # responses of the group that have finished
+    group_longest_unfinished: int = 0  # most tokens so far of any unfinished response of the group
 
     @property
     def remaining(self) -> int:
@@ -56,6 +62,7 @@ class Snapshot:
     group_binding: Mapping[int, str]  # group_id -> worker_id (group policy)
     group_indices: Mapping[int, int]  # group_id -> group_index, for every unfinished group
     chunk_tokens: int
+    growth: GrowthRatios = NO_GROWTH  # learned from this rollout's completed groups (seer)
 
     @cached_property
     def loads_by_id(self) -> dict[str, WorkerLoad]:

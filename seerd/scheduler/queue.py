@@ -19,8 +19,8 @@ class RequestQueue:
     def __init__(self) -> None:
         self._items: dict[int, QueuedRequest] = {}
         self._fcfs: list[tuple[float, int]] = []  # (queued_at, request_id), ascending
-        # name -> (key function, [(key, request_id)] ascending); keys must end in the request id
-        self._indexes: dict[str, tuple[Callable[[QueuedRequest], Any], list]] = {}
+        # name -> (key function, its version, [(key, request_id)] ascending)
+        self._indexes: dict[str, tuple[Callable[[QueuedRequest], Any], Any, list]] = {}
 
     @classmethod
     def of(cls, requests: Iterable[QueuedRequest]) -> RequestQueue:
@@ -34,24 +34,27 @@ class RequestQueue:
             self.remove(request.request_id)
         self._items[request.request_id] = request
         insort(self._fcfs, (request.queued_at, request.request_id))
-        for key, order in self._indexes.values():
+        for key, _, order in self._indexes.values():
             insort(order, (key(request), request.request_id))
 
     def remove(self, request_id: int) -> QueuedRequest:
         request = self._items.pop(request_id)
         index = bisect_left(self._fcfs, (request.queued_at, request_id))
         del self._fcfs[index]
-        for key, order in self._indexes.values():
+        for key, _, order in self._indexes.values():
             del order[bisect_left(order, (key(request), request_id))]
         return request
 
-    def ordered(self, name: str, key: Callable[[QueuedRequest], Any]) -> Iterator[QueuedRequest]:
+    def ordered(self, name: str, key: Callable[[QueuedRequest], Any], version: Any = None) -> Iterator[QueuedRequest]:
         """Queued requests ascending by `key`, ties by request id; the index named `name` is
         built on first use and maintained from then on. `key` must depend on the request only
-        (not on the clock) and must be the same function every time a name is used."""
-        if name not in self._indexes:
-            self._indexes[name] = (key, sorted((key(r), r.request_id) for r in self._items.values()))
-        for _, request_id in self._indexes[name][1]:
+        (not on the clock) and behave the same for as long as `version` does not change; a new
+        version (say, of a table the key reads) rebuilds the index with the key given then."""
+        index = self._indexes.get(name)
+        if index is None or index[1] != version:
+            index = (key, version, sorted((key(r), r.request_id) for r in self._items.values()))
+            self._indexes[name] = index
+        for _, request_id in index[2]:
             yield self._items[request_id]
 
     def get(self, request_id: int) -> QueuedRequest:

@@ -6,22 +6,22 @@ Each time a worker asks for work, queued requests are served in this order:
    underserved groups" in the paper): a request starved at time T is served once the starved
    requests older than it have been, one per lease call that admits anything. In a batch
    rollout nothing waits forever anyway (no new work arrives), so the bound is a safety net set
-   above the rollouts it should not disturb: in the simulator, bounds of 300 and 600 s cost seer
-   throughput and tail time, and serving every starved request at once turned it into FCFS for
-   minutes at a time (docs/simulator.md, sensitivity).
+   above the rollouts it should not disturb (docs/simulator.md, sensitivity).
 2. probes (one speculative request per group), shortest generated length first: short probes
    finish and leave, long ones reveal the tail groups early;
-3. continuations: requests that have started, in the order their last chunk ended (first come,
-   first served), so that a chunk boundary never turns into a long wait for a started response;
-4. requests not yet started, longest group estimate first (the estimate is the group's longest
-   finished response; before any finishes, its max_tokens, or with `--prior` the longest
-   response of an earlier run of the same prompt), then the oldest.
-   The estimate thus decides which responses start, not which running ones continue. Ordering
-   continuations by estimate too (the literal reading of Algorithm 2) let the long responses of
-   a group whose first finished response was short wait thousands of seconds at chunk
-   boundaries: in the simulator on kimi-k2 that cost 1.22x -> 1.47x of `group` and a tail of
-   0.48x -> 0.08x of group's; on the other presets the two orders were within noise
-   (docs/simulator.md).
+3. every other request, started or not, most expected remaining tokens first: its group's
+   forecast (`forecast.group_forecast`: the group's longest finished response L_g scaled by how
+   much groups of this rollout grew after as many finishes, or the tokens so far of its longest
+   unfinished response scaled the same way; max_tokens, or the `--prior`, while nothing has
+   finished) less what the request has generated. Ties: oldest first.
+   This is Algorithm 2's "longest estimate first" with two changes, each measured in the
+   simulator (docs/simulator.md): the estimate is the forecast rather than L_g alone (L_g is
+   the shortest-running member's length at first, and ordering on it started the long members
+   of such groups last); and the order is by what remains rather than by the total, so that a
+   long response a few chunks from its end yields to one that has all of it still to go (LPT).
+   A response that runs past its group's forecast raises the forecast itself (the "running"
+   term), so it is never left behind at a chunk boundary, which the literal order did to long
+   responses of groups whose first finished response was short.
 Admission (`base.admit`): chunks only while the worker has free sequence slots and KV room for
 the chunk's whole context plus its budget (no preemption by construction); a request that fits
 only another worker is left for it, and one that fits no worker stops admission (nothing smaller
@@ -40,20 +40,19 @@ from collections.abc import Iterator
 from seerd.scheduler.base import (
     DEFAULT_BALANCE_SPREAD, Plan, QueuedRequest, Snapshot, admit, balanced_slots, chunk_budget, kv_need,
 )
+from seerd.scheduler.forecast import GrowthRatios, expected_remaining
 
 DEFAULT_STARVATION_S = 1800.0
 DEFAULT_AFFINITY_SPREAD = DEFAULT_BALANCE_SPREAD
 DEFAULT_STARVED_PER_CALL = 1
 
 
-def seer_key(r: QueuedRequest) -> tuple:
-    """Probes, shortest generated first; then continuations, oldest first; then new requests,
-    longest group estimate first (see the module docstring)."""
+def seer_key(r: QueuedRequest, growth: GrowthRatios) -> tuple:
+    """Probes, shortest generated first; then the rest, most expected remaining tokens first
+    (see the module docstring)."""
     if r.is_probe:
         return (0, r.generated, r.queued_at)
-    if r.generated > 0:
-        return (1, r.queued_at)
-    return (2, -r.group_estimate, r.queued_at)
+    return (1, -expected_remaining(r, growth), r.queued_at)
 
 
 class SeerPolicy:
@@ -77,7 +76,8 @@ class SeerPolicy:
                 break
             starved.add(request.request_id)
             yield request
-        for request in snapshot.queued.ordered("seer", seer_key):
+        growth = snapshot.growth
+        for request in snapshot.queued.ordered("seer", lambda r: seer_key(r, growth), growth.version):
             if request.request_id not in starved:
                 yield request
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from seerd.scheduler import make_sim_policy
 from seerd.scheduler.base import Policy, QueuedRequest, Snapshot, WorkerLoad, kv_need, updated_estimate
+from seerd.scheduler.forecast import GrowthTable
 from seerd.scheduler.queue import RequestQueue
 from seerd.sim.costs import InstanceCosts
 from seerd.sim.engine import WATERMARK_FRACTION, SimInstance, SimSeq
@@ -53,6 +54,7 @@ class SimGroupState:
     estimate: int
     request_ids: list[int] = field(default_factory=list)
     finished: int = 0
+    finished_lengths: list[int] = field(default_factory=list)  # in the order they finished
 
 
 @dataclass
@@ -133,6 +135,7 @@ class Simulation:
         self.groups: dict[int, SimGroupState] = {}
         self.requests: dict[int, SimRequest] = {}
         self.queue = RequestQueue()
+        self.growth = GrowthTable()  # the lease book keeps the same, from the same finishes
         self.unfinished_groups: dict[int, int] = {}
         self.bindings: dict[int, str] = {}
         self.leases: dict[int, Lease] = {}
@@ -166,8 +169,11 @@ class Simulation:
     def _view(self, r: SimRequest) -> QueuedRequest:
         g = self.groups[r.group_index]
         last = self.worker_ids[r.last_instance] if r.last_instance is not None else None
+        longest_unfinished = max((self.requests[rid].generated for rid in g.request_ids
+                                  if self.requests[rid].finished_at is None), default=0)
         return QueuedRequest(r.request_id, r.group_index, r.group_index, r.response_index, g.prompt_len,
-                             r.generated, r.max_tokens, r.is_probe, g.estimate, last, r.queued_at)
+                             r.generated, r.max_tokens, r.is_probe, g.estimate, last, r.queued_at,
+                             g.n, g.finished, longest_unfinished)
 
     def _loads(self) -> tuple[WorkerLoad, ...]:
         if self._loads_cache is None:  # rebuilt only after a lease or a report changed a load
@@ -183,7 +189,7 @@ class Simulation:
             return []
         self.plan_calls += 1
         snapshot = Snapshot(now, self.worker_ids[i], wanted, self._loads(), self.queue, self.bindings,
-                            self.unfinished_groups, self.chunk_tokens)
+                            self.unfinished_groups, self.chunk_tokens, self.growth.current)
         plan = self.policy.plan(snapshot)
         self.bindings.update(plan.new_bindings)
         seqs = []
@@ -210,7 +216,8 @@ class Simulation:
 
     def _complete(self, i: int, finished: list[SimSeq], now: float) -> bool:
         """Chunks reported by instance i; returns whether any request went back to the queue."""
-        requeued = False
+        back: list[SimRequest] = []
+        touched_groups: set[int] = set()
         for seq in finished:
             lease = self.leases.pop(seq.chunk_id)
             self.running_chunks[i] -= 1
@@ -219,22 +226,27 @@ class Simulation:
             r = self.requests[lease.request_id]
             r.generated += seq.target
             r.last_instance = i
+            touched_groups.add(r.group_index)
             if r.generated >= r.true_length or r.generated >= r.max_tokens:
                 r.finished_at = now
                 self.finished += 1
                 g = self.groups[r.group_index]
                 g.estimate = updated_estimate(g.finished, g.estimate, r.generated)
                 g.finished += 1
+                g.finished_lengths.append(r.generated)
                 if g.finished == g.n:
                     del self.unfinished_groups[g.index]
-                for rid in g.request_ids:  # queued views carry the estimate: refresh them
-                    if rid in self.queue:
-                        self.queue.put(self._view(self.requests[rid]))
+                    self.growth.observe_completed(g.finished_lengths)
             else:
                 r.queued_at = now
-                self.queue.put(self._view(r))
-                requeued = True
-        return requeued
+                back.append(r)
+        for gid in touched_groups:  # queued views carry the group's progress: refresh them
+            for rid in self.groups[gid].request_ids:
+                if rid in self.queue:
+                    self.queue.put(self._view(self.requests[rid]))
+        for r in back:
+            self.queue.put(self._view(r))
+        return bool(back)
 
     # ------------------------------------------------------------- the event loop
     def _reschedule(self, i: int) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from seerd.scheduler import (
     DividedPolicy, GroupPolicy, QueuedRequest, RequestQueue, SeerPolicy, Snapshot, WorkerLoad,
 )
+from seerd.scheduler.forecast import GrowthRatios, expected_remaining, group_forecast
 
 
 def req(rid, gid, gidx, generated=0, max_tokens=100, prompt_len=10, queued_at=0.0, resp=0):
@@ -55,23 +56,68 @@ def test_group_rebinds_groups_of_a_gone_worker():
     assert [a.request_id for a in plan.assignments] == [0, 1]
 
 
-def seer_req(rid, gid, *, probe=False, generated=0, estimate=100, queued_at=0.0, last=None, max_tokens=100):
+def seer_req(rid, gid, *, probe=False, generated=0, estimate=1000, queued_at=0.0, last=None, max_tokens=1000,
+             n=4, finished=0, longest_unfinished=0):
     return QueuedRequest(rid, gid, gid, 0 if probe else 1, 10, generated, max_tokens, probe, estimate, last,
-                         queued_at)
+                         queued_at, n, finished, longest_unfinished)
 
 
 def test_seer_serves_probes_first_shortest_generated_first():
-    queued = [seer_req(1, 0, estimate=900), seer_req(2, 1, probe=True, generated=50),
-              seer_req(3, 2, probe=True, generated=10), seer_req(4, 3, estimate=50)]
+    queued = [seer_req(1, 0, estimate=900, finished=1), seer_req(2, 1, probe=True, generated=50),
+              seer_req(3, 2, probe=True, generated=10), seer_req(4, 3, estimate=50, finished=1)]
     order = [r.request_id for r in SeerPolicy().order(snap("a", [load("a", 0)], queued))]
     assert order == [3, 2, 1, 4]
 
 
-def test_seer_serves_the_rest_longest_estimate_first():
-    queued = [seer_req(1, 0, estimate=100), seer_req(2, 1, estimate=700), seer_req(3, 2, estimate=300),
-              seer_req(4, 1, estimate=700, generated=64)]
+def test_seer_serves_the_rest_most_expected_remaining_tokens_first():
+    """Started or not, a request is served by its group's forecast less its own tokens (LPT):
+    a response 600 tokens into a group forecast at 700 has less left than a new one at 300."""
+    queued = [seer_req(1, 0, estimate=50, finished=1), seer_req(2, 1, estimate=700, finished=1),
+              seer_req(3, 2, estimate=300, finished=1),
+              seer_req(4, 1, estimate=700, finished=1, generated=600, longest_unfinished=600, queued_at=5.0)]
     order = [r.request_id for r in SeerPolicy().order(snap("a", [load("a", 0)], queued))]
-    assert order == [4, 2, 3, 1]  # the started one continues first; new ones longest estimate first
+    assert order == [2, 3, 4, 1]
+
+
+def test_seer_assumes_long_for_groups_with_nothing_finished():
+    # The paper's start value: a group with no finished response is estimated at its max_tokens.
+    queued = [seer_req(1, 0, estimate=400, finished=2), seer_req(2, 1, estimate=1000, finished=0)]
+    order = [r.request_id for r in SeerPolicy().order(snap("a", [load("a", 0)], queued))]
+    assert order == [2, 1]
+
+
+def test_seer_scales_a_groups_estimate_by_the_learned_growth():
+    """Two groups with the same longest finished response: the one with fewer finished responses
+    is expected to grow more (ratios learned from completed groups), so it goes first."""
+    growth = GrowthRatios(1, {(4, 1): 3.0, (4, 3): 1.1})
+    queued = [seer_req(1, 0, estimate=200, finished=3), seer_req(2, 1, estimate=200, finished=1),
+              seer_req(3, 2, estimate=500, finished=3)]
+    snapshot = Snapshot(0.0, "a", 10, (load("a", 0),), RequestQueue.of(queued), {}, {}, 32, growth)
+    assert [r.request_id for r in SeerPolicy().order(snapshot)] == [2, 3, 1]  # 600 > 550 > 220
+
+
+def test_seer_never_leaves_a_response_running_past_its_groups_forecast_behind():
+    """A response past its group's longest finished one raises the group's forecast through the
+    running term (tokens so far x the one-finish ratio), so it keeps priority at chunk boundaries
+    over new responses of groups that finished short: it has run longer than they are expected to."""
+    growth = GrowthRatios(1, {(4, 1): 2.0, (4, 2): 1.5})
+    outlier = seer_req(1, 0, estimate=100, finished=2, generated=300, longest_unfinished=300, queued_at=9.0)
+    fresh = seer_req(2, 1, estimate=150, finished=2)
+    snapshot = Snapshot(0.0, "a", 10, (load("a", 0),), RequestQueue.of([outlier, fresh]), {}, {}, 32, growth)
+    assert [r.request_id for r in SeerPolicy().order(snapshot)] == [1, 2]
+    # 300 x 2.0 = 600 expected, 300 left; the fresh one: 150 x 1.5 = 225 left.
+    assert group_forecast(outlier, growth) == 600 and expected_remaining(outlier, growth) == 300
+    assert expected_remaining(fresh, growth) == 225
+    long_run = seer_req(3, 0, estimate=100, finished=2, generated=800, longest_unfinished=800)
+    assert group_forecast(long_run, growth) == 1000  # never past max_tokens
+
+
+def test_seer_rebuilds_its_order_when_the_growth_table_changes():
+    queue = RequestQueue.of([seer_req(1, 0, estimate=300, finished=1), seer_req(2, 1, estimate=400, finished=3)])
+    before = Snapshot(0.0, "a", 10, (load("a", 0),), queue, {}, {}, 32, GrowthRatios(1, {}))
+    assert [r.request_id for r in SeerPolicy().order(before)] == [2, 1]
+    after = Snapshot(0.0, "a", 10, (load("a", 0),), queue, {}, {}, 32, GrowthRatios(2, {(4, 1): 2.0}))
+    assert [r.request_id for r in SeerPolicy().order(after)] == [1, 2]  # 600 > 400, same queue object
 
 
 def test_seer_starvation_bound_serves_the_oldest_first():
@@ -106,15 +152,6 @@ def test_seer_serves_starved_requests_one_per_call_oldest_first():
     assert [r.request_id for r in SeerPolicy(starvation_s=600, starved_per_call=2).order(snapshot)][:2] == [10, 11]
 
 
-def test_seer_continues_started_requests_first_come_first_served():
-    """Started responses continue in the order their chunks ended, whatever their group's
-    estimate; the estimate orders only the responses that have not started."""
-    queued = [seer_req(1, 0, estimate=300), seer_req(2, 1, estimate=100, generated=500, max_tokens=1000, queued_at=5.0),
-              seer_req(3, 2, estimate=600), seer_req(4, 3, estimate=900, generated=64, queued_at=2.0)]
-    order = [r.request_id for r in SeerPolicy().order(snap("a", [load("a", 0)], queued))]
-    assert order == [4, 2, 3, 1]
-
-
 def test_seer_affinity_only_to_a_worker_with_kv_room():
     queued = [seer_req(1, 0, last="b"), seer_req(2, 1)]
     full = [load("a", 0), load("b", 1, reserved=9_990, kv=10_000)]  # b has slots but no KV room
@@ -123,10 +160,10 @@ def test_seer_affinity_only_to_a_worker_with_kv_room():
 
 
 def test_seer_order_follows_estimate_updates_in_the_queue_index():
-    queue = RequestQueue.of([seer_req(1, 0, estimate=100), seer_req(2, 1, estimate=200)])
+    queue = RequestQueue.of([seer_req(1, 0, estimate=100, finished=1), seer_req(2, 1, estimate=200, finished=1)])
     snapshot = Snapshot(0.0, "a", 10, (load("a", 0),), queue, {}, {}, 32)
     assert [r.request_id for r in SeerPolicy().order(snapshot)] == [2, 1]
-    queue.put(seer_req(1, 0, estimate=900))  # the lease book re-puts a group's views on a finish
+    queue.put(seer_req(1, 0, estimate=900, finished=2))  # the lease book re-puts a group's views on a finish
     assert [r.request_id for r in SeerPolicy().order(snapshot)] == [1, 2]
 
 
