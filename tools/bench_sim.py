@@ -1,11 +1,13 @@
 #!/usr/bin/env python
 """The simulator's figures for docs/simulator.md, each as a table of ratios measured in one run.
 
-    .venv/bin/python tools/bench_sim.py [--seeds 5] [--section presets|sensitivity|iterations|timing|all]
+    .venv/bin/python tools/bench_sim.py [--seeds 5] [--section presets|sensitivity|information|iterations|timing|all]
 
 - presets: every preset, policies group/divided/seer/oracle/streamrl-oracle, medians over seeds of
   per-seed ratios (throughput x group, x oracle; tail time x group), with the paper's figures;
 - sensitivity: the qwen2-vl-72b preset with one setting changed at a time;
+- information: seer beside seer-revealed:SIGMA (told each group's longest at its first finish,
+  to within exp(SIGMA)), at within-group shares 0.15 and 0.02: how much a better estimate could give;
 - iterations: 3 RL iterations over the same prompts; seer vs seer+prior vs oracle from the 2nd on;
 - timing: wall time of one simulation of a 10,000-request qwen2-vl-72b workload per policy.
 Nothing here is fitted: the cost model's constants are in seerd/sim/costs.py and presets.py.
@@ -14,6 +16,7 @@ Nothing here is fitted: the cost model's constants are in seerd/sim/costs.py and
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -92,6 +95,8 @@ def section_sensitivity(seeds: list[int]) -> None:
         ("seer starvation bound 300 s", SimSettings(base, 4096, seer_starvation_s=300.0)),
         ("seer starvation bound 600 s", SimSettings(base, 4096, seer_starvation_s=600.0)),
         ("seer starvation off", SimSettings(base, 4096, seer_starvation_s=float("inf"))),
+        ("seer growth quantile 0.75 (instead of 0.9)", SimSettings(base, 4096, growth_quantile=0.75)),
+        ("seer growth quantile 0.97", SimSettings(base, 4096, growth_quantile=0.97)),
     ]
     rows = []
     for label, settings in variants:
@@ -102,6 +107,28 @@ def section_sensitivity(seeds: list[int]) -> None:
                      f"{d['tail_x_group']:.2f}", f"{s['tail_x_group']:.2f}", f"{summary['group']['preemptions']:,.0f}"])
     table(["setting", "divided x group", "seer x group", "oracle x group", "seer x oracle", "divided tail x group",
            "seer tail x group", "group preemptions"], rows)
+
+
+def section_information(seeds: list[int]) -> None:
+    """How exactly must seer know a group's longest response at its first finish to reach the
+    oracle? seer-revealed:SIGMA is told it to within exp(SIGMA * z) (scheduler/oracle.py)."""
+    preset = get_preset("qwen2-vl-72b")
+    sigmas = [0.0, 0.1, 0.25, 0.45]
+    print(f"## Information bound on qwen2-vl-72b (medians over seeds {seeds[0]}..{seeds[-1]})\n")
+    for within in (0.15, 0.02):
+        policies = ["group", "seer", *(f"seer-revealed:{s:g}" for s in sigmas), "oracle"]
+        summary = summarize(run_comparison(SimSettings(preset, preset.chunk_tokens, within_share=within,
+                                                       record_timeline=False), policies, seeds))
+        rows = [[p, spread(e, "x_group"), spread(e, "x_oracle"), f"{e['tail_x_group']:.2f}"] for p, e in summary.items()]
+        print(f"within-group share {within}:\n")
+        table(["policy", "x group (range)", "x oracle (range)", "tail x group"], rows)
+        spreads = []
+        for seed in seeds:
+            for g in generate(preset, seed, within_share=within).groups:
+                spreads.append(math.log(max(g.lengths) / g.lengths[0]))
+        print(f"What one finished response says of its group's longest (w {within}): log(longest / a random "
+              f"member) has mean {statistics.mean(spreads):.2f} and standard deviation "
+              f"{statistics.stdev(spreads):.2f} over the groups of these workloads.\n")
 
 
 def section_iterations(seeds: list[int]) -> None:
@@ -137,7 +164,8 @@ def section_timing() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=5)
-    parser.add_argument("--section", default="all", choices=["presets", "sensitivity", "iterations", "timing", "all"])
+    parser.add_argument("--section", default="all",
+                        choices=["presets", "sensitivity", "information", "iterations", "timing", "all"])
     args = parser.parse_args()
     seeds = list(range(args.seeds))
     started = time.perf_counter()
@@ -145,6 +173,8 @@ def main() -> None:
         section_presets(seeds)
     if args.section in ("sensitivity", "all"):
         section_sensitivity(seeds[:3])
+    if args.section in ("information", "all"):
+        section_information(seeds)
     if args.section in ("iterations", "all"):
         section_iterations(seeds)
     if args.section in ("timing", "all"):

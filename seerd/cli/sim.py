@@ -11,7 +11,10 @@ import click
 
 from seerd.sim.costs import Efficiency
 from seerd.sim.presets import PRESETS, get_preset
-from seerd.sim.report import PRIOR_POLICY, SIM_POLICIES, SimSettings, format_table, plot, run_comparison, summarize
+from seerd.sim.report import (
+    PRIOR_POLICY, REVEALED_POLICY, SIM_POLICIES, SimSettings, format_table, is_sim_policy, plot, run_comparison,
+    summarize,
+)
 from seerd.sim.workload import TraceError, load_trace
 
 EXIT_BAD_INPUT = 2
@@ -29,7 +32,8 @@ def _bad(message: str) -> None:
               help='JSONL lengths to replay ({"group": id, "length": L, "prompt_len": P}); the preset '
                    "supplies the cluster and cost model.")
 @click.option("--policies", default="group,divided,seer,oracle", show_default=True,
-              help=f"Comma-separated, from {', '.join([*SIM_POLICIES, PRIOR_POLICY])}.")
+              help=f"Comma-separated, from {', '.join([*SIM_POLICIES, PRIOR_POLICY])} and the diagnostic "
+                   f"{REVEALED_POLICY}[:SIGMA] (seer told each group's true longest at its first finish).")
 @click.option("--seed", default=0, show_default=True, help="First seed (workload and pool hits).")
 @click.option("--seeds", default=1, show_default=True, help="Seeds to run (medians are reported).")
 @click.option("--iterations", default=1, show_default=True,
@@ -56,9 +60,10 @@ def sim(preset_name: str, trace_path: Path | None, policies: str, seed: int, see
     """Simulate a rollout under each policy with the daemon's own scheduler code."""
     preset = get_preset(preset_name)
     names = [p.strip() for p in policies.split(",") if p.strip()]
-    unknown = [p for p in names if p not in (*SIM_POLICIES, PRIOR_POLICY)]
+    unknown = [p for p in names if not is_sim_policy(p)]
     if unknown or not names:
-        _bad(f"unknown policy {', '.join(unknown) or '(none)'}; choose from {', '.join([*SIM_POLICIES, PRIOR_POLICY])}")
+        _bad(f"unknown policy {', '.join(unknown) or '(none)'}; choose from "
+             f"{', '.join([*SIM_POLICIES, PRIOR_POLICY, REVEALED_POLICY + '[:SIGMA]'])}")
     if seeds < 1 or iterations < 1:
         _bad("--seeds and --iterations must be at least 1")
     if PRIOR_POLICY in names and iterations < 2:

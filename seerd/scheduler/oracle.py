@@ -10,14 +10,22 @@
   uses (perfect knowledge, no preemption).
   This stands for length-aware group scheduling in the style of StreamRL's skewness-aware
   dispatch, given a perfect length ranker.
+- `seer-revealed[:SIGMA]`: a diagnostic, not a scheduler. It is `seer` except that from a
+  group's first finished response on, its forecast is the group's true longest response times
+  exp(SIGMA * z), z a fixed standard normal per group. It answers "how good would seer be if
+  one finished response told it the group's longest, to within a factor of exp(SIGMA)?", the
+  bound that the information in one finish puts on any estimate (docs/simulator.md).
 The daemon never offers them: it has no true lengths. `make_sim_policy` builds them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+import random
+from collections.abc import Iterator, Mapping
 
 from seerd.scheduler.base import Assignment, Plan, QueuedRequest, Snapshot, admit, balanced_slots, free_slots
+from seerd.scheduler.seer import SeerPolicy
 
 
 class OraclePolicy:
@@ -83,3 +91,28 @@ class StreamRLOraclePolicy:
             position += 1
         self._head = position  # every group before it has been handed out
         return Plan(tuple(assignments))
+
+
+class RevealedSeerPolicy(SeerPolicy):
+    name = "seer-revealed"
+
+    def __init__(self, true_lengths: Mapping[int, int], group_of: Mapping[int, int], sigma: float = 0.0,
+                 seed: int = 0) -> None:
+        super().__init__()
+        if sigma < 0:
+            raise ValueError(f"sigma must not be negative, got {sigma}")
+        longest: dict[int, int] = {}
+        for rid, length in true_lengths.items():
+            longest[group_of[rid]] = max(longest.get(group_of[rid], 0), length)
+        rng = random.Random(seed)
+        self.revealed = {gid: length * math.exp(sigma * rng.gauss(0.0, 1.0)) for gid, length in sorted(longest.items())}
+        self.name = f"seer-revealed:{sigma:g}" if sigma else "seer-revealed"
+
+    def _key(self, r: QueuedRequest) -> tuple:
+        if r.is_probe:
+            return (0, r.generated, r.queued_at)
+        forecast = r.group_estimate if r.group_finished == 0 else min(r.max_tokens, round(self.revealed[r.group_id]))
+        return (1, -(max(forecast, r.generated) - r.generated), r.queued_at)
+
+    def order(self, snapshot: Snapshot) -> Iterator[QueuedRequest]:
+        yield from snapshot.queued.ordered("seer-revealed", self._key)

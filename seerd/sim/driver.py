@@ -106,7 +106,8 @@ class Simulation:
     def __init__(self, workload: Workload, policy: Policy | str, costs: InstanceCosts, *, instances: int,
                  chunk_tokens: int, max_num_seqs: int, seed: int, pool_hit_rate: float = 1.0,
                  priors: dict[int, int] | None = None, kv_capacity: int | None = None,
-                 record_timeline: bool = True, chunk_gap_s: float = 0.0) -> None:
+                 record_timeline: bool = True, chunk_gap_s: float = 0.0,
+                 growth_quantile: float | None = None) -> None:
         if instances < 1 or chunk_tokens < 1 or max_num_seqs < 1:
             raise ValueError("instances, chunk_tokens and max_num_seqs must be positive")
         if chunk_gap_s < 0:
@@ -135,7 +136,8 @@ class Simulation:
         self.groups: dict[int, SimGroupState] = {}
         self.requests: dict[int, SimRequest] = {}
         self.queue = RequestQueue()
-        self.growth = GrowthTable()  # the lease book keeps the same, from the same finishes
+        # The lease book keeps the same table, from the same finishes.
+        self.growth = GrowthTable() if growth_quantile is None else GrowthTable(growth_quantile)
         self.unfinished_groups: dict[int, int] = {}
         self.bindings: dict[int, str] = {}
         self.leases: dict[int, Lease] = {}
@@ -159,7 +161,8 @@ class Simulation:
                 state.request_ids.append(rid)
                 self.queue.put(self._view(self.requests[rid]))
         # A name builds the policy here: the simulation-only oracles need the true lengths.
-        self.policy = make_sim_policy(policy, self.true_lengths()) if isinstance(policy, str) else policy
+        self.policy = (make_sim_policy(policy, self.true_lengths(), {rid: r.group_index for rid, r in self.requests.items()})
+                       if isinstance(policy, str) else policy)
 
     def true_lengths(self) -> dict[int, int]:
         """For the simulation-only oracles."""

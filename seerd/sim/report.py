@@ -18,6 +18,17 @@ from seerd.sim.presets import Preset
 from seerd.sim.workload import Workload, generate, next_iteration
 
 SIM_POLICIES = ("group", "divided", "seer", "oracle", "streamrl-oracle")
+REVEALED_POLICY = "seer-revealed"  # diagnostic, with an optional ":SIGMA" (scheduler/oracle.py)
+
+
+def is_sim_policy(name: str) -> bool:
+    base, colon, sigma = name.partition(":")
+    if base == REVEALED_POLICY:
+        try:
+            return not colon or float(sigma) >= 0
+        except ValueError:
+            return False
+    return name in SIM_POLICIES or name == PRIOR_POLICY
 PRIOR_POLICY = "seer+prior"  # seer with estimates seeded from the previous iteration
 
 
@@ -33,6 +44,7 @@ class SimSettings:
     seer_starvation_s: float | None = None  # override seer's anti-starvation bound
     kv_tokens: int | None = None  # override the KV capacity per instance
     chunk_gap_s: float | None = None  # override the preset's control-plane gap per chunk
+    growth_quantile: float | None = None  # override the quantile of seer's growth ratios
 
 
 def simulate(settings: SimSettings, workload: Workload, policy: str, seed: int,
@@ -46,7 +58,8 @@ def simulate(settings: SimSettings, workload: Workload, policy: str, seed: int,
                      instances=preset.instances, chunk_tokens=settings.chunk_tokens,
                      max_num_seqs=preset.max_num_seqs, seed=seed, pool_hit_rate=settings.pool_hit_rate,
                      priors=priors, record_timeline=settings.record_timeline, kv_capacity=settings.kv_tokens,
-                     chunk_gap_s=preset.chunk_gap_s if settings.chunk_gap_s is None else settings.chunk_gap_s)
+                     chunk_gap_s=preset.chunk_gap_s if settings.chunk_gap_s is None else settings.chunk_gap_s,
+                     growth_quantile=settings.growth_quantile)
     result = sim.run()
     result.policy = policy
     return result

@@ -114,7 +114,7 @@ def test_trace_replay_and_its_errors(tmp_path) -> None:
 # ----------------------------------------------------------------- the simulation
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(groups=st.lists(st.lists(st.integers(1, 400), min_size=1, max_size=4), min_size=1, max_size=10),
-       policy=st.sampled_from(["group", "divided", "seer", "oracle", "streamrl-oracle"]),
+       policy=st.sampled_from(["group", "divided", "seer", "oracle", "streamrl-oracle", "seer-revealed:0.3"]),
        chunk=st.sampled_from([16, 64, 1000]), seed=st.integers(0, 3), gap=st.sampled_from([0.0, 0.05]))
 def test_every_request_completes_exactly_once_and_only_group_preempts(groups, policy, chunk, seed, gap) -> None:
     workload = small_workload(groups)
@@ -159,6 +159,27 @@ def test_seer_starts_long_groups_before_short_ones() -> None:
     long_rest = [start[(g, k)] for g in (1, 3) for k in range(1, 4)]
     short_rest = [start[(g, k)] for g in (0, 2) for k in range(1, 4)]
     assert max(long_rest) < min(short_rest)
+
+
+def test_seer_learns_growth_ratios_from_completed_groups_in_the_simulator() -> None:
+    # Every group: one short response and three 4x longer: the table learns it, the forecast uses it.
+    workload = small_workload([[25, 100, 100, 100]] * 12)
+    sim, _ = simulate(workload, "seer", instances=1, kv=100_000, max_num_seqs=4, chunk=64)
+    assert sim.growth.completed_groups == 12
+    assert sim.growth.current.ratio(4, 1) == 4.0
+
+
+def test_seer_revealed_is_told_each_groups_longest_at_its_first_finish() -> None:
+    from seerd.scheduler.oracle import RevealedSeerPolicy
+
+    workload = small_workload([[20, 300, 20, 20], [20] * 4, [20, 20, 20, 300]])
+    sim, _ = simulate(workload, "seer-revealed", instances=1, kv=100_000, max_num_seqs=4, chunk=64)
+    policy = sim.policy
+    assert isinstance(policy, RevealedSeerPolicy) and policy.revealed == {0: 300, 1: 20, 2: 300}
+    noisy = RevealedSeerPolicy({0: 10, 1: 10, 2: 50}, {0: 0, 1: 0, 2: 1}, sigma=0.5)
+    assert noisy.revealed[0] != 10 and noisy.name == "seer-revealed:0.5"
+    with pytest.raises(ValueError, match="sigma"):
+        RevealedSeerPolicy({0: 10}, {0: 0}, sigma=-1)
 
 
 def test_tail_time_is_the_time_spent_on_the_last_tenth() -> None:
@@ -215,6 +236,7 @@ def test_sim_command_with_a_trace_and_iterations(tmp_path) -> None:
 
 @pytest.mark.parametrize("args, message", [
     (["--policies", "fastest"], "unknown policy"),
+    (["--policies", "seer-revealed:much"], "unknown policy"),
     (["--policies", "seer+prior"], "--iterations 2"),
     (["--pool-hit-rate", "2"], "pool-hit-rate"),
     (["--trace", "/nonexistent.jsonl"], "cannot read trace"),
