@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from seerd.scheduler.base import QueuedRequest
 
 DEFAULT_QUANTILE = 0.9
-MIN_COMPLETED_GROUPS = 8
+MIN_COMPLETED_GROUPS = 3  # with so few, the 0.9 quantile is their largest ratio: conservative
 REFRESH_GROWTH = 1.25  # refresh the table when completed groups have grown by this factor
 
 

@@ -86,7 +86,7 @@ def _finish(book, worker, grant, n, now):
 
 
 def test_the_lease_book_learns_from_completed_groups_and_a_restart_rebuilds_the_same(tmp_path):
-    book = make_book(tmp_path, policy="seer", chunk_tokens=64, prompt_rows=rows(groups=12, n=2, max_tokens=64))
+    book = make_book(tmp_path, policy="seer", chunk_tokens=64, prompt_rows=rows(groups=14, n=2, max_tokens=64))
     worker = book.register(rank=0, address="test", max_chunks=64, kv_capacity_tokens=10**6, worker_id="w",
                            now=1000.0).id
     grants = book.lease(worker, wanted=64, now=1000.0)
@@ -97,15 +97,15 @@ def test_the_lease_book_learns_from_completed_groups_and_a_restart_rebuilds_the_
     for i, (gid, pair) in enumerate(sorted(by_group.items())):
         first, second = sorted(pair, key=lambda g: g.request_id)
         _finish(book, worker, first, 10, now)
-        if i < 10:  # ten groups complete, the last two keep one response running
+        if i < 12:  # twelve groups complete, the last two keep one response running
             _finish(book, worker, second, 10 + 3 * i, now + 0.5)
         now += 1.0
-    assert book.growth.completed_groups == 10
+    assert book.growth.completed_groups == 12
     learned = book.growth.current
-    assert learned.version >= 1 and learned.ratio(2, 1) == 3.7  # quantile 0.9 of 1.0 .. 3.7
+    assert learned.version >= 1 and learned.ratio(2, 1) == 4.0  # refreshed at 12: quantile 0.9 of 1.0 .. 4.3
     restarted = reopen(book, now=now)
     assert restarted.growth.current == learned
     # Queued views carry what the forecast needs: size, finishes, longest unfinished so far.
     (queued,) = [r for r in restarted.queue if r.group_finished == 1][:1]
     assert (queued.group_size, queued.group_finished) == (2, 1)
-    assert group_forecast(queued, learned) == round(10 * 3.7)
+    assert group_forecast(queued, learned) == 40
