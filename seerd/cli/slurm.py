@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shlex
+import sys
 import time
 from pathlib import Path
 
@@ -92,15 +94,16 @@ def slurm_run(workers_per_node: int | None, gpus_per_worker: int | None, cpus_pe
               help="submitit's executor: auto = Slurm when srun is on the PATH, else local processes.")
 @click.option("--wait/--no-wait", default=False, show_default=True,
               help="Wait for the job and exit 0 only when the output is complete.")
+@click.option("--dry-run", is_flag=True, help="Print the sbatch script submitit would write; submit nothing.")
 @ENGINE_ARG_OPTION
 def submit(nodes: int, workers_per_node: int | None, gpus_per_worker: int, gpus_per_node: int,
            cpus_per_worker: int | None, mem_per_worker_mb: int | None, time_min: int, partition: str | None,
            account: str | None, qos: str | None, signal_delay_s: int, drain_grace_s: float, exclusive: bool,
-           slurm_args: tuple[str, ...], cluster: str, wait: bool, engine_args: tuple[str, ...],
+           slurm_args: tuple[str, ...], cluster: str, wait: bool, dry_run: bool, engine_args: tuple[str, ...],
            **options) -> None:  # noqa: ANN003
     """Submit a rollout as a submitit job (seerd.submit from the shell): the coordinator in the job,
     workers as steps of the same allocation. Prints the job id."""
-    from seerd.launch.submitit_launch import RolloutFailed, SlurmResources, submit_rollout
+    from seerd.launch.submitit_launch import RolloutFailed, SlurmResources, sbatch_script, submit_rollout
     from seerd.rundir import RunDir
 
     try:
@@ -116,6 +119,10 @@ def submit(nodes: int, workers_per_node: int | None, gpus_per_worker: int, gpus_
             time_min=time_min, partition=partition, account=account, qos=qos, signal_delay_s=signal_delay_s,
             drain_grace_s=drain_grace_s, exclusive=exclusive, slurm_args=extra)
         resources.validate()
+        if dry_run:
+            folder = options["run_dir"].resolve() / "submitit" / "DRY-RUN"
+            click.echo(sbatch_script(resources, folder, shlex.quote(sys.executable)), nl=False)
+            return
         config = build_config(workers=nodes * resources.workers,
                               engine_args=_engine_args(engine_args, gpus_per_worker), **options)
         handle = submit_rollout(RunDir(options["run_dir"].resolve()), config, options["input_path"], resources,

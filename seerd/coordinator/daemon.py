@@ -104,6 +104,7 @@ class Coordinator:
         self._drain_deadline: float | None = None
         self._drain_reason = ""
         self.drained = False  # the run stopped after a drain: the caller requeues the job
+        self.drain_recorded = False
 
     # The group policy binds every group once, so it waits for the expected workers (or a timeout).
     def _gate(self) -> bool:
@@ -206,6 +207,9 @@ class Coordinator:
                 return await self._finish()
             if self._drain_deadline is not None and self._stop_reason is None:
                 in_flight = await run(lambda: len(self.book.leases))
+                if not self.drain_recorded:
+                    self.drain_recorded = True
+                    await run(self.record_event, "rollout_draining", {"reason": self._drain_reason, "in_flight": in_flight})
                 if not in_flight or self.clock() >= self._drain_deadline:
                     self.drained = True
                     self._stop_reason = (f"drained after {self._drain_reason}; {in_flight} chunks were still "
@@ -248,6 +252,11 @@ class Coordinator:
         cpu = time.process_time() - (self.book.first_lease_cpu or self.cpu_started)
         return {"wall_s": wall, "generation_s": generating, "cpu_s": cpu, "api_wall_s": self.control.busy_s,
                 "export_s": export_s, "api_calls": self.control.calls, "cpu_share": cpu / generating}
+
+    def record_event(self, kind: str, data: dict) -> None:
+        """One event in its own transaction (outside the state thread only before or after `serve`)."""
+        with self.sessions.begin() as session:
+            add_event(session, self.rollout_id, self.clock(), kind, data=data)
 
     def mark_failed(self, reason: str) -> None:
         self.book.set_rollout_status(RolloutStatus.FAILED, self.clock(), reason)

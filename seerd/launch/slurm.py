@@ -22,13 +22,11 @@ import re
 import signal
 import socket
 import subprocess
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from seerd.config import DEFAULT_DRAIN_GRACE_S
 from seerd.coordinator.daemon import Coordinator, CoordinatorResult
-from seerd.db import add_event
 from seerd.launch.local import WorkerPool, run_local, worker_env
 from seerd.rundir import RunDir
 
@@ -218,7 +216,7 @@ def run_in_allocation(run_dir: RunDir, layout: WorkerLayout, *, drain_grace_s: f
     coordinator = Coordinator(run_dir, host=node_address(), expected_workers=layout.total_workers,
                               drain_signals=DRAIN_SIGNALS, drain_grace_s=drain_grace_s)
     restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
-    _event(coordinator, "slurm_job", {"job_id": layout.job_id, "restart_count": restarts,
+    coordinator.record_event("slurm_job", {"job_id": layout.job_id, "restart_count": restarts,
                                       "nodes": list(layout.nodes), "workers": layout.total_workers,
                                       "address": coordinator.host})
     log.warning("coordinator at %s: %s (restart %d)", coordinator.host, layout.describe(), restarts)
@@ -226,11 +224,13 @@ def run_in_allocation(run_dir: RunDir, layout: WorkerLayout, *, drain_grace_s: f
                        pool=SlurmWorkerPool(run_dir, layout))
     if not coordinator.drained:
         return AllocationResult(result)
+    # Said and recorded before the requeue: Slurm signals this job's processes as soon as it is
+    # requeued.
+    log.warning("requeueing job %s: %s", layout.job_id, result.reason)
+    coordinator.record_event("slurm_requeue", {"job_id": layout.job_id})
     error = requeue_job(layout.job_id)
-    _event(coordinator, "slurm_requeue", {"job_id": layout.job_id, "error": error})
+    if error is not None:
+        log.error("requeueing job %s failed: %s", layout.job_id, error)
+        coordinator.record_event("slurm_requeue_failed", {"job_id": layout.job_id, "error": error})
+        coordinator.mark_failed(f"{result.reason}; requeueing job {layout.job_id} failed: {error}")
     return AllocationResult(result, requeued=error is None, requeue_error=error)
-
-
-def _event(coordinator: Coordinator, kind: str, data: dict) -> None:
-    with coordinator.sessions.begin() as session:
-        add_event(session, coordinator.rollout_id, time.time(), kind, data=data)

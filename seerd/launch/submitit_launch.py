@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 import sys
 import time
 import uuid
@@ -118,6 +119,22 @@ def submitit_parameters(resources: SlurmResources) -> dict:
         if getattr(resources, name) is not None:
             params[f"slurm_{name}"] = getattr(resources, name)
     return params
+
+
+def sbatch_script(resources: SlurmResources, folder: Path, python: str) -> str:
+    """The sbatch script submitit writes for this job on Slurm (`seerd submit --dry-run`), made by
+    submitit's own renderer from the parameters above, translated as its AutoExecutor does."""
+    from submitit.slurm import slurm as submitit_slurm
+
+    renames = submitit.SlurmExecutor._equivalence_dict()
+    params = {}
+    for key, value in submitit_parameters(resources).items():
+        if key.startswith("slurm_"):
+            params[key.removeprefix("slurm_")] = value
+        elif key in renames:
+            params[renames[key]] = submitit_slurm._convert_mem(value) if key == "mem_gb" else value
+    command = " ".join([python, "-u -m submitit.core._submit", shlex.quote(str(folder))])
+    return submitit_slurm._make_sbatch_string(command=command, folder=folder, **params)
 
 
 class RolloutJob(submitit.helpers.Checkpointable):
