@@ -60,13 +60,8 @@ def slurm_run(workers_per_node: int | None, gpus_per_worker: int | None, cpus_pe
         ui.warn(f"run interrupted: {outcome.result.reason}. Requeued job {layout.job_id}: it continues from the "
                 f"database when it starts again")
         raise SystemExit(EXIT_INCOMPLETE)
-    hint = None
-    if outcome.requeue_error:
-        hint = (f"Requeueing job {layout.job_id} failed ({outcome.requeue_error}): sbatch again with the same "
-                f"arguments, or `seerd resume {prepared.rundir.path}`")
-    elif outcome.result.status.value != "finished":
-        hint = f"sbatch again with the same arguments, or `seerd resume {prepared.rundir.path}`"
-    report_result(prepared.rundir, outcome.result, time.monotonic() - started, resume_hint=hint)
+    report_result(prepared.rundir, outcome.result, time.monotonic() - started,
+                  resume_hint=f"Continue with sbatch and the same arguments, or `seerd resume {prepared.rundir.path}`")
 
 
 @click.command()

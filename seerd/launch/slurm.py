@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from seerd.config import DEFAULT_DRAIN_GRACE_S
 from seerd.coordinator.daemon import Coordinator, CoordinatorResult
+from seerd.db import RolloutStatus
 from seerd.launch.local import WorkerPool, run_local, worker_env
 from seerd.rundir import RunDir
 
@@ -217,8 +218,8 @@ def run_in_allocation(run_dir: RunDir, layout: WorkerLayout, *, drain_grace_s: f
                               drain_signals=DRAIN_SIGNALS, drain_grace_s=drain_grace_s)
     restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
     coordinator.record_event("slurm_job", {"job_id": layout.job_id, "restart_count": restarts,
-                                      "nodes": list(layout.nodes), "workers": layout.total_workers,
-                                      "address": coordinator.host})
+                                           "nodes": list(layout.nodes), "workers": layout.total_workers,
+                                           "address": coordinator.host})
     log.warning("coordinator at %s: %s (restart %d)", coordinator.host, layout.describe(), restarts)
     result = run_local(run_dir, layout.total_workers, on_tick=on_tick, coordinator=coordinator,
                        pool=SlurmWorkerPool(run_dir, layout))
@@ -229,8 +230,10 @@ def run_in_allocation(run_dir: RunDir, layout: WorkerLayout, *, drain_grace_s: f
     log.warning("requeueing job %s: %s", layout.job_id, result.reason)
     coordinator.record_event("slurm_requeue", {"job_id": layout.job_id})
     error = requeue_job(layout.job_id)
-    if error is not None:
-        log.error("requeueing job %s failed: %s", layout.job_id, error)
-        coordinator.record_event("slurm_requeue_failed", {"job_id": layout.job_id, "error": error})
-        coordinator.mark_failed(f"{result.reason}; requeueing job {layout.job_id} failed: {error}")
-    return AllocationResult(result, requeued=error is None, requeue_error=error)
+    if error is None:
+        return AllocationResult(result, requeued=True)
+    log.error("requeueing job %s failed: %s", layout.job_id, error)
+    reason = f"{result.reason}; requeueing job {layout.job_id} failed: {error}"
+    coordinator.record_event("slurm_requeue_failed", {"job_id": layout.job_id, "error": error})
+    coordinator.mark_failed(reason)
+    return AllocationResult(CoordinatorResult(RolloutStatus.FAILED, None, reason), requeue_error=error)

@@ -166,10 +166,6 @@ class RolloutJob(submitit.helpers.Checkpointable):
                 print(f"seerd: requeued job {layout.job_id}: {outcome.result.reason}", file=sys.stderr, flush=True)
                 sys.exit(EXIT_REQUEUED)
             result = outcome.result
-            if outcome.requeue_error:
-                raise RolloutFailed(f"{result.reason}; requeueing job {layout.job_id} failed: "
-                                    f"{outcome.requeue_error}. Resume with `seerd resume {rundir.path}` or submit "
-                                    f"again")
         else:
             result = run_local(rundir, res.nodes * res.workers)
         if result.status != RolloutStatus.FINISHED:

@@ -219,3 +219,25 @@ def test_submit_runs_on_the_local_executor_without_slurm(tmp_path, tiny_model_di
     assert not events(tmp_path / "run", "slurm_job")  # local worker processes, no Slurm
     again = seerd.submit(prompts, tiny_model_dir, tmp_path / "run", cluster="local", gpus_per_worker=0)
     assert again.job_id is None and again.wait()["responses"] == 4  # finished: nothing submitted
+
+
+def test_a_job_that_cannot_finish_exits_nonzero_with_the_reason(tmp_path, tiny_model_dir):
+    prompts = write_token_prompts(tmp_path / "prompts.jsonl", groups=8, seed=10)
+    run_dir = tmp_path / "run"
+    # Workers that do not fit the allocation: refused before anything is created.
+    job = sbatch(CPU_JOB, rollout_args(tiny_model_dir, prompts, run_dir, "--gpus-per-worker", "1"), tmp_path)
+    log = tmp_path / f"job-{job}.out"
+    assert wait_job_end(job, timeout=120, log=log) == ("FAILED", "2:0")
+    assert "the job has no GPUs" in log.read_text() and not run_dir.exists()
+    # A job that may not be requeued: after the warning it drains, fails to requeue, says why.
+    job = sbatch([*CPU_JOB, "--no-requeue"], rollout_args(tiny_model_dir, prompts, run_dir, "--chunk-tokens", "16",
+                                                          "--n", "4", "--max-tokens", "320"), tmp_path)
+    log = tmp_path / f"job-{job}.out"
+    wait_for(lambda: done_chunks(run_dir) >= 10, timeout=300, what="10 finished chunks", interval=0.2)
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job], check=True, timeout=60)
+    assert wait_job_end(job, timeout=300, log=log) == ("FAILED", "1:0")
+    assert f"requeueing job {job} failed" in log.read_text()
+    ((status, reason),) = db_rows(run_dir, "select status, status_reason from rollouts")
+    assert status == "failed" and "drained after signal SIGUSR1" in reason and f"requeueing job {job} failed" in reason
+    assert len(events(run_dir, "slurm_requeue_failed")) == 1
+    assert not (run_dir / "rollouts.parquet").exists()  # outputs are written only when complete
