@@ -8,32 +8,16 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from tests.integration.harness import REPO_ROOT, db_rows, test_env
 
 DEV_SLURM = REPO_ROOT / "tools" / "dev-slurm.sh"
+SUBMITTED: list[str] = []  # job ids of this test session, cancelled if a test leaves one behind
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
          "DEADLINE"}
 
 
 def dev_slurm(action: str, timeout: float) -> subprocess.CompletedProcess:
     return subprocess.run([str(DEV_SLURM), action], capture_output=True, text=True, timeout=timeout)
-
-
-@pytest.fixture(scope="session")
-def slurm_cluster():
-    """The single-node cluster, started (and installed) if needed; stopped afterwards if it was not
-    running before. A cluster that cannot start fails every Slurm test: they never skip."""
-    was_running = dev_slurm("status", timeout=60).returncode == 0
-    started = dev_slurm("start", timeout=1200)
-    if started.returncode != 0:
-        pytest.fail(f"the Slurm test cluster did not start (tools/dev-slurm.sh start exited "
-                    f"{started.returncode}):\n{started.stdout[-3000:]}\n{started.stderr[-3000:]}", pytrace=False)
-    yield
-    if not was_running:
-        stopped = dev_slurm("stop", timeout=300)
-        assert stopped.returncode == 0, stopped.stderr
 
 
 def job_env() -> dict[str, str]:
@@ -49,7 +33,17 @@ def sbatch(args: list[str], script_args: list[str], log_dir: Path) -> str:
                           str(REPO_ROOT / "slurm" / "rollout.sh"), *script_args],
                          capture_output=True, text=True, timeout=60, env=job_env(), cwd=log_dir)
     assert out.returncode == 0, out.stderr
-    return out.stdout.strip().split(";")[0]
+    job_id = out.stdout.strip().split(";")[0]
+    SUBMITTED.append(job_id)
+    return job_id
+
+
+def cancel_leftover_jobs() -> None:
+    """A failed test must not leave its job holding the (exclusive) node for the next one."""
+    while SUBMITTED:
+        job_id = SUBMITTED.pop()
+        if job_state(job_id)[0] not in ENDED:
+            subprocess.run(["scancel", job_id], timeout=60)
 
 
 def job_state(job_id: str) -> tuple[str, str]:

@@ -24,12 +24,11 @@ from tests.integration.harness import (
     assert_complete_output, db_rows, done_chunks, wait_for, write_token_prompts,
 )
 from tests.integration.slurm_harness import (
-    assert_each_chunk_ran_once, events, job_env, job_state, processes_mentioning, sbatch, scontrol_job,
-    slurm_cluster, steps, wait_job_end,
+    SUBMITTED, assert_each_chunk_ran_once, cancel_leftover_jobs, events, job_env, job_state, processes_mentioning,
+    sbatch, scontrol_job, steps, wait_job_end,
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slurm, pytest.mark.usefixtures("slurm_cluster")]
-__all__ = ["slurm_cluster"]  # the fixture, imported to be used here
 
 CPU_JOB = ["--gpus-per-node=0", "--time=10"]  # rollout.sh's H800 defaults, overridden for this node
 ENGINE = ["--workers-per-node", "2", "--kv-cache-gib", "0.25", "--max-num-seqs", "16"]
@@ -37,6 +36,12 @@ ENGINE = ["--workers-per-node", "2", "--kv-cache-gib", "0.25", "--max-num-seqs",
 
 def rollout_args(model: Path, prompts: Path, run_dir: Path, *extra: str) -> list[str]:
     return ["--input", str(prompts), "--model", str(model), "--run-dir", str(run_dir), *ENGINE, *extra]
+
+
+@pytest.fixture(autouse=True)
+def no_job_left_behind():
+    yield
+    cancel_leftover_jobs()
 
 
 @pytest.fixture()
@@ -185,6 +190,7 @@ def test_submitit_submit_wait_results_through_its_warning_signal(tmp_path, tiny_
     resources = dict(gpus_per_worker=0, workers_per_node=2, time_min=10, signal_delay_s=120, drain_grace_s=60)
     handle = seerd.submit(prompts, tiny_model_dir, run_dir, chunk_tokens=16, n=4, max_tokens=320, kv_cache_gib=0.25,
                           max_num_seqs=16, **resources)
+    SUBMITTED.append(handle.job_id)
     assert handle.job_id and handle.folder.parent == run_dir / "submitit"
     # submitit wrote exactly the script seerd renders (and pins in the unit tests' reference file).
     submitted = handle.folder / f"{handle.job_id}_submission.sh"
