@@ -103,50 +103,50 @@ def test_sbatch_rollout_completes_with_every_response(tmp_path, tiny_model_dir):
         assert not worker_address.startswith(("127.", "localhost"))
 
 
-def test_warning_signal_drains_requeues_and_resumes(tmp_path, tiny_model_dir):
-    prompts = write_token_prompts(tmp_path / "prompts.jsonl", groups=8, seed=5)
+def interrupted_job(tmp_path: Path, model: Path, seed: int, interrupt: str, *extra: str) -> tuple[str, Path, str]:
+    """A job of 32 responses, interrupted (`interrupt` is a command; JOB stands for the job id)
+    after 20 chunks finished; it must restart once and complete."""
+    prompts = write_token_prompts(tmp_path / "prompts.jsonl", groups=8, seed=seed)
     run_dir = tmp_path / "run"
-    job = sbatch(CPU_JOB, rollout_args(tiny_model_dir, prompts, run_dir, "--chunk-tokens", "16", "--n", "4",
-                                       "--max-tokens", "320", "--drain-grace", "30"), tmp_path)
+    job = sbatch(CPU_JOB, rollout_args(model, prompts, run_dir, "--chunk-tokens", "16", "--n", "4", "--max-tokens",
+                                       "320", *extra), tmp_path)
     log = tmp_path / f"job-{job}.out"
     wait_for(lambda: done_chunks(run_dir) >= 20, timeout=300, what="20 finished chunks", interval=0.2)
-    # What Slurm sends before the time limit (--signal=B:USR1@300), sent now.
-    subprocess.run(["scancel", "--batch", "--signal=USR1", job], check=True, timeout=60)
+    subprocess.run(interrupt.replace("JOB", job).split(), check=True, timeout=60)
     assert wait_job_end(job, timeout=500, log=log) == ("COMPLETED", "0:0"), log.read_text()[-3000:]
-    text = log.read_text()
-    assert "draining (signal SIGUSR1)" in text and f"requeueing job {job}" in text and "finished in" in text
-    assert_complete_output(run_dir, 32)
+    return job, run_dir, log.read_text()
+
+
+def assert_resumed_without_repeats(run_dir: Path, responses: int) -> tuple[float, str]:
+    """Complete output, one restart, no chunk generated twice, none finished before the stop
+    leased again after it. Returns when the first attempt stopped, and why."""
+    assert_complete_output(run_dir, responses)
     assert_each_chunk_ran_once(run_dir)
-    restarts = [json.loads(data)["restart_count"] for *_, data in events(run_dir, "slurm_job")]
-    assert restarts == [0, 1]
-    ((drain_ts, *_),) = events(run_dir, "rollout_draining")
+    assert [json.loads(data)["restart_count"] for *_, data in events(run_dir, "slurm_job")] == [0, 1]
     ((stop_ts, _, _, stop),) = events(run_dir, "rollout_interrupted")
-    assert "drained after signal SIGUSR1" in json.loads(stop)["reason"]
-    assert len(events(run_dir, "slurm_requeue")) == 1 and not events(run_dir, "slurm_requeue_failed")
-    # Draining: nothing new was leased between the signal and the stop.
-    assert not db_rows(run_dir, "select id from events where kind='chunk_leased' and ts > ? and ts <= ?",
-                       (drain_ts, stop_ts))
-    # Chunks finished before the requeue were never leased again.
     finished_before = chunks_done_before(run_dir, stop_ts)
     assert finished_before and not finished_before & chunks_leased_after(run_dir, stop_ts)
+    return stop_ts, json.loads(stop)["reason"]
+
+
+def test_warning_signal_drains_requeues_and_resumes(tmp_path, tiny_model_dir):
+    # What Slurm sends before the time limit (--signal=B:USR1@300), sent now.
+    job, run_dir, text = interrupted_job(tmp_path, tiny_model_dir, 5, "scancel --batch --signal=USR1 JOB",
+                                         "--drain-grace", "30")
+    assert "draining (signal SIGUSR1)" in text and f"requeueing job {job}" in text and "finished in" in text
+    stop_ts, reason = assert_resumed_without_repeats(run_dir, 32)
+    assert "drained after signal SIGUSR1" in reason
+    assert len(events(run_dir, "slurm_requeue")) == 1 and not events(run_dir, "slurm_requeue_failed")
+    # Draining: nothing new was leased between the signal and the stop.
+    ((drain_ts, *_),) = events(run_dir, "rollout_draining")
+    assert not db_rows(run_dir, "select id from events where kind='chunk_leased' and ts > ? and ts <= ?",
+                       (drain_ts, stop_ts))
 
 
 def test_scontrol_requeue_mid_rollout_restarts_and_completes(tmp_path, tiny_model_dir):
-    prompts = write_token_prompts(tmp_path / "prompts.jsonl", groups=8, seed=6)
-    run_dir = tmp_path / "run"
-    job = sbatch(CPU_JOB, rollout_args(tiny_model_dir, prompts, run_dir, "--chunk-tokens", "16", "--n", "4",
-                                       "--max-tokens", "320"), tmp_path)
-    log = tmp_path / f"job-{job}.out"
-    wait_for(lambda: done_chunks(run_dir) >= 20, timeout=300, what="20 finished chunks", interval=0.2)
-    subprocess.run(["scontrol", "requeue", job], check=True, timeout=60)  # an admin, or preemption
-    assert wait_job_end(job, timeout=500, log=log) == ("COMPLETED", "0:0"), log.read_text()[-3000:]
-    assert_complete_output(run_dir, 32)
-    assert_each_chunk_ran_once(run_dir)
-    assert [json.loads(d)["restart_count"] for *_, d in events(run_dir, "slurm_job")] == [0, 1]
-    ((stop_ts, _, _, stop),) = events(run_dir, "rollout_interrupted")
-    assert json.loads(stop)["reason"] == "signal SIGTERM"
-    finished_before = chunks_done_before(run_dir, stop_ts)
-    assert finished_before and not finished_before & chunks_leased_after(run_dir, stop_ts)
+    # An admin's requeue, or preemption in requeue mode: SIGTERM, then the job starts again.
+    _, run_dir, _ = interrupted_job(tmp_path, tiny_model_dir, 6, "scontrol requeue JOB")
+    assert assert_resumed_without_repeats(run_dir, 32)[1] == "signal SIGTERM"
 
 
 def test_a_cancelled_worker_step_does_not_stop_the_rollout(tmp_path, tiny_model_dir):
@@ -206,11 +206,7 @@ def test_submitit_submit_wait_results_through_its_warning_signal(tmp_path, tiny_
     assert summary["complete"] and summary["responses"] == 32
     rows = handle.results()
     assert len(rows) == 32 and {r["finish_reason"] for r in rows} <= {"stop", "length"}
-    assert_complete_output(run_dir, 32)
-    assert_each_chunk_ran_once(run_dir)
-    assert [json.loads(d)["restart_count"] for *_, d in events(run_dir, "slurm_job")] == [0, 1]
-    ((_, _, _, stop),) = events(run_dir, "rollout_interrupted")
-    assert "drained after signal SIGUSR2" in json.loads(stop)["reason"]
+    assert "drained after signal SIGUSR2" in assert_resumed_without_repeats(run_dir, 32)[1]
     assert job_state(handle.job_id) == ("COMPLETED", "0:0")
 
 
