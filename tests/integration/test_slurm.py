@@ -24,7 +24,7 @@ from tests.integration.harness import (
     assert_complete_output, db_rows, done_chunks, wait_for, write_token_prompts,
 )
 from tests.integration.slurm_harness import (
-    SUBMITTED, assert_each_chunk_ran_once, cancel_leftover_jobs, events, job_env, job_state, processes_mentioning,
+    SUBMITTED, assert_each_chunk_ran_once, cancel_leftover_jobs, events, job_env, processes_mentioning,
     sbatch, scontrol_job, steps, wait_job_end,
 )
 
@@ -207,7 +207,8 @@ def test_submitit_submit_wait_results_through_its_warning_signal(tmp_path, tiny_
     rows = handle.results()
     assert len(rows) == 32 and {r["finish_reason"] for r in rows} <= {"stop", "length"}
     assert "drained after signal SIGUSR2" in assert_resumed_without_repeats(run_dir, 32)[1]
-    assert job_state(handle.job_id) == ("COMPLETED", "0:0")
+    # submitit reads the result as soon as it is written; Slurm records the end a moment later.
+    assert wait_job_end(handle.job_id, timeout=120) == ("COMPLETED", "0:0")
 
 
 def test_submit_runs_on_the_local_executor_without_slurm(tmp_path, tiny_model_dir, job_environment):
