@@ -175,9 +175,10 @@ class RolloutJob(submitit.helpers.Checkpointable):
 
 
 def summary(rundir: RunDir) -> dict:
+    """What the outputs say (rollouts.meta.json); an unfinished run has none yet."""
     import json
 
-    meta = json.loads(rundir.meta_path.read_text())
+    meta = json.loads(rundir.meta_path.read_text()) if rundir.meta_path.exists() else {}
     return {"run_dir": str(rundir.path), "complete": meta.get("complete", False),
             "responses": meta.get("responses"), "parquet": str(rundir.parquet_path), "jsonl": str(rundir.jsonl_path)}
 

@@ -160,22 +160,24 @@ def test_a_cancelled_worker_step_does_not_stop_the_rollout(tmp_path, tiny_model_
         if done_chunks(run_dir) < 10:
             return None
         rows = db_rows(run_dir, "select w.id from workers w join chunks c on c.lease_holder = w.id and "
-                                "c.status = 'leased' where w.rank = 1 group by w.id having count(c.id) >= 2")
+                                "c.status = 'leased' where w.rank = 1 group by w.id having count(c.id) >= 4")
         return rows[0][0] if rows else None
 
     victim = wait_for(worker1_with_leases, timeout=300, what="worker 1 holding leases")
     step = steps(job)["seerd-worker-1"]
-    subprocess.run(["scancel", step], check=True, timeout=60)
-    held = {c for (c,) in db_rows(run_dir, "select id from chunks where lease_holder=? and status='leased'",
-                                  (victim,))}
+    subprocess.run(["scancel", step], check=True, timeout=60)  # Slurm kills the step's task (SIGKILL)
     assert wait_job_end(job, timeout=500, log=log) == ("COMPLETED", "0:0"), log.read_text()[-3000:]
     assert_complete_output(run_dir, 32)
     assert_each_chunk_ran_once(run_dir)
-    # The step's worker gave its leases back (or they expired); others ran them.
-    returned = {c for _, w, c, _ in events(run_dir, "lease_released") + events(run_dir, "lease_expired")
-                if w == victim}
-    assert held and held <= returned | {c for _, w, c, _ in events(run_dir, "chunk_done") if w == victim}
-    assert returned, "the cancelled worker's leases had to go back to the queue"
+    # Every chunk leased to the killed worker was reported by it before it died, or went back to
+    # the queue (its lease expired) and was done by another worker.
+    def of_victim(kind: str) -> set[int]:
+        return {chunk for _, worker, chunk, _ in events(run_dir, kind) if worker == victim}
+
+    returned = of_victim("lease_released") | of_victim("lease_expired")
+    assert returned, "the killed worker's leases had to go back to the queue"
+    assert of_victim("chunk_leased") == of_victim("chunk_done") | returned
+    assert not returned & of_victim("chunk_done")
     worker1_steps = [line.split("|") for line in subprocess.run(
         ["sacct", "-n", "-P", "-j", job, "-o", "JobID,JobName,State"], capture_output=True, text=True,
         timeout=60).stdout.split() if "|seerd-worker-1|" in line]
