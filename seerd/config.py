@@ -7,6 +7,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 DEFAULT_CHUNK_TOKENS = 8192
+# Slurm: after the warning signal, seconds in-flight chunks may still report before the requeue.
+DEFAULT_DRAIN_GRACE_S = 120.0
 
 
 class ConfigError(ValueError):

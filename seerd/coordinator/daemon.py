@@ -14,6 +14,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import uvicorn
 from sqlalchemy import Engine, select
@@ -71,7 +72,8 @@ def load_rollout(engine: Engine) -> Rollout:
 
 class Coordinator:
     def __init__(self, run_dir: RunDir, *, host: str = "127.0.0.1", port: int = 0,
-                 expected_workers: int | None = None, clock: Callable[[], float] = time.time) -> None:
+                 expected_workers: int | None = None, clock: Callable[[], float] = time.time,
+                 drain_signals: tuple[signal.Signals, ...] = (), drain_grace_s: float = 120.0) -> None:
         if not run_dir.exists():
             raise RunNotFound(f"no run at {run_dir.path} (no {run_dir.db_path.name})")
         self.run_dir = run_dir
@@ -96,6 +98,13 @@ class Coordinator:
         self.initial_status = rollout.status
         self.load: dict | None = None
         self.expected_workers = expected_workers or self.config.workers
+        # Warning signals (Slurm's `--signal`, before a time limit or preemption): drain, then stop.
+        self.drain_signals = drain_signals
+        self.drain_grace_s = drain_grace_s
+        self._drain_deadline: float | None = None
+        self._drain_reason = ""
+        self.drained = False  # the run stopped after a drain: the caller requeues the job
+        self.drain_recorded = False
 
     # The group policy binds every group once, so it waits for the expected workers (or a timeout).
     def _gate(self) -> bool:
@@ -113,6 +122,26 @@ class Coordinator:
             self._stop_reason = reason
             self.control.accepting = False
             log.warning("stopping: %s", reason)
+
+    def request_drain(self, reason: str) -> None:
+        """Stop handing out leases; stop once in-flight chunks reported or the grace period ends.
+
+        Nothing is lost either way: a chunk still leased at the end runs again after the restart.
+        """
+        if self._drain_deadline is None and self._stop_reason is None:
+            self._drain_deadline = self.clock() + self.drain_grace_s
+            self._drain_reason = reason
+            self.control.accepting = False
+            log.warning("draining (%s): no new leases; waiting up to %.0fs for %d in flight", reason,
+                        self.drain_grace_s, len(self.book.leases))
+
+    def _signal_actions(self) -> dict[signal.Signals, Callable[[], None]]:
+        """Every signal the coordinator handles, in one place."""
+        actions = {signum: partial(self.request_stop, f"signal {signum.name}")
+                   for signum in (signal.SIGTERM, signal.SIGINT)}
+        for signum in self.drain_signals:
+            actions[signum] = partial(self.request_drain, f"signal {signum.name}")
+        return actions
 
     def engine_settings(self) -> dict:
         return {"model_path": self.config.model_path, "engine": self.config.engine.__dict__,
@@ -144,8 +173,10 @@ class Coordinator:
         self._server = uvicorn.Server(config)
         self._server.install_signal_handlers = lambda: None  # ours are below, in one place
         loop = asyncio.get_running_loop()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, self.request_stop, f"signal {signal.Signals(signum).name}")
+        actions = self._signal_actions()
+        previous = {signum: signal.getsignal(signum) for signum in actions}
+        for signum, action in actions.items():
+            loop.add_signal_handler(signum, action)
         server_task = asyncio.create_task(self._server.serve(sockets=[sock]))
         while not self._server.started and not server_task.done():
             await asyncio.sleep(0.01)
@@ -158,8 +189,10 @@ class Coordinator:
             self._server.should_exit = True
             await server_task
             self.control.close()
-            for signum in (signal.SIGTERM, signal.SIGINT):
+            for signum, handler in previous.items():
                 loop.remove_signal_handler(signum)
+                # asyncio leaves SIG_DFL behind; a late warning signal must not kill the process.
+                signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
             self.run_dir.address_path.unlink(missing_ok=True)
         return result
 
@@ -172,6 +205,15 @@ class Coordinator:
                 on_tick(await run(self.book.counts))
             if self.book.is_complete():
                 return await self._finish()
+            if self._drain_deadline is not None and self._stop_reason is None:
+                in_flight = await run(lambda: len(self.book.leases))
+                if not self.drain_recorded:
+                    self.drain_recorded = True
+                    await run(self.record_event, "rollout_draining", {"reason": self._drain_reason, "in_flight": in_flight})
+                if not in_flight or self.clock() >= self._drain_deadline:
+                    self.drained = True
+                    self._stop_reason = (f"drained after {self._drain_reason}; {in_flight} chunks were still "
+                                         f"in flight (they run again after the restart)")
             if self._stop_reason is not None:
                 await run(self.book.set_rollout_status, RolloutStatus.INTERRUPTED, self.clock(), self._stop_reason)
                 return CoordinatorResult(RolloutStatus.INTERRUPTED, None, self._stop_reason)
@@ -210,6 +252,11 @@ class Coordinator:
         cpu = time.process_time() - (self.book.first_lease_cpu or self.cpu_started)
         return {"wall_s": wall, "generation_s": generating, "cpu_s": cpu, "api_wall_s": self.control.busy_s,
                 "export_s": export_s, "api_calls": self.control.calls, "cpu_share": cpu / generating}
+
+    def record_event(self, kind: str, data: dict) -> None:
+        """One event in its own transaction (outside the state thread only before or after `serve`)."""
+        with self.sessions.begin() as session:
+            add_event(session, self.rollout_id, self.clock(), kind, data=data)
 
     def mark_failed(self, reason: str) -> None:
         self.book.set_rollout_status(RolloutStatus.FAILED, self.clock(), reason)

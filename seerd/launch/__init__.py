@@ -1,1 +1,1 @@
-"""Ways to start a run's processes: local (this machine); Slurm and submitit come later."""
+"""Ways to start a run's processes: local (this machine), slurm (inside an allocation), submitit_launch (a job)."""

@@ -53,13 +53,20 @@ class WorkerPool:
         for rank in range(self.count):
             self._spawn(rank)
 
+    def command(self, rank: int) -> list[str]:
+        """How worker `rank` starts (the Slurm pool wraps it in `srun`)."""
+        return [sys.executable, "-m", "seerd.worker", "--run-dir", str(self.run_dir.path), "--rank", str(rank)]
+
+    def environment(self) -> dict[str, str]:
+        return worker_env()
+
     def _spawn(self, rank: int) -> None:
         log_path = self.run_dir.logs / f"worker-{rank}.log"
         with open(log_path, "ab") as log_file:
             os.chmod(log_path, 0o600)
             self.procs[rank] = subprocess.Popen(
-                [sys.executable, "-m", "seerd.worker", "--run-dir", str(self.run_dir.path), "--rank", str(rank)],
-                stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=worker_env(),
+                self.command(rank),
+                stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.environment(),
                 preexec_fn=_die_with_parent,
                 # Its own process group: vLLM's engine-core processes outlive a killed frontend
                 # (they are re-parented, never exit), so we reap the whole group.
@@ -111,9 +118,11 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 def run_local(run_dir: RunDir, workers: int, on_tick: Callable[[dict], None] | None = None,
-              coordinator: Coordinator | None = None) -> CoordinatorResult:
+              coordinator: Coordinator | None = None, pool: WorkerPool | None = None) -> CoordinatorResult:
+    """The coordinator in this process, its workers supervised by `pool` (local processes by
+    default; the Slurm launcher passes a pool of job steps)."""
     coordinator = coordinator or Coordinator(run_dir, expected_workers=workers)
-    pool = WorkerPool(run_dir, workers)
+    pool = pool or WorkerPool(run_dir, workers)
 
     def tick(counts: dict) -> None:
         reason = pool.supervise(counts["requests_done"] == counts["requests_total"])

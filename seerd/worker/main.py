@@ -204,8 +204,9 @@ class Worker:
         await self.register()
 
 
-async def amain(run_dir: RunDir, rank: int, patience_s: float) -> int:
-    client = await CoordinatorClient.from_run_dir(run_dir, patience_s=patience_s)
+async def amain(run_dir: RunDir, rank: int, patience_s: float, address_timeout_s: float = 120.0) -> int:
+    client = await CoordinatorClient.from_run_dir(run_dir, patience_s=patience_s,
+                                                  address_timeout_s=address_timeout_s)
     settings = await client.call("GET", "config")
     started = time.monotonic()
     engine = start_engine(settings["model_path"], settings["engine"], settings["seed"])
@@ -255,13 +256,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--patience", type=float, default=60.0,
                         help="seconds without an answer from the coordinator before giving up")
+    parser.add_argument("--wait-for-coordinator", type=float, default=120.0, metavar="SECONDS",
+                        help="how long to wait for the run directory's coordinator address file")
     args = parser.parse_args(argv)
+    # Slurm's warning signal (`--signal`, submitit's USR2) reaches every job step; the coordinator
+    # decides what a warning means (drain, requeue), so a worker keeps generating until told.
+    for warning in (signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(warning, signal.SIG_IGN)
     start_group_reaper()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per call drowns the log
     try:
         return asyncio.run(amain(RunDir(Path(args.run_dir).resolve()),
-                                 args.rank, args.patience))
+                                 args.rank, args.patience, args.wait_for_coordinator))
     except CoordinatorGone as exc:
         log.error("%s", exc)
         return 3

@@ -1,0 +1,67 @@
+"""What every launching command does before and after its launcher: prepare the run, report the end.
+
+Exit codes: 0 the output is complete; 1 the run failed or was interrupted (resumable);
+2 bad input or settings (nothing was created).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from seerd.cli import ui
+from seerd.cli.options import build_config
+from seerd.db import RolloutStatus
+from seerd.launch.prepare import BadRun, PreparedRun, prepare_run
+from seerd.rundir import RunDir
+
+if TYPE_CHECKING:
+    from seerd.coordinator.daemon import CoordinatorResult
+
+EXIT_OK, EXIT_INCOMPLETE, EXIT_BAD_INPUT = 0, 1, 2
+
+
+def prepare_or_exit(options: dict, *, workers: int, where: str) -> PreparedRun:
+    """Create the run the options describe, or find the one to resume; tell the user which (exit 2
+    for bad input, with nothing created). `where` says where its workers run."""
+    rundir = RunDir(options["run_dir"].resolve())
+    config = build_config(workers=workers, **options)
+    try:
+        prepared = prepare_run(rundir, config, options["input_path"], options["prior_dir"])
+    except BadRun as exc:
+        ui.error(str(exc))
+        raise SystemExit(EXIT_BAD_INPUT) from None
+    for note in prepared.notes:
+        ui.warn(note)
+    if prepared.finished:
+        ui.info(f"run {rundir.path} is already finished; outputs: {rundir.parquet_path}, {rundir.jsonl_path}")
+        return prepared
+    if not prepared.created:
+        ui.info(f"run {rundir.path} exists and is unfinished ({prepared.previous_status.value}): resuming it")
+        return prepared
+    ui.info(f"run {rundir.path}: {prepared.groups} groups, {prepared.requests} requests, policy "
+            f"{config.policy}, {where}")
+    if prepared.seeded is not None:
+        ui.info(f"--prior {config.prior_run_dir}: seeded the estimates of {prepared.seeded} of {prepared.groups} "
+                f"groups")
+    return prepared
+
+
+def report_result(rundir: RunDir, result: CoordinatorResult, elapsed: float, *,
+                  resume_hint: str | None = None) -> None:
+    """Say how the run ended; exit 1 unless the output is complete."""
+    if result.status == RolloutStatus.FINISHED and result.export is not None:
+        ui.info(f"finished in {elapsed:.1f}s")
+        figures = {"responses": result.export.responses, "parquet": rundir.parquet_path,
+                   "jsonl": rundir.jsonl_path}
+        if result.load:
+            figures["coordinator"] = (f"{result.load['cpu_s']:.2f}s CPU = {result.load['cpu_share']:.2%} of the "
+                                      f"{result.load['generation_s']:.1f}s generation phase "
+                                      f"({result.load['api_calls']} API calls)")
+        ui.summary(figures)
+        return
+    if result.status == RolloutStatus.FINISHED:
+        ui.info(f"run {rundir.path} is already finished")
+        return
+    hint = resume_hint or f"Continue with `seerd resume {rundir.path}`"
+    ui.error(f"run {result.status.value}: {result.reason}. {hint}")
+    raise SystemExit(EXIT_INCOMPLETE)

@@ -1,0 +1,140 @@
+"""`seerd slurm-run` (what slurm/rollout.sh runs inside its allocation) and `seerd submit` (submitit)."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from seerd.cli import ui
+from seerd.cli.launching import EXIT_BAD_INPUT, EXIT_INCOMPLETE, prepare_or_exit, report_result
+from seerd.cli.options import ENGINE_ARG_OPTION, build_config, parse_engine_args, rollout_options
+from seerd.config import DEFAULT_DRAIN_GRACE_S
+from seerd.launch.prepare import BadRun
+
+
+def _engine_args(pairs: tuple[str, ...], gpus_per_worker: int) -> dict:
+    engine_args = parse_engine_args(pairs)
+    if gpus_per_worker > 1:  # a worker's GPUs are one tensor-parallel vLLM instance
+        engine_args.setdefault("tensor_parallel_size", gpus_per_worker)
+    return engine_args
+
+
+@click.command("slurm-run")
+@rollout_options
+@click.option("--workers-per-node", type=int, default=None,
+              help="vLLM workers on each node (default: the node's GPUs / --gpus-per-worker; 1 without GPUs).")
+@click.option("--gpus-per-worker", type=int, default=None,
+              help="GPUs per worker = its tensor parallel size; 0: CPU workers (default: 1 with GPUs, else 0).")
+@click.option("--cpus-per-worker", type=int, default=None, help="CPUs of each worker step (default: an even share).")
+@click.option("--mem-per-worker", "mem_per_worker_mb", type=int, default=None,
+              help="MB of each worker step (default: an even share of the job's memory, if it has any).")
+@click.option("--drain-grace", default=DEFAULT_DRAIN_GRACE_S, show_default=True,
+              help="After the warning signal, seconds in-flight chunks may still report before the requeue.")
+@ENGINE_ARG_OPTION
+def slurm_run(workers_per_node: int | None, gpus_per_worker: int | None, cpus_per_worker: int | None,
+              mem_per_worker_mb: int | None, drain_grace: float, engine_args: tuple[str, ...],
+              **options) -> None:  # noqa: ANN003
+    """Run a rollout inside a Slurm allocation: the coordinator here, workers as job steps on every
+    node. What `sbatch slurm/rollout.sh` runs; after a requeue it resumes the run."""
+    from seerd.launch.slurm import LayoutError, NotInAllocation, allocation_layout, run_in_allocation
+
+    try:
+        layout = allocation_layout(os.environ, workers_per_node=workers_per_node, gpus_per_worker=gpus_per_worker,
+                                   cpus_per_worker=cpus_per_worker, mem_per_worker_mb=mem_per_worker_mb)
+        parsed = _engine_args(engine_args, layout.gpus_per_worker)
+    except (LayoutError, NotInAllocation, click.BadParameter) as exc:
+        ui.error(str(exc))
+        raise SystemExit(EXIT_BAD_INPUT) from None
+    prepared = prepare_or_exit({**options, "engine_args": parsed}, workers=layout.total_workers,
+                               where=layout.describe())
+    if prepared.finished:
+        return
+    started = time.monotonic()
+    outcome = run_in_allocation(prepared.rundir, layout, drain_grace_s=drain_grace)
+    if outcome.requeued:
+        ui.warn(f"run interrupted: {outcome.result.reason}. Requeued job {layout.job_id}: it continues from the "
+                f"database when it starts again")
+        raise SystemExit(EXIT_INCOMPLETE)
+    report_result(prepared.rundir, outcome.result, time.monotonic() - started,
+                  resume_hint=f"Continue with sbatch and the same arguments, or `seerd resume {prepared.rundir.path}`")
+
+
+@click.command()
+@rollout_options
+@click.option("--nodes", default=1, show_default=True, help="Nodes of the allocation.")
+@click.option("--workers-per-node", type=int, default=None,
+              help="vLLM workers per node (default: --gpus-per-node / --gpus-per-worker; 1 for CPU workers).")
+@click.option("--gpus-per-worker", default=1, show_default=True,
+              help="GPUs per worker = its tensor parallel size; 0: CPU workers.")
+@click.option("--gpus-per-node", default=8, show_default=True, help="GPUs of a node (H800 nodes: 8).")
+@click.option("--cpus-per-worker", type=int, default=None, help="CPUs of each worker step (default: an even share).")
+@click.option("--mem-per-worker", "mem_per_worker_mb", type=int, default=None, help="MB of each worker step.")
+@click.option("--time", "time_min", default=240, show_default=True, help="Time limit in minutes.")
+@click.option("--partition", default=None)
+@click.option("--account", default=None)
+@click.option("--qos", default=None)
+@click.option("--signal-delay", "signal_delay_s", default=300, show_default=True,
+              help="Seconds before the time limit that the warning signal (drain, then requeue) comes.")
+@click.option("--drain-grace", "drain_grace_s", default=DEFAULT_DRAIN_GRACE_S, show_default=True,
+              help="After the warning signal, seconds in-flight chunks may still report before the requeue.")
+@click.option("--exclusive/--shared", default=True, show_default=True, help="Whole nodes.")
+@click.option("--slurm-arg", "slurm_args", multiple=True, metavar="KEY=VALUE",
+              help="Another sbatch option, e.g. constraint=h800 (repeatable).")
+@click.option("--cluster", type=click.Choice(["auto", "slurm", "local"]), default="auto", show_default=True,
+              help="submitit's executor: auto = Slurm when srun is on the PATH, else local processes.")
+@click.option("--wait/--no-wait", default=False, show_default=True,
+              help="Wait for the job and exit 0 only when the output is complete.")
+@click.option("--dry-run", is_flag=True, help="Print the sbatch script submitit would write; submit nothing.")
+@ENGINE_ARG_OPTION
+def submit(nodes: int, workers_per_node: int | None, gpus_per_worker: int, gpus_per_node: int,
+           cpus_per_worker: int | None, mem_per_worker_mb: int | None, time_min: int, partition: str | None,
+           account: str | None, qos: str | None, signal_delay_s: int, drain_grace_s: float, exclusive: bool,
+           slurm_args: tuple[str, ...], cluster: str, wait: bool, dry_run: bool, engine_args: tuple[str, ...],
+           **options) -> None:  # noqa: ANN003
+    """Submit a rollout as a submitit job (seerd.submit from the shell): the coordinator in the job,
+    workers as steps of the same allocation. Prints the job id."""
+    from seerd.launch.submitit_launch import RolloutFailed, SlurmResources, sbatch_script, submit_rollout
+    from seerd.rundir import RunDir
+
+    try:
+        extra = {}
+        for pair in slurm_args:
+            key, sep, value = pair.partition("=")
+            if not sep or not key:
+                raise click.BadParameter(f"expected KEY=VALUE, got {pair!r}", param_hint="--slurm-arg")
+            extra[key] = value
+        resources = SlurmResources(
+            nodes=nodes, workers_per_node=workers_per_node, gpus_per_worker=gpus_per_worker,
+            gpus_per_node=gpus_per_node, cpus_per_worker=cpus_per_worker, mem_per_worker_mb=mem_per_worker_mb,
+            time_min=time_min, partition=partition, account=account, qos=qos, signal_delay_s=signal_delay_s,
+            drain_grace_s=drain_grace_s, exclusive=exclusive, slurm_args=extra)
+        resources.validate()
+        if dry_run:
+            folder = options["run_dir"].resolve() / "submitit" / "DRY-RUN"
+            click.echo(sbatch_script(resources, folder, shlex.quote(sys.executable)), nl=False)
+            return
+        config = build_config(workers=nodes * resources.workers,
+                              engine_args=_engine_args(engine_args, gpus_per_worker), **options)
+        handle = submit_rollout(RunDir(options["run_dir"].resolve()), config, options["input_path"], resources,
+                                prior_dir=options["prior_dir"], cluster=None if cluster == "auto" else cluster)
+    except (BadRun, click.BadParameter) as exc:
+        ui.error(str(exc))
+        raise SystemExit(EXIT_BAD_INPUT) from None
+    if handle.job is None:
+        ui.info(f"run {handle.run_dir} is already finished; nothing submitted")
+        return
+    click.echo(handle.job_id)
+    ui.info(f"submitted job {handle.job_id} for run {handle.run_dir}; logs in {handle.folder}")
+    if not wait:
+        return
+    try:
+        done = handle.wait()
+    except RolloutFailed as exc:
+        ui.error(str(exc))
+        raise SystemExit(EXIT_INCOMPLETE) from None
+    ui.summary({"responses": done["responses"], "parquet": Path(done["parquet"]), "jsonl": Path(done["jsonl"])})
