@@ -234,10 +234,14 @@ class LeaseBook:
         for group in completed:
             self.growth.observe_completed(group.finished_lengths)
 
-    def _queued_view(self, request: RequestState) -> QueuedRequest:
+    def _longest_unfinished(self, group: GroupState) -> int:
+        return max((self.requests[rid].generated for rid in group.request_ids
+                    if self.requests[rid].status != RequestStatus.FINISHED), default=0)
+
+    def _queued_view(self, request: RequestState, longest_unfinished: int | None = None) -> QueuedRequest:
         group = self.groups[request.group_id]
-        longest_unfinished = max((self.requests[rid].generated for rid in group.request_ids
-                                  if self.requests[rid].status != RequestStatus.FINISHED), default=0)
+        if longest_unfinished is None:
+            longest_unfinished = self._longest_unfinished(group)
         return QueuedRequest(request.id, request.group_id, group.index, request.response_index, len(group.prompt),
                              request.generated, request.max_tokens, request.is_probe, group.estimate,
                              request.last_worker, request.queued_at, group.n, group.finished, longest_unfinished)
@@ -501,12 +505,16 @@ class LeaseBook:
             if done >= group.n:
                 self.unfinished_groups.pop(gid, None)
                 self.growth.observe_completed(group.finished_lengths)
-        # The queue's views carry their group's estimate and progress: refresh the groups reported on.
+        # The queue's views carry their group's estimate and progress: refresh those that changed.
         for gid in {request.group_id for _, request, _, _, _ in effects}:
-            for rid in self.groups[gid].request_ids:
+            group = self.groups[gid]
+            longest = self._longest_unfinished(group)
+            for rid in group.request_ids:
                 request = self.requests[rid]
                 if request.status == RequestStatus.QUEUED:
-                    self._enqueue(request)
+                    fresh = self._queued_view(request, longest)
+                    if rid not in self.queue or fresh != self.queue.get(rid):
+                        self.queue.put(fresh)
         for i, report in enumerate(reports):
             if outcomes[i] is None:
                 outcomes[i] = self._judge_unleased(worker_id, report)

@@ -169,14 +169,18 @@ class Simulation:
         return {rid: r.true_length for rid, r in self.requests.items()}
 
     # ------------------------------------------------------------- the coordinator's part
-    def _view(self, r: SimRequest) -> QueuedRequest:
+    def _view(self, r: SimRequest, longest_unfinished: int | None = None) -> QueuedRequest:
         g = self.groups[r.group_index]
         last = self.worker_ids[r.last_instance] if r.last_instance is not None else None
-        longest_unfinished = max((self.requests[rid].generated for rid in g.request_ids
-                                  if self.requests[rid].finished_at is None), default=0)
+        if longest_unfinished is None:
+            longest_unfinished = self._longest_unfinished(g)
         return QueuedRequest(r.request_id, r.group_index, r.group_index, r.response_index, g.prompt_len,
                              r.generated, r.max_tokens, r.is_probe, g.estimate, last, r.queued_at,
                              g.n, g.finished, longest_unfinished)
+
+    def _longest_unfinished(self, g: SimGroupState) -> int:
+        return max((self.requests[rid].generated for rid in g.request_ids
+                    if self.requests[rid].finished_at is None), default=0)
 
     def _loads(self) -> tuple[WorkerLoad, ...]:
         if self._loads_cache is None:  # rebuilt only after a lease or a report changed a load
@@ -243,10 +247,14 @@ class Simulation:
             else:
                 r.queued_at = now
                 back.append(r)
-        for gid in touched_groups:  # queued views carry the group's progress: refresh them
-            for rid in self.groups[gid].request_ids:
+        for gid in touched_groups:  # queued views carry the group's progress: refresh those that changed
+            g = self.groups[gid]
+            longest = self._longest_unfinished(g)
+            for rid in g.request_ids:
                 if rid in self.queue:
-                    self.queue.put(self._view(self.requests[rid]))
+                    fresh = self._view(self.requests[rid], longest)
+                    if fresh != self.queue.get(rid):
+                        self.queue.put(fresh)
         for r in back:
             self.queue.put(self._view(r))
         return bool(back)
