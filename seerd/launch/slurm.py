@@ -16,6 +16,8 @@ requeue`). The restarted job resumes from the database; finished chunks never ru
 
 from __future__ import annotations
 
+import contextlib
+
 import logging
 import os
 import re
@@ -161,13 +163,11 @@ def node_address() -> str:
     override = os.environ.get("SEERD_COORDINATOR_HOST")
     if override:
         return override
-    try:
+    with contextlib.suppress(OSError):  # an unresolvable host name: fall back to the route below
         for info in socket.getaddrinfo(socket.getfqdn(), None, socket.AF_INET, socket.SOCK_STREAM):
             address = info[4][0]
             if not address.startswith("127."):
                 return address
-    except OSError:
-        pass
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         try:
             probe.connect(("10.254.254.254", 9))  # routed (default route or a cluster's 10/8), never sent
