@@ -17,7 +17,6 @@ requeue`). The restarted job resumes from the database; finished chunks never ru
 from __future__ import annotations
 
 import contextlib
-
 import logging
 import os
 import re
