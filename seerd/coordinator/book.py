@@ -221,7 +221,8 @@ class LeaseBook:
 
     def _replay_finishes(self, conn: Connection) -> None:
         """Finished lengths per group in finish order, and the growth table learned from them, as
-        the previous coordinator had them (the same finishes in the same order give the same table)."""
+        the previous coordinator had them (responses finished in one report share a time and
+        replay in request id order, which may differ from the order the report listed them)."""
         completed: list[GroupState] = []
         for row in conn.execute(
                 select(REQUESTS.c.group_id, REQUESTS.c.generated_tokens)
