@@ -13,7 +13,9 @@ Each time a worker asks for work, queued requests are served in this order:
    forecast (`forecast.group_forecast`: the group's longest finished response L_g scaled by how
    much groups of this rollout grew after as many finishes, or the tokens so far of its longest
    unfinished response scaled the same way; max_tokens, or the `--prior`, while nothing has
-   finished) less what the request has generated. Ties: oldest first.
+   finished) less what the request has generated. Ties (groups with nothing finished are all at
+   max_tokens): the group whose longest unfinished response has run furthest first, its probe
+   has survived the most chunks so far; then oldest first.
    This is Algorithm 2's "longest estimate first" with two changes, each measured in the
    simulator (docs/simulator.md): the estimate is the forecast rather than L_g alone (L_g is
    the shortest-running member's length at first, and ordering on it started the long members
@@ -52,7 +54,7 @@ def seer_key(r: QueuedRequest, growth: GrowthRatios) -> tuple:
     (see the module docstring)."""
     if r.is_probe:
         return (0, r.generated, r.queued_at)
-    return (1, -expected_remaining(r, growth), r.queued_at)
+    return (1, -expected_remaining(r, growth), -r.group_longest_unfinished, r.queued_at)
 
 
 class SeerPolicy:

@@ -75,8 +75,12 @@ def run_short_and_long_groups(tiny_model_dir: Path, tmp_path: Path, policy: str)
     any non-probe. The first non-probe is admitted only when a probe finishes with no probe
     waiting, i.e. a long probe, by which time every short group's estimate is its probe's ~16
     tokens; unfinished or long groups are estimated at 256 or ~200, so every long non-probe is
-    ahead of every short one in seer's order. More slots than long groups would let a non-probe
-    of a short group whose probe is still running (estimate: max_tokens) in first.
+    ahead of every short one in seer's order. One exception, seen once in CI: a worker whose
+    queued probes are all left to the other worker by affinity takes a non-probe early; then a
+    short group whose probe is still in its first chunk ties with the long groups at max_tokens,
+    and seer breaks that tie for the group whose probe has run furthest (a long one, which has
+    finished a chunk to be re-queued at all). More slots than long groups would let a non-probe
+    of a short group whose probe is still running in first.
     Run once with the other policies (2026-11-22): divided started a short non-probe 5th and the
     last long one 80th; group 6th and 36th. Both fail the assertion below, as they should.
     """

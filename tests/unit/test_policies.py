@@ -86,6 +86,18 @@ def test_seer_assumes_long_for_groups_with_nothing_finished():
     assert order == [2, 1]
 
 
+def test_seer_breaks_ties_at_max_tokens_by_the_longest_running_response():
+    """CI, 2026-11-21: worker b asked while the probes it could take were left to a (it ran them
+    and had a free slot); among non-probes, every group with nothing finished is at max_tokens,
+    and the tie went by age to a short group whose probe had not finished its first chunk. The
+    group whose probe has already run 64 tokens is the better bet for long."""
+    queued = [seer_req(1, 0, probe=True, generated=32, last="a", longest_unfinished=32),
+              seer_req(2, 3, longest_unfinished=0, queued_at=0.0),  # probe still in its first chunk
+              seer_req(3, 4, longest_unfinished=64, queued_at=0.0)]
+    plan = SeerPolicy().plan(snap("b", [load("a", 0, running=1), load("b", 1, running=1)], queued, wanted=1))
+    assert [a.request_id for a in plan.assignments] == [3]
+
+
 def test_seer_scales_a_groups_estimate_by_the_learned_growth():
     """Two groups with the same longest finished response: the one with fewer finished responses
     is expected to grow more (ratios learned from completed groups), so it goes first."""
