@@ -17,6 +17,7 @@ from seerd.cli.launching import EXIT_BAD_INPUT, EXIT_INCOMPLETE, EXIT_OK, prepar
 from seerd.cli.options import rollout_options
 from seerd.cli.sim import sim
 from seerd.cli.slurm import slurm_run, submit
+from seerd.cli.status import status
 from seerd.config import RunConfig
 from seerd.db import RolloutStatus, make_engine, make_sessionmaker
 from seerd.db.migrate import current_revision, head_revisions, upgrade
@@ -118,6 +119,7 @@ def _existing_run(run_dir: Path) -> RunDir:
 cli.add_command(sim)
 cli.add_command(slurm_run)
 cli.add_command(submit)
+cli.add_command(status)
 
 
 def main() -> None:

@@ -8,7 +8,8 @@ import time
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-console = Console(stderr=True, highlight=False)
+console = Console(stderr=True, highlight=False)  # messages and progress: stdout stays for data
+out = Console(highlight=False)  # views a person asked for (`seerd status`)
 
 
 def error(message: str) -> None:

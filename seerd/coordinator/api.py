@@ -21,6 +21,7 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from seerd.config import heartbeat_interval
 from seerd.coordinator.book import BadReport, ChunkReport, LeaseBook
 
 API_PREFIX = "/v1"
@@ -166,7 +167,7 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
                                kv_capacity_tokens=body.kv_capacity_tokens, worker_id=body.worker_id[:100],
                                now=clock())
         return _json({"worker_id": worker.id, "lease_ttl_s": book.lease_ttl_s,
-                      "heartbeat_interval_s": max(0.2, book.lease_ttl_s / 4)})
+                      "heartbeat_interval_s": heartbeat_interval(book.lease_ttl_s)})
 
     @app.post(f"{API_PREFIX}/lease")
     async def lease(request: Request) -> Response:
@@ -219,7 +220,7 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
     async def heartbeat(request: Request) -> Response:
         body = await _decode(request, HeartbeatBody)
         known(body.worker_id)
-        abort = await control.run(book.heartbeat, body.worker_id, body.running, clock())
+        abort = await control.run(book.heartbeat, body.worker_id, body.running, clock(), body.stats)
         control.worker_stats[body.worker_id] = body.stats
         done = book.is_complete()
         if done:

@@ -32,7 +32,7 @@ from seerd.db import (
 from seerd.io.codec import pack_floats, pack_ints, unpack_ints
 from seerd.scheduler import Policy, QueuedRequest, RequestQueue, Snapshot, WorkerLoad
 from seerd.scheduler.base import updated_estimate
-from seerd.scheduler.forecast import GrowthTable
+from seerd.scheduler.forecast import GrowthTable, replay_growth
 
 # "length_target": the worker ended the response at its target length (benchmark rows).
 FINISH_REASONS = frozenset({"stop", "length", "length_target"})
@@ -223,17 +223,14 @@ class LeaseBook:
         """Finished lengths per group in finish order, and the growth table learned from them, as
         the previous coordinator had them (responses finished in one report share a time and
         replay in request id order, which may differ from the order the report listed them)."""
-        completed: list[GroupState] = []
-        for row in conn.execute(
-                select(REQUESTS.c.group_id, REQUESTS.c.generated_tokens)
-                .where(REQUESTS.c.rollout_id == self.rollout_id, REQUESTS.c.status == RequestStatus.FINISHED.value)
-                .order_by(REQUESTS.c.finished_at, REQUESTS.c.id)):
-            group = self.groups[row.group_id]
-            group.finished_lengths.append(row.generated_tokens)
-            if len(group.finished_lengths) == group.n:
-                completed.append(group)
-        for group in completed:
-            self.growth.observe_completed(group.finished_lengths)
+        rows = conn.execute(
+            select(REQUESTS.c.group_id, REQUESTS.c.generated_tokens)
+            .where(REQUESTS.c.rollout_id == self.rollout_id, REQUESTS.c.status == RequestStatus.FINISHED.value)
+            .order_by(REQUESTS.c.finished_at, REQUESTS.c.id))
+        self.growth, lengths = replay_growth(((r.group_id, r.generated_tokens) for r in rows),
+                                             {gid: group.n for gid, group in self.groups.items()})
+        for gid, finished_lengths in lengths.items():
+            self.groups[gid].finished_lengths = finished_lengths
 
     def _longest_unfinished(self, group: GroupState) -> int:
         return max((self.requests[rid].generated for rid in group.request_ids
@@ -282,21 +279,32 @@ class LeaseBook:
         self.workers[worker_id] = state
         return state
 
-    def heartbeat(self, worker_id: str, running: Iterable[int], now: float) -> list[int]:
-        """Extend the leases the worker still runs; return the chunks it must abort."""
+    def heartbeat(self, worker_id: str, running: Iterable[int], now: float, stats: dict | None = None) -> list[int]:
+        """Extend the leases the worker still runs; return the chunks it must abort. `stats`, the
+        worker's own figures (seerd/worker/stats.py), are kept for `seerd status` as they come."""
         worker = self._worker(worker_id)
         running = set(running)
         with self.engine.begin() as conn:
             if worker.status == WorkerStatus.STALE:
                 check_transition(worker.status, WorkerStatus.ALIVE)
                 conn.execute(insert(EVENTS), [_event(self.rollout_id, now, "worker_alive", worker_id)])
-            conn.execute(update(Worker).where(Worker.id == worker_id)
-                         .values(last_heartbeat=now, status=WorkerStatus.ALIVE))
+            conn.execute(update(Worker).where(Worker.id == worker_id).values(
+                last_heartbeat=now, status=WorkerStatus.ALIVE,
+                stats_json=json.dumps(stats, separators=(",", ":")) if stats else None))
         worker.status = WorkerStatus.ALIVE
         worker.last_heartbeat = now
         for chunk_id in worker.leases & running:
             self.leases[chunk_id].deadline = now + self.lease_ttl_s
         return sorted(running - worker.leases)
+
+    def retire_workers(self) -> None:
+        """The coordinator stops: its workers exit with it (told done, or their leases void), so
+        none is alive any more, whatever their last heartbeat said."""
+        with self.engine.begin() as conn:
+            conn.execute(update(Worker).where(Worker.rollout_id == self.rollout_id,
+                                              Worker.status != WorkerStatus.GONE).values(status=WorkerStatus.GONE))
+        for worker in self.workers.values():
+            worker.status = WorkerStatus.GONE
 
     def _worker(self, worker_id: str) -> WorkerState:
         worker = self.workers.get(worker_id)

@@ -188,6 +188,7 @@ class Coordinator:
         finally:
             self._server.should_exit = True
             await server_task
+            await self.control.run(self.book.retire_workers)
             self.control.close()
             for signum, handler in previous.items():
                 loop.remove_signal_handler(signum)

@@ -22,3 +22,6 @@ class Worker(Base):
     status: Mapped[WorkerStatus] = mapped_column(status_column_type(WorkerStatus))
     registered_at: Mapped[float] = mapped_column(Float)
     last_heartbeat: Mapped[float] = mapped_column(Float)
+    # The worker's own figures at its last heartbeat (tokens/s, KV held, progress of running
+    # chunks, drafts): ephemeral, kept here so `seerd status` reads them without the coordinator.
+    stats_json: Mapped[str | None] = mapped_column(Text, nullable=True)

@@ -29,7 +29,7 @@ change has a new `version`, so a policy can keep its queue order indexed between
 from __future__ import annotations
 
 from bisect import insort
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -88,6 +88,23 @@ class GrowthTable:
                   for key, values in self._samples.items()}
         self.current = GrowthRatios(self.current.version + 1, ratios)
         self._refreshed_at = self.completed_groups
+
+
+def replay_growth(finishes: Iterable[tuple[int, int]],
+                  group_sizes: Mapping[int, int]) -> tuple[GrowthTable, dict[int, list[int]]]:
+    """The table as it was learned live, rebuilt from (group id, length) in finish order; with
+    each group's finished lengths in that order (a restarted coordinator, `seerd status`)."""
+    table = GrowthTable()
+    lengths: dict[int, list[int]] = {}
+    completed: list[int] = []
+    for group_id, length in finishes:
+        done = lengths.setdefault(group_id, [])
+        done.append(length)
+        if len(done) == group_sizes[group_id]:
+            completed.append(group_id)
+    for group_id in completed:
+        table.observe_completed(lengths[group_id])
+    return table, lengths
 
 
 def group_forecast(request: QueuedRequest, growth: GrowthRatios) -> int:

@@ -7,6 +7,11 @@ Two drivers behind one interface (`start`, `run`, `abort`, `shutdown`):
 - `AsyncEngine`: vLLM's `AsyncLLM` (engine core in its own processes), the usual choice on GPUs.
   On this 2-core CPU machine it measured 1.3x slower for one engine, and two of them (six busy
   processes) gave about the throughput of one: see docs/benchmarks.md.
+
+Both expose `live`: an `EngineLive` sample (KV use, tokens so far of each running request) for
+`seerd status`, or None where the engine does not show it. The stepped engine samples its own
+scheduler between steps; AsyncLLM's scheduler lives in another process, so there the worker
+reports committed chunks only.
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ import logging
 import os
 import queue
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 log = logging.getLogger("seerd.worker")
@@ -29,6 +35,29 @@ class ChunkResult:
     logprobs: list[float]
     finish_reason: str  # "stop" (EOS or a stop token) or "length"
     cached_tokens: int | None
+
+
+@dataclass(frozen=True)
+class EngineLive:
+    """What the engine holds now: sampled by the thread that steps it."""
+
+    at: float  # time.time() of the sample
+    kv_usage: float  # fraction of the engine's KV blocks in use
+    progress: dict[str, int] = field(default_factory=dict)  # engine request id -> tokens so far
+
+
+LIVE_SAMPLE_INTERVAL_S = 0.5  # sampling walks every running request: not at every step
+
+
+def sample_scheduler(llm) -> EngineLive | None:  # noqa: ANN001
+    """KV use and per-request progress from vLLM's in-process scheduler (v1 internals: None if
+    they moved, so a vLLM upgrade costs the status view its live figures, never a rollout)."""
+    try:
+        scheduler = llm.engine_core.engine_core.scheduler
+        progress = {rid: int(request.num_output_tokens) for rid, request in list(scheduler.requests.items())}
+        return EngineLive(time.time(), float(scheduler.kv_cache_manager.usage), progress)
+    except (AttributeError, TypeError):
+        return None
 
 
 class EngineDead(RuntimeError):
@@ -135,6 +164,7 @@ class SteppedEngine:
         self.wakeup = threading.Event()
         self.stopped = False
         self.failure: BaseException | None = None
+        self.live: EngineLive | None = None  # replaced (never mutated) by the stepping thread
         self.thread = threading.Thread(target=self._step_loop, name="vllm-stepper", daemon=True)
         self.thread.start()
 
@@ -149,9 +179,14 @@ class SteppedEngine:
         return cls(llm, int(args["max_num_seqs"]), kv_capacity_tokens(llm.vllm_config, args["kv_cache_memory_bytes"]))
 
     def _step_loop(self) -> None:
+        sampled_at = 0.0
         try:
             while not self.stopped:
                 self._drain_inbox()
+                now = time.monotonic()
+                if now - sampled_at >= LIVE_SAMPLE_INTERVAL_S:
+                    sampled_at = now
+                    self.live = sample_scheduler(self.llm)
                 if not self.llm.has_unfinished_requests():
                     self.wakeup.wait(0.05)
                     self.wakeup.clear()
@@ -228,6 +263,7 @@ class AsyncEngine:
         self.llm = llm
         self.max_chunks = max_chunks
         self.kv_capacity_tokens = kv_tokens
+        self.live: EngineLive | None = None  # the scheduler is in the core process
 
     @classmethod
     def start(cls, model_path: str, engine: dict, seed: int) -> AsyncEngine:

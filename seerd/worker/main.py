@@ -15,12 +15,12 @@ import signal
 import socket
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from seerd.rundir import RunDir
 from seerd.worker.client import CoordinatorClient, CoordinatorGone, NotRegistered
 from seerd.worker.engine import EngineDead, start_engine
+from seerd.worker.stats import WorkerStats
 
 log = logging.getLogger("seerd.worker")
 
@@ -39,13 +39,6 @@ def reported_finish_reason(grant: dict, finish_reason: str, num_tokens: int) -> 
     if finish_reason == "length" and grant.get("target_remaining") == num_tokens:
         return "length_target"
     return finish_reason
-
-
-@dataclass
-class WorkerStats:
-    chunks_done: int = 0
-    tokens_out: int = 0
-    started: float = field(default_factory=time.time)
 
 
 class Worker:
@@ -143,8 +136,7 @@ class Worker:
                 self.fatal = exc
                 self.done.set()
             return
-        self.stats.chunks_done += 1
-        self.stats.tokens_out += len(result.token_ids)
+        self.stats.chunk_done(chunk_id, len(result.token_ids))
         await self.reports.put({"chunk_id": chunk_id, "epoch": epoch, "token_ids": result.token_ids,
                                 "logprobs": result.logprobs,
                                 "finish_reason": reported_finish_reason(grant, result.finish_reason,
@@ -174,13 +166,11 @@ class Worker:
     async def _heartbeat_loop(self) -> None:
         while True:
             await asyncio.sleep(self.heartbeat_interval_s)
-            elapsed = max(time.time() - self.stats.started, 1e-9)
+            stats = self.stats.payload({cid: epoch for cid, (epoch, _) in self.running.items()},
+                                       getattr(self.engine, "live", None))
             try:
                 reply = await self.client.call("POST", "heartbeat", {
-                    "worker_id": self.worker_id, "running": list(self.running),
-                    "stats": {"chunks_done": self.stats.chunks_done, "tokens_out": self.stats.tokens_out,
-                              "tokens_per_s": self.stats.tokens_out / elapsed},
-                })
+                    "worker_id": self.worker_id, "running": list(self.running), "stats": stats})
             except NotRegistered:
                 await self._reregister()
                 continue

@@ -1,0 +1,86 @@
+"""Find a run: by its directory, or by the Slurm job that runs it; and ask its coordinator.
+
+Jobs are recorded by the coordinator when it starts inside an allocation, in a per-user registry
+(`$XDG_STATE_HOME/seerd/slurm-jobs/<job id>`, private to the user) holding the run directory's
+path. For jobs started before the registry or by someone else's script, `scontrol show job` is
+asked for the `--run-dir` on the job's command line.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+from seerd.rundir import RunDir, RunDirError, write_private
+from seerd.status.snapshot import UnknownRun
+
+COORDINATOR_TIMEOUT_S = 0.5  # a hung coordinator must not hang the status view
+
+
+def registry_dir() -> Path:
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "seerd" / "slurm-jobs"
+
+
+def record_slurm_job(job_id: str, run_dir: Path) -> None:
+    folder = registry_dir()
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    write_private(folder / job_id, str(Path(run_dir).resolve()))
+
+
+def run_dir_of_job(job_id: str) -> Path | None:
+    entry = registry_dir() / job_id
+    if entry.is_file():
+        return Path(entry.read_text().strip())
+    try:
+        out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    match = re.search(r"\bCommand=(.*?)(?= \w+=|$)", out.stdout) if out.returncode == 0 else None
+    if match is None:
+        return None
+    words = shlex.split(match.group(1))
+    for i, word in enumerate(words):
+        if word == "--run-dir" and i + 1 < len(words):
+            return Path(words[i + 1])
+        if word.startswith("--run-dir="):
+            return Path(word.split("=", 1)[1])
+    return None
+
+
+def resolve_run(target: str) -> Path:
+    """A run directory, or a Slurm job id whose run directory is known; UnknownRun otherwise."""
+    path = Path(target)
+    if path.is_dir():
+        return path
+    if target.isdigit():
+        found = run_dir_of_job(target)
+        if found is None:
+            raise UnknownRun(f"no run directory recorded for Slurm job {target} (give the run directory instead)")
+        if not found.is_dir():
+            raise UnknownRun(f"Slurm job {target} ran in {found}, which no longer exists")
+        return found
+    raise UnknownRun(f"no run directory {target}")
+
+
+def ask_coordinator(run_dir: Path) -> dict | None:
+    """The coordinator's status endpoint, or None when it is not running (or does not answer)."""
+    import httpx
+
+    from seerd.coordinator.api import API_PREFIX
+
+    rundir = RunDir(run_dir)
+    try:
+        host, port = rundir.read_address()
+        secret = rundir.read_secret()
+    except RunDirError:
+        return None
+    try:
+        reply = httpx.get(f"http://{host}:{port}{API_PREFIX}/status", timeout=COORDINATOR_TIMEOUT_S,
+                          headers={"Authorization": f"Bearer {secret}"})
+    except httpx.HTTPError:
+        return None
+    return reply.json() if reply.status_code == 200 else None
