@@ -36,7 +36,7 @@ def run_dir_of_job(job_id: str) -> Path | None:
     if entry.is_file():
         return Path(entry.read_text().strip())
     try:
-        out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=10)
+        out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=5)
     except (OSError, subprocess.TimeoutExpired):
         return None
     match = re.search(r"\bCommand=(.*?)(?= \w+=|$)", out.stdout) if out.returncode == 0 else None
