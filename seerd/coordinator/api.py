@@ -20,9 +20,11 @@ from functools import partial
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from seerd.config import heartbeat_interval
 from seerd.coordinator.book import BadReport, ChunkReport, LeaseBook
+from seerd.coordinator.metrics import RolloutCollector, metrics_registry
 
 API_PREFIX = "/v1"
 LONG_POLL_MAX_S = 5.0
@@ -226,6 +228,13 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
         if done:
             control.told_done.add(body.worker_id)
         return _json({"abort": abort, "done": done})
+
+    registry = metrics_registry(RolloutCollector(book, control.worker_stats, lambda: control.accepting, clock))
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        # Collected on the state thread: the book is read by its owner only.
+        return Response(await control.run(generate_latest, registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get(f"{API_PREFIX}/status")
     async def status() -> Response:

@@ -31,6 +31,7 @@ from seerd.coordinator.daemon import Coordinator, CoordinatorResult
 from seerd.db import RolloutStatus
 from seerd.launch.local import WorkerPool, run_local, worker_env
 from seerd.rundir import RunDir
+from seerd.status.locate import record_slurm_job
 
 log = logging.getLogger("seerd.slurm")
 
@@ -216,6 +217,10 @@ def run_in_allocation(run_dir: RunDir, layout: WorkerLayout, *, drain_grace_s: f
     coordinator = Coordinator(run_dir, host=node_address(), expected_workers=layout.total_workers,
                               drain_signals=DRAIN_SIGNALS, drain_grace_s=drain_grace_s)
     restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+    try:  # `seerd status JOBID` finds the run through this; a rollout never fails for it
+        record_slurm_job(layout.job_id, run_dir.path)
+    except OSError as exc:
+        log.warning("could not record job %s for `seerd status`: %s", layout.job_id, exc)
     coordinator.record_event("slurm_job", {"job_id": layout.job_id, "restart_count": restarts,
                                            "nodes": list(layout.nodes), "workers": layout.total_workers,
                                            "address": coordinator.host})

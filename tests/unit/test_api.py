@@ -9,11 +9,12 @@ from seerd.coordinator.api import CoordinatorControl, create_app
 from tests.unit.helpers import FakeClock, make_book, rows
 
 SECRET = "s3cret-token"
+REGISTER = {"worker_id": "w", "rank": 0, "address": "x", "max_chunks": 1, "kv_capacity_tokens": 100}
 ENDPOINTS = [
     ("GET", "/v1/config", None),
     ("GET", "/v1/status", None),
-    ("POST", "/v1/register", {"worker_id": "w", "rank": 0, "address": "x", "max_chunks": 1,
-                              "kv_capacity_tokens": 100}),
+    ("GET", "/metrics", None),
+    ("POST", "/v1/register", REGISTER),
     ("POST", "/v1/lease", {"worker_id": "w", "wanted": 1}),
     ("POST", "/v1/report", {"worker_id": "w", "reports": []}),
     ("POST", "/v1/release", {"worker_id": "w", "chunk_id": 1, "epoch": 1}),
@@ -46,7 +47,7 @@ def test_missing_or_wrong_token_is_401_everywhere(client, method, path, body, he
 
 def test_round_trip_with_the_token(client):
     auth = {"Authorization": f"Bearer {SECRET}"}
-    reg = client.post("/v1/register", json=ENDPOINTS[2][2], headers=auth).json()
+    reg = client.post("/v1/register", json=REGISTER, headers=auth).json()
     lease = client.post("/v1/lease", json={"worker_id": reg["worker_id"], "wanted": 4}, headers=auth).json()
     (grant,) = lease["chunks"]
     report = {"chunk_id": grant["chunk_id"], "epoch": grant["epoch"], "token_ids": [5] * 16,
@@ -58,11 +59,47 @@ def test_round_trip_with_the_token(client):
     assert status["output_tokens"] == 16 and status["requests_done"] == 0
 
 
+def test_metrics_follow_the_book(client):
+    """/metrics (Prometheus text) agrees with the book: queue, leases, tokens, per-worker gauges."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    auth = {"Authorization": f"Bearer {SECRET}"}
+    reg = client.post("/v1/register", json=REGISTER, headers=auth).json()
+    worker = reg["worker_id"]
+
+    def scrape() -> dict:
+        response = client.get("/metrics", headers=auth)
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(response.text) for s in family.samples}
+
+    before = scrape()
+    assert before[("seerd_queue_depth", (("kind", "probe"),))] == 1  # one group of one: its probe
+    assert before[("seerd_leases_in_flight", ())] == 0
+    (grant,) = client.post("/v1/lease", json={"worker_id": worker, "wanted": 1}, headers=auth).json()["chunks"]
+    client.post("/v1/heartbeat", json={"worker_id": worker, "running": [grant["chunk_id"]],
+                                       "stats": {"tokens_per_s_recent": 42.0, "kv_usage": 0.5}}, headers=auth)
+    during = scrape()
+    assert during[("seerd_leases_in_flight", ())] == 1
+    assert during[("seerd_requests", (("state", "running"),))] == 1
+    assert during[("seerd_worker_running_chunks", (("worker", worker),))] == 1
+    assert during[("seerd_worker_kv_reserved_tokens", (("worker", worker),))] == client.book.workers[worker].kv_reserved
+    assert during[("seerd_worker_tokens_per_second", (("worker", worker),))] == 42.0
+    assert during[("seerd_output_tokens_per_second", ())] == 42.0
+    report = {"chunk_id": grant["chunk_id"], "epoch": grant["epoch"], "token_ids": [5] * 3, "logprobs": [-0.1] * 3,
+              "finish_reason": "stop"}
+    client.post("/v1/report", json={"worker_id": worker, "reports": [report]}, headers=auth)
+    after = scrape()
+    assert after[("seerd_output_tokens_total", ())] == 3
+    assert after[("seerd_requests", (("state", "finished"),))] == 1
+    assert after[("seerd_tail_requests", ())] == 0  # all done: nothing left in the tail
+
+
 def test_unknown_worker_gets_404_and_bad_report_422(client):
     auth = {"Authorization": f"Bearer {SECRET}"}
     response = client.post("/v1/lease", json={"worker_id": "ghost", "wanted": 1}, headers=auth)
     assert response.status_code == 404 and "register again" in response.text
-    reg = client.post("/v1/register", json=ENDPOINTS[2][2], headers=auth).json()
+    reg = client.post("/v1/register", json=REGISTER, headers=auth).json()
     (grant,) = client.post("/v1/lease", json={"worker_id": reg["worker_id"], "wanted": 1},
                            headers=auth).json()["chunks"]
     too_long = {"chunk_id": grant["chunk_id"], "epoch": grant["epoch"], "token_ids": [1] * 999,
@@ -88,7 +125,7 @@ def test_long_poll_lease_wakes_when_a_chunk_is_requeued(tmp_path):
         async with httpx.AsyncClient(transport=transport, base_url="http://coordinator", headers=auth) as http:
             ids = []
             for rank in (0, 1):
-                body = {**ENDPOINTS[2][2], "worker_id": f"w{rank}", "rank": rank}
+                body = {**REGISTER, "worker_id": f"w{rank}", "rank": rank}
                 ids.append((await http.post("/v1/register", json=body)).json()["worker_id"])
             (grant,) = (await http.post("/v1/lease", json={"worker_id": ids[0], "wanted": 1})).json()["chunks"]
             started = real_time.monotonic()

@@ -1,0 +1,96 @@
+"""Prometheus metrics of a running rollout, served by the coordinator on `/metrics`.
+
+Read from the lease book at scrape time (a collector, not counters kept beside the book: the book
+stays the one owner of its state), on the state thread like every other call into the book. The
+endpoint sits behind the run's bearer token like the rest of the API; Prometheus sends it with
+`authorization: {credentials_file: RUN_DIR/secret}` (docs/status.md).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from seerd.coordinator.book import LeaseBook
+from seerd.db.status import RequestStatus
+
+TAIL_FRACTION = 0.9  # the tail phase: after 90% of requests finished, as `seerd status` has it
+
+
+class RolloutCollector:
+    def __init__(self, book: LeaseBook, worker_stats: dict[str, dict], accepting: Callable[[], bool],
+                 clock: Callable[[], float]) -> None:
+        self.book = book
+        self.worker_stats = worker_stats
+        self.accepting = accepting
+        self.clock = clock
+
+    def collect(self) -> Iterator[Metric]:
+        book, now = self.book, self.clock()
+        requests = GaugeMetricFamily("seerd_requests", "Requests of the rollout by state.", labels=["state"])
+        by_state = {state: 0 for state in RequestStatus}
+        for request in book.requests.values():
+            by_state[request.status] += 1
+        for state, count in by_state.items():
+            requests.add_metric([state.value], count)
+        yield requests
+        queue = GaugeMetricFamily("seerd_queue_depth", "Requests waiting for their next chunk.", labels=["kind"])
+        probes = sum(1 for r in book.queue if r.is_probe)
+        queue.add_metric(["probe"], probes)
+        queue.add_metric(["other"], len(book.queue) - probes)
+        yield queue
+        yield GaugeMetricFamily("seerd_leases_in_flight", "Chunks leased to workers now.", value=len(book.leases))
+        groups = GaugeMetricFamily("seerd_groups", "Prompt groups by state.", labels=["state"])
+        groups.add_metric(["unfinished"], len(book.unfinished_groups))
+        groups.add_metric(["finished"], len(book.groups) - len(book.unfinished_groups))
+        yield groups
+        yield CounterMetricFamily("seerd_output_tokens", "Output tokens committed (finished chunks).",
+                                  value=book.output_tokens)
+        total, done = len(book.requests), book.finished_requests
+        in_tail = total > 0 and done >= math.ceil(TAIL_FRACTION * total)
+        yield GaugeMetricFamily("seerd_tail_requests",
+                                "Unfinished requests once 90% have finished (the tail), else 0.",
+                                value=total - done if in_tail else 0)
+        yield GaugeMetricFamily("seerd_accepting", "1 while the coordinator hands out leases (0: draining).",
+                                value=1 if self.accepting() else 0)
+        yield from self._workers(now)
+
+    def _workers(self, now: float) -> Iterator[Metric]:
+        labels = ["worker"]
+        alive = GaugeMetricFamily("seerd_worker_alive", "1 if the worker is alive.", labels=labels)
+        running = GaugeMetricFamily("seerd_worker_running_chunks", "Chunks leased to the worker.", labels=labels)
+        reserved = GaugeMetricFamily("seerd_worker_kv_reserved_tokens",
+                                     "KV tokens reserved for the worker's chunks (context + budget).", labels=labels)
+        capacity = GaugeMetricFamily("seerd_worker_kv_capacity_tokens", "The worker's KV capacity.", labels=labels)
+        heartbeat = GaugeMetricFamily("seerd_worker_heartbeat_age_seconds", "Since the last heartbeat.",
+                                      labels=labels)
+        usage = GaugeMetricFamily("seerd_worker_kv_usage_ratio", "The engine's own KV block use (if shown).",
+                                  labels=labels)
+        rate = GaugeMetricFamily("seerd_worker_tokens_per_second", "The worker's recent output tokens/s.",
+                                 labels=labels)
+        total_rate = 0.0
+        for worker in self.book.workers.values():
+            label = [worker.id]
+            alive.add_metric(label, 1 if worker.status.value == "alive" else 0)
+            running.add_metric(label, len(worker.leases))
+            reserved.add_metric(label, worker.kv_reserved)
+            capacity.add_metric(label, worker.kv_capacity_tokens)
+            heartbeat.add_metric(label, max(0.0, now - worker.last_heartbeat))
+            stats = self.worker_stats.get(worker.id) or {}
+            if stats.get("kv_usage") is not None:
+                usage.add_metric(label, float(stats["kv_usage"]))
+            if stats.get("tokens_per_s_recent") is not None and worker.status.value == "alive":
+                rate.add_metric(label, float(stats["tokens_per_s_recent"]))
+                total_rate += float(stats["tokens_per_s_recent"])
+        yield from (alive, running, reserved, capacity, heartbeat, usage, rate)
+        yield GaugeMetricFamily("seerd_output_tokens_per_second", "Recent output tokens/s over live workers.",
+                                value=total_rate)
+
+
+def metrics_registry(collector: RolloutCollector) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    return registry
