@@ -43,29 +43,31 @@ def bar(done: float, total: float, width: int = BAR_WIDTH) -> str:
     return "#" * filled + "-" * (width - filled)
 
 
-def header(s: dict) -> Table:
+def header(s: dict) -> Group:
     grid = Table.grid(padding=(0, 2))
     grid.add_column()
     grid.add_column()
     state = Text(s["state"].upper(), style=STATE_STYLES.get(s["state"], "bold"))
     coordinator = s["coordinator"]
+    lost = s["state"] == "running" and not coordinator["reachable"]
     if coordinator["reachable"]:
         where = f"coordinator up, {coordinator.get('leases', '-')} leases"
         if coordinator.get("accepting") is False:
             where += ", draining"
-    elif s["state"] == "running":
-        where = "coordinator unreachable: killed or hung? `seerd resume` continues the run"
     else:
-        where = "coordinator stopped"
+        where = "coordinator unreachable" if lost else "coordinator stopped"
     title = Text.assemble(("seerd ", "bold"), f"rollout {s['rollout_id']}  policy {s['policy']}  ", state)
-    grid.add_row(title, Text(where, style="yellow" if s["state"] == "running" and not coordinator["reachable"]
-                             else "dim"))
+    grid.add_row(title, Text(where, style="bold yellow" if lost else "dim"))
     left = "done" if s["state"] == "finished" else f"~{duration(s['eta_s'])}" if s["eta_s"] is not None else "-"
     grid.add_row(f"elapsed {duration(s['elapsed_s'])}   left {left}",
                  f"tokens/s now {rate(s['tokens_per_s_now'])}   avg {rate(s['tokens_per_s_avg'])}")
+    lines: list[RenderableType] = [grid]
+    if lost:
+        lines.append(Text("the coordinator is killed or hung: `seerd resume` continues the run",
+                          style="yellow"))
     if s.get("state_reason"):
-        grid.add_row(Text(f"reason: {s['state_reason']}", style="yellow"), "")
-    return grid
+        lines.append(Text(f"reason: {s['state_reason']}", style="yellow"))
+    return Group(*lines)
 
 
 def progress(s: dict) -> Table:

@@ -60,6 +60,16 @@ def test_coordinator_kill9_then_resume_loses_and_repeats_nothing(tiny_model_dir,
     assert len(before) >= 30, "the kill must land mid-run"
     assert db_rows(run_dir, "select status from rollouts") == [("running",)]
     killed_at = max(row[6] for row in before.values())
+    # `seerd status` on the killed run: the database still says running, the coordinator is gone,
+    # and the frame says so and how to go on.
+    status = run_seerd("status", str(run_dir), "--json", timeout=60)
+    assert status.returncode == 0, status.stderr
+    snapshot = json.loads(status.stdout)
+    assert snapshot["state"] == "running" and snapshot["coordinator"] == {"reachable": False}
+    assert snapshot["requests_done"] == db_rows(run_dir, "select count(*) from requests where status='finished'")[0][0]
+    frame = run_seerd("status", str(run_dir), "--once", timeout=60)
+    assert frame.returncode == 0 and "coordinator unreachable" in frame.stdout
+    assert "`seerd resume` continues the run" in frame.stdout
 
     # An unfinished run exports what is finished and says clearly that it is partial.
     finished = db_rows(run_dir, "select count(*) from requests where status='finished'")[0][0]

@@ -133,6 +133,15 @@ def test_render_is_pinned_as_text(monkeypatch):
     assert max(len(line) for line in frame.splitlines()) <= 80
 
 
+def test_a_running_run_whose_coordinator_is_gone_says_how_to_go_on(monkeypatch):
+    monkeypatch.setenv("NO_COLOR", "1")
+    monkeypatch.setenv("COLUMNS", "80")
+    buffer = StringIO()
+    Console(file=buffer).print(render({**hand_made_snapshot(), "coordinator": {"reachable": False}}))
+    assert "coordinator unreachable" in buffer.getvalue()
+    assert "`seerd resume` continues the run" in buffer.getvalue()
+
+
 def hand_made_snapshot() -> dict:
     tail = [{"request_id": 40 + i, "group_index": g, "response_index": r, "probe": r == 0, "tokens": tokens,
              "chunks": chunks, "worker": worker, "group_estimate": est, "group_finished": done, "group_size": 8,
