@@ -18,18 +18,21 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import matplotlib.image
 import matplotlib.pyplot as plt
 import numpy as np
 import pytest
+from click.testing import CliRunner
 
+from seerd.cli.main import EXIT_BAD_INPUT, cli
 from seerd.coordinator.book import ChunkReport, LeaseBook
 from seerd.db import RolloutStatus, add_event
 from seerd.io.prompts import PromptRow
-from seerd.report import PLOT_FILES, load_run, write_report
+from seerd.report import PLOT_FILES, ReportError, load_run, write_report
 from seerd.report import metrics
 from seerd.report.plots import TAIL_LABEL, plot_completion_cdf, plot_length_heatmap
 from seerd.tail import tail_start
-from tests.report_checks import assert_report_matches_run, summary_figures
+from tests.report_checks import assert_report_matches_run, expected_figures, summary_figures
 from tests.unit.helpers import FakeClock, make_book, reopen
 
 GROUPS, N, MAX_TOKENS, CHUNK = 10, 4, 160, 32
@@ -374,3 +377,26 @@ def test_synthetic_engine_report_reads_a_run_in_a_read_only_directory(tmp_path) 
         assert done.returncode == 0, done.stderr
         assert done.stdout.split() == [str(finished), str(events)], directory.name
     assert sorted(p.name for p in clean.iterdir()) == ["state.db"]  # nothing created
+
+
+def test_report_cli_unknown_run_dir_exits_non_zero_with_a_clear_message(tmp_path) -> None:
+    result = CliRunner().invoke(cli, ["report", str(tmp_path / "nowhere")])
+    assert result.exit_code == EXIT_BAD_INPUT
+    assert "no run at" in result.output and "state.db" in result.output
+    (tmp_path / "empty").mkdir()
+    sqlite3.connect(tmp_path / "empty" / "state.db").close()  # a file, but no seerd run in it
+    result = CliRunner().invoke(cli, ["report", str(tmp_path / "empty")])
+    assert result.exit_code == EXIT_BAD_INPUT and "holds no seerd run" in result.output
+    with pytest.raises(ReportError):
+        write_report(tmp_path / "nowhere", tmp_path / "out")
+
+
+def test_report_cli_writes_into_run_dir_report_by_default(finished_run, tmp_path) -> None:
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished_run[0], run_dir, ignore=shutil.ignore_patterns("report"))
+    result = CliRunner().invoke(cli, ["report", str(run_dir)])
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in (run_dir / "report").iterdir()) == sorted([*PLOT_FILES, "summary.md"])
+    for name in PLOT_FILES:
+        assert matplotlib.image.imread(run_dir / "report" / name).shape[2] in (3, 4)
+    assert expected_figures(run_dir)["finished"] == GROUPS * N
