@@ -391,6 +391,13 @@ def test_report_cli_unknown_run_dir_exits_non_zero_with_a_clear_message(tmp_path
         write_report(tmp_path / "nowhere", tmp_path / "out")
 
 
+def test_report_cli_out_dir_that_cannot_be_made_exits_non_zero(finished_run, tmp_path) -> None:
+    (tmp_path / "a-file").write_text("")
+    result = CliRunner().invoke(cli, ["report", str(finished_run[0]), "--out", str(tmp_path / "a-file" / "report")])
+    assert result.exit_code == EXIT_BAD_INPUT
+    assert "cannot write the report to" in result.output and "--out" in result.output
+
+
 def test_report_cli_writes_into_run_dir_report_by_default(finished_run, tmp_path) -> None:
     run_dir = tmp_path / "run"
     shutil.copytree(finished_run[0], run_dir, ignore=shutil.ignore_patterns("report"))
