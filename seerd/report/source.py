@@ -160,17 +160,32 @@ def open_read_only(db_path: Path) -> Engine:
     return engine
 
 
-def _check_schema(conn: Connection, db_path: Path) -> None:
-    from seerd.db.migrate import head_revisions
+# The columns the report reads. It checks for these rather than for the newest schema revision,
+# so that a run made by an older seerd reports as it is, without `seerd db upgrade` (a write).
+READ_COLUMNS = {
+    "rollouts": {"id", "status", "policy", "status_reason", "created_at", "started_at", "finished_at",
+                 "config_json"},
+    "prompt_groups": {"id", "rollout_id", "group_index", "n", "prompt_len", "max_tokens", "length_estimate",
+                      "finished_requests"},
+    "requests": {"id", "rollout_id", "group_id", "response_index", "status", "is_probe", "generated_tokens",
+                 "finished_at"},
+    "chunks": {"request_id", "seq", "status", "num_tokens"},
+    "workers": {"id", "rollout_id", "rank", "max_chunks", "kv_capacity_tokens", "registered_at"},
+    "events": {"id", "rollout_id", "ts", "kind", "worker_id", "request_id", "chunk_id", "data_json"},
+}
 
+
+def _check_schema(conn: Connection, db_path: Path) -> None:
     tables = set(conn.exec_driver_sql("SELECT name FROM sqlite_master WHERE type = 'table'").scalars())
     if "rollouts" not in tables:
         raise ReportError(f"{db_path} holds no seerd run (no rollouts table)")
-    revision = conn.exec_driver_sql("SELECT version_num FROM alembic_version").scalar() \
-        if "alembic_version" in tables else None
-    if revision not in head_revisions():
-        raise ReportError(f"{db_path} has schema {revision or 'unversioned'}, this seerd reads "
-                          f"{', '.join(head_revisions())}: run `seerd db upgrade {db_path.parent}` first")
+    missing = sorted(f"{table}.{column}" for table, columns in READ_COLUMNS.items()
+                     for column in columns - {row[1] for row in conn.exec_driver_sql(f"PRAGMA table_info({table})")})
+    if missing:
+        revision = conn.exec_driver_sql("SELECT version_num FROM alembic_version").scalar() \
+            if "alembic_version" in tables else None
+        raise ReportError(f"{db_path} (schema {revision or 'unversioned'}) lacks {', '.join(missing)}: "
+                          f"run `seerd db upgrade {db_path.parent}` first")
 
 
 def load_run(db_path: Path) -> RunData:

@@ -379,6 +379,30 @@ def test_synthetic_engine_report_reads_a_run_in_a_read_only_directory(tmp_path) 
     assert sorted(p.name for p in clean.iterdir()) == ["state.db"]  # nothing created
 
 
+def test_synthetic_engine_run_of_an_older_schema_reports_without_an_upgrade(finished_run, tmp_path) -> None:
+    """The report reads only the columns it needs: a run of schema 0003 (before workers.stats_json)
+    reports as it is; a database without those columns asks for `seerd db upgrade`."""
+    from alembic import command
+
+    from seerd.db import make_engine
+    from seerd.db.migrate import alembic_config, current_revision
+
+    shutil.copy(finished_run[0] / "state.db", tmp_path / "state.db")
+    engine = make_engine(tmp_path / "state.db", synchronous="NORMAL")
+    config = alembic_config(engine)
+    with engine.begin() as connection:
+        config.attributes["connection"] = connection
+        command.downgrade(config, "0003")
+    assert current_revision(engine) == "0003"
+    engine.dispose()
+    assert_report_matches_run(tmp_path, write_report(tmp_path, tmp_path / "out").out_dir)
+    (tmp_path / "bare").mkdir()
+    with sqlite3.connect(tmp_path / "bare" / "state.db") as db:
+        db.execute("CREATE TABLE rollouts (id INTEGER PRIMARY KEY, status TEXT)")
+    with pytest.raises(ReportError, match="lacks .*seerd db upgrade"):
+        load_run(tmp_path / "bare" / "state.db")
+
+
 def test_report_cli_unknown_run_dir_exits_non_zero_with_a_clear_message(tmp_path) -> None:
     result = CliRunner().invoke(cli, ["report", str(tmp_path / "nowhere")])
     assert result.exit_code == EXIT_BAD_INPUT
