@@ -23,12 +23,13 @@ def expected_figures(run_dir: Path) -> dict:
     """The report's figures, from the run's database by SQL."""
     db = Path(run_dir) / "state.db"
     (rollout_id,) = _rows(db, "SELECT max(id) FROM rollouts")[0]
-    groups = _rows(db, "SELECT id, n FROM prompt_groups WHERE rollout_id = ? ORDER BY group_index", (rollout_id,))
+    groups = _rows(db, "SELECT id, n FROM prompt_groups WHERE rollout_id = ? ORDER BY group_index",
+                   (rollout_id,))
     width = max(n for _, n in groups)
     lengths = np.full((len(groups), width), np.nan)
     row_of = {gid: i for i, (gid, _) in enumerate(groups)}
-    requests = _rows(db, "SELECT group_id, response_index, status, generated_tokens, finished_at FROM requests "
-                         "WHERE rollout_id = ?", (rollout_id,))
+    requests = _rows(db, "SELECT group_id, response_index, status, generated_tokens, finished_at "
+                         "FROM requests WHERE rollout_id = ?", (rollout_id,))
     for gid, index, status, generated, _ in requests:
         if status == "finished":
             lengths[row_of[gid], index] = generated
@@ -112,7 +113,8 @@ def assert_report_matches_run(run_dir: Path, out_dir: Path) -> dict:
         assert f"]({name})" in summary, f"summary.md does not link {name}"
     stated = summary_figures(summary)
     for key in ("groups", "responses", "requests", "finished", "output_tokens", "re_leased"):
-        assert stated[key] == expected[key], f"summary.md says {key} = {stated[key]}, the run has {expected[key]}"
+        assert stated[key] == expected[key], (
+            f"summary.md says {key} = {stated[key]}, the run has {expected[key]}")
     for key in ("throughput", "tail_s"):
         if expected[key] is None:
             assert stated[key] is None, f"summary.md states a {key} the run does not have yet"

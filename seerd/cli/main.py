@@ -106,7 +106,8 @@ def report(run_dir: Path, out_dir: Path | None) -> None:
         ui.error(str(exc))
         raise SystemExit(EXIT_BAD_INPUT) from None
     except OSError as exc:  # e.g. the default RUN_DIR/report in a run directory we may only read
-        ui.error(f"cannot write the report to {out_dir}: {exc.strerror or exc}; choose another place with --out DIR")
+        ui.error(f"cannot write the report to {out_dir}: {exc.strerror or exc}; "
+                 "choose another place with --out DIR")
         raise SystemExit(EXIT_BAD_INPUT) from None
     ui.info(f"wrote {len(written.plots)} plots and {written.summary.name} to {out_dir}")
 

@@ -46,11 +46,13 @@ def write_report(run_dir: Path, out_dir: Path) -> ReportFiles:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     figures = {
-        "running_and_kv.png": lambda: draw.plot_running_and_kv(metrics.worker_load(run, leases), timing.downtime, t0),
+        "running_and_kv.png":
+            lambda: draw.plot_running_and_kv(metrics.worker_load(run, leases), timing.downtime, t0),
         "completion_cdf.png": lambda: draw.plot_completion_cdf(metrics.completion_curve(run), timing.tail_s),
         "length_heatmap.png": lambda: draw.plot_length_heatmap(lengths, unfinished, probe, run.groups.index),
-        "chunk_timeline.png": lambda: draw.plot_chunk_timeline(leases, metrics.timeline_lanes(leases), run.workers,
-                                                               t0, timing.downtime),
+        "chunk_timeline.png":
+            lambda: draw.plot_chunk_timeline(leases, metrics.timeline_lanes(leases), run.workers, t0,
+                                             timing.downtime),
         "estimate_tracking.png": lambda: draw.plot_estimate_tracking(tracking),
     }
     written = tuple(draw.save(figures[name](), out_dir / name) for name in PLOT_FILES)

@@ -184,7 +184,8 @@ def lease_intervals(run: RunData) -> Leases:
             row[8] = _ENDING_KINDS[event.kind]
             # An orphaned lease died with the coordinator that granted it: it ended (at the latest)
             # at that coordinator's last event, not when the next one found it.
-            row[6] = max(row[5], _last_before(ts_all, event.ts)) if event.kind == "lease_orphaned" else event.ts
+            orphaned = event.kind == "lease_orphaned"
+            row[6] = max(row[5], _last_before(ts_all, event.ts)) if orphaned else event.ts
     for index in open_by_chunk.values():
         rows[index][6] = max(rows[index][5], data_end)
     columns = list(zip(*rows)) if rows else [()] * 9
@@ -201,12 +202,17 @@ def _last_before(sorted_ts: list[float], ts: float) -> float:
 
 def _group_index_of_requests(run: RunData) -> dict[int, int]:
     index_of_group = dict(zip(run.groups.id.tolist(), run.groups.index.tolist()))
-    return {rid: index_of_group[gid] for rid, gid in zip(run.requests.id.tolist(), run.requests.group_id.tolist())}
+    return {rid: index_of_group[gid] for rid, gid in _request_groups(run)}
 
 
 def _prompt_len_of_requests(run: RunData) -> dict[int, int]:
     prompt_of_group = dict(zip(run.groups.id.tolist(), run.groups.prompt_len.tolist()))
-    return {rid: prompt_of_group[gid] for rid, gid in zip(run.requests.id.tolist(), run.requests.group_id.tolist())}
+    return {rid: prompt_of_group[gid] for rid, gid in _request_groups(run)}
+
+
+def _request_groups(run: RunData) -> zip:
+    """(request id, group id) pairs."""
+    return zip(run.requests.id.tolist(), run.requests.group_id.tolist())
 
 
 def _tokens_before_chunk(run: RunData) -> dict[tuple[int, int], int]:

@@ -39,7 +39,8 @@ def _worker_label(series_worker) -> str:  # noqa: ANN001
 
 def _shade_downtime(ax, downtime: Sequence[tuple[float, float]], t0: float) -> None:  # noqa: ANN001
     for i, (a, b) in enumerate(downtime):
-        ax.axvspan(a - t0, b - t0, color="grey", alpha=0.2, linewidth=0, label=DOWNTIME_LABEL if i == 0 else None)
+        ax.axvspan(a - t0, b - t0, color="grey", alpha=0.2, linewidth=0,
+                   label=DOWNTIME_LABEL if i == 0 else None)
 
 
 def _no_data(ax, text: str) -> None:  # noqa: ANN001
@@ -138,7 +139,8 @@ def plot_chunk_timeline(leases: Leases, lanes: np.ndarray, workers: Sequence, t0
         edges = np.where(lost[:, None], np.array(matplotlib.colors.to_rgba("tab:red")), colors)
         ax.add_collection(PolyCollection(boxes, facecolors=colors, edgecolors=edges, linewidths=0.4))
         if lost.any():
-            ax.plot([], [], color="tab:red", label="lease that did not finish (expired, released, orphaned, open)")
+            ax.plot([], [], color="tab:red",
+                    label="lease that did not finish (expired, released, orphaned, open)")
         ax.set_xlim(0, max(float(x1.max()), 1e-3) * 1.02)
     else:
         _no_data(ax, "no chunk was leased yet")
@@ -165,7 +167,8 @@ def plot_estimate_tracking(tracking: EstimateTracking) -> Figure:
         ax_ratio.fill_between(t, tracking.p10, tracking.p90, step="post", alpha=0.25, label="10-90%")
         ax_ratio.step(t, tracking.median, where="post", label="median")
         ax_share.step(t, 100 * tracking.share_covering, where="post", label="estimate >= true longest")
-        ax_share.step(t, 100 * tracking.groups / max(tracking.groups_complete, 1), where="post", linestyle="--",
+        counted = 100 * tracking.groups / max(tracking.groups_complete, 1)
+        ax_share.step(t, counted, where="post", linestyle="--",
                       label="groups counted (one finish or more)")
         ax_ratio.legend(fontsize=8, loc="lower right")
         ax_share.legend(fontsize=8, loc="lower right")

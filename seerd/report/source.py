@@ -117,7 +117,8 @@ def _uri(db_path: Path, option: str) -> str:
 
 
 def _engine(uri: str) -> Engine:
-    engine = create_engine("sqlite://", creator=lambda: sqlite3.connect(uri, uri=True, check_same_thread=False))
+    engine = create_engine("sqlite://",
+                           creator=lambda: sqlite3.connect(uri, uri=True, check_same_thread=False))
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection, _record):  # noqa: ANN001
@@ -179,8 +180,10 @@ def _check_schema(conn: Connection, db_path: Path) -> None:
     tables = set(conn.exec_driver_sql("SELECT name FROM sqlite_master WHERE type = 'table'").scalars())
     if "rollouts" not in tables:
         raise ReportError(f"{db_path} holds no seerd run (no rollouts table)")
-    missing = sorted(f"{table}.{column}" for table, columns in READ_COLUMNS.items()
-                     for column in columns - {row[1] for row in conn.exec_driver_sql(f"PRAGMA table_info({table})")})
+    missing = []
+    for table, columns in READ_COLUMNS.items():
+        present = {row[1] for row in conn.exec_driver_sql(f"PRAGMA table_info({table})")}
+        missing += sorted(f"{table}.{column}" for column in columns - present)
     if missing:
         revision = conn.exec_driver_sql("SELECT version_num FROM alembic_version").scalar() \
             if "alembic_version" in tables else None
@@ -201,20 +204,22 @@ def load_run(db_path: Path) -> RunData:
 
 def _read(conn: Connection, db_path: Path) -> RunData:
     rollout = conn.execute(select(Rollout.id, Rollout.status, Rollout.policy, Rollout.status_reason,
-                                  Rollout.created_at, Rollout.started_at, Rollout.finished_at, Rollout.config_json)
+                                  Rollout.created_at, Rollout.started_at, Rollout.finished_at,
+                                  Rollout.config_json)
                            .order_by(Rollout.id.desc()).limit(1)).first()
     if rollout is None:
         raise ReportError(f"{db_path} holds no rollout yet")
     info = RolloutInfo(rollout.id, rollout.status.value, rollout.policy, rollout.status_reason,
-                       rollout.created_at, rollout.started_at, rollout.finished_at, json.loads(rollout.config_json))
+                       rollout.created_at, rollout.started_at, rollout.finished_at,
+                       json.loads(rollout.config_json))
 
     g = conn.execute(select(Group.id, Group.group_index, Group.n, Group.prompt_len, Group.max_tokens,
                             Group.length_estimate, Group.finished_requests)
                      .where(Group.rollout_id == rollout.id).order_by(Group.group_index)).all()
     groups = GroupRows(*(np.array([r[i] for r in g], dtype=np.int64) for i in range(7)))
 
-    r = conn.execute(select(Request.id, Request.group_id, Request.response_index, Request.status, Request.is_probe,
-                            Request.generated_tokens, Request.finished_at)
+    r = conn.execute(select(Request.id, Request.group_id, Request.response_index, Request.status,
+                            Request.is_probe, Request.generated_tokens, Request.finished_at)
                      .where(Request.rollout_id == rollout.id).order_by(Request.id)).all()
     requests = RequestRows(
         id=np.array([x.id for x in r], dtype=np.int64),
@@ -234,11 +239,11 @@ def _read(conn: Connection, db_path: Path) -> RunData:
         done=np.array([x.status == ChunkStatus.DONE for x in c], dtype=bool),
         num_tokens=np.array([x.num_tokens for x in c], dtype=np.int64))
 
-    workers = tuple(WorkerInfo(w.id, w.rank, w.max_chunks, w.kv_capacity_tokens, w.registered_at)
-                    for w in conn.execute(select(Worker.id, Worker.rank, Worker.max_chunks, Worker.kv_capacity_tokens,
-                                                 Worker.registered_at)
-                                          .where(Worker.rollout_id == rollout.id)
-                                          .order_by(Worker.registered_at, Worker.rank)))
+    w = conn.execute(select(Worker.id, Worker.rank, Worker.max_chunks, Worker.kv_capacity_tokens,
+                            Worker.registered_at)
+                     .where(Worker.rollout_id == rollout.id)
+                     .order_by(Worker.registered_at, Worker.rank)).all()
+    workers = tuple(WorkerInfo(x.id, x.rank, x.max_chunks, x.kv_capacity_tokens, x.registered_at) for x in w)
 
     events = tuple(
         EventRow(e.id, e.ts, e.kind, e.worker_id, e.request_id, e.chunk_id,

@@ -17,7 +17,9 @@ ESTIMATE_TABLE_ROWS = 10
 
 
 def _utc(ts: float | None) -> str:
-    return "-" if ts is None else dt.datetime.fromtimestamp(ts, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    if ts is None:
+        return "-"
+    return dt.datetime.fromtimestamp(ts, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 def _pct(value: float) -> str:
@@ -33,7 +35,8 @@ def _workers(run: RunData) -> str:
     if not run.workers:
         return "none registered yet"
     sizes = Counter((w.max_chunks, w.kv_capacity_tokens) for w in run.workers)
-    described = ", ".join(f"{count} x ({chunks} sequences, {kv:,} KV tokens)" for (chunks, kv), count in sizes.items())
+    described = ", ".join(f"{count} x ({chunks} sequences, {kv:,} KV tokens)"
+                          for (chunks, kv), count in sizes.items())
     sessions = 1 + sum(e.kind == "rollout_resumed" for e in run.events)
     return f"{len(run.workers)} registered" + (f" over {sessions} coordinator runs" if sessions > 1 else "") \
         + f": {described}"
@@ -43,25 +46,33 @@ def figures_table(run: RunData, timing: Timing, counts: LeaseCounts) -> list[str
     rollout = run.rollout
     chunk_tokens = rollout.config.get("chunk_tokens")
     workers = _workers(run)
+    reason = f" ({rollout.status_reason})" if rollout.status_reason else ""
+    chunks = f", chunks of {chunk_tokens} tokens" if chunk_tokens else ""
+    width = int(run.groups.n.max()) if len(run.groups.n) else 0
     down = sum(b - a for a, b in timing.downtime)
-    generation = (f"{timing.generation_s:.2f} s (first lease to the last committed chunk"
-                  + (f", less {down:.2f} s from a coordinator's stop to the first lease after its resume"
-                     if timing.downtime else "") + ")") if timing.first_lease is not None else "- (nothing leased yet)"
+    if timing.first_lease is None:
+        generation = "- (nothing leased yet)"
+    else:
+        less = (f", less {down:.2f} s from a coordinator's stop to the first lease after its resume"
+                if timing.downtime else "")
+        generation = f"{timing.generation_s:.2f} s (first lease to the last committed chunk{less})"
     throughput = "-" if timing.throughput_tok_s is None else f"{timing.throughput_tok_s:.1f} tok/s"
     if timing.tail_s is None:
         needed = -(-9 * timing.requests_total // 10)
-        tail = f"- (not reached: {timing.requests_finished} of the {needed} requests that start it have finished)"
+        tail = (f"- (not reached: {timing.requests_finished} of {timing.requests_total} requests finished, "
+                f"it starts at {needed})")
     else:
         share = timing.tail_s / timing.generation_s if timing.generation_s > 0 else 0.0
-        so_far = "" if timing.requests_finished == timing.requests_total else ", so far: the run is unfinished"
+        unfinished = timing.requests_finished < timing.requests_total
+        so_far = ", so far: the run is unfinished" if unfinished else ""
         tail = (f"{timing.tail_s:.2f} s ({100 * share:.1f}% of the generation time): from when 90% of the "
                 f"{timing.requests_total} requests had finished to the last finish{so_far}")
     return [
         "| figure | value |",
         "|---|---|",
-        f"| status | {rollout.status}" + (f" ({rollout.status_reason})" if rollout.status_reason else "") + " |",
-        f"| policy | {rollout.policy}" + (f", chunks of {chunk_tokens} tokens" if chunk_tokens else "") + " |",
-        f"| groups x responses | {len(run.groups.id)} x {int(run.groups.n.max()) if len(run.groups.n) else 0} |",
+        f"| status | {rollout.status}{reason} |",
+        f"| policy | {rollout.policy}{chunks} |",
+        f"| groups x responses | {len(run.groups.id)} x {width} |",
         f"| requests | {timing.requests_total} ({timing.requests_finished} finished) |",
         f"| workers | {workers} |",
         f"| output tokens | {timing.output_tokens} |",
@@ -93,7 +104,8 @@ def estimate_section(tracking: EstimateTracking) -> list[str]:
     if not tracking.groups_complete:
         return lines + ["No group has finished all its responses yet, so no true longest is known.", ""]
     lines += [
-        f"Of the {tracking.groups_complete} groups whose responses have all finished (of {tracking.groups_total}): "
+        f"Of the {tracking.groups_complete} groups whose responses have all finished "
+        f"(of {tracking.groups_total}): "
         "the ratio of the group's estimate (after each finish, from the `request_finished` events) to its "
         "true longest response, over the groups with at least one finished response at that time. "
         "A ratio below 1 means the group was expected to end sooner than it did.",
@@ -113,7 +125,8 @@ def estimate_section(tracking: EstimateTracking) -> list[str]:
     picks = sorted({round(k * (count - 1) / ESTIMATE_TABLE_ROWS) for k in range(1, ESTIMATE_TABLE_ROWS + 1)})
     for i in picks:
         lines.append(f"| {tracking.times[i]:.2f} | {tracking.groups[i]} | {_ratio(tracking.median[i])} | "
-                     f"{_ratio(tracking.p10[i])} | {_ratio(tracking.p90[i])} | {_pct(tracking.share_covering[i])} |")
+                     f"{_ratio(tracking.p10[i])} | {_ratio(tracking.p90[i])} | "
+                     f"{_pct(tracking.share_covering[i])} |")
     return lines + [""]
 
 

@@ -92,11 +92,12 @@ class SyntheticEngine:
                 self.hang_next = False
             elif self.release_next and grants:
                 gone = grants.pop()
-                assert self.book.release(worker, gone.chunk_id, gone.epoch, "synthetic engine error", self.clock.now)
+                assert self.book.release(worker, gone.chunk_id, gone.epoch, "synthetic engine error",
+                                         self.clock.now)
                 self.release_next = False
             if grants:
-                assert all(o.accepted for o in self.book.report_many(worker, [self._report(g) for g in grants],
-                                                                     self.clock.now))
+                outcomes = self.book.report_many(worker, [self._report(g) for g in grants], self.clock.now)
+                assert all(o.accepted for o in outcomes)
             running = [c for c in self.book.workers[worker].leases
                        if (c, self.book.leases[c].epoch) not in self.hung]
             self.book.heartbeat(worker, running, self.clock.now)
@@ -206,7 +207,8 @@ def test_synthetic_engine_summary_figures_match_the_db(finished_run) -> None:
         last = db.execute("SELECT max(finished_at) FROM requests").fetchone()[0]
     assert stated["output_tokens"] == tokens
     assert stated["throughput"] == pytest.approx(tokens / (last - first), abs=0.051)
-    assert (stated["groups"], stated["responses"], stated["requests"], stated["finished"]) == (GROUPS, N, 40, 40)
+    assert (stated["groups"], stated["responses"]) == (GROUPS, N)
+    assert (stated["requests"], stated["finished"]) == (GROUPS * N, GROUPS * N)
     summary = (out / "summary.md").read_text()
     assert "leases expired: 1, released by a worker: 1, orphaned by a coordinator stop: 0" in summary
 
@@ -253,10 +255,11 @@ def test_synthetic_engine_estimate_tracking_ends_at_the_true_longest(finished_ru
     with sqlite3.connect(f"file:{run_dir / 'state.db'}?mode=ro", uri=True) as db:
         first = {}
         for gi, length in db.execute(
-                "SELECT g.group_index, r.generated_tokens FROM requests r JOIN prompt_groups g ON g.id = r.group_id "
-                "ORDER BY r.finished_at, r.id"):
+                "SELECT g.group_index, r.generated_tokens FROM requests r "
+                "JOIN prompt_groups g ON g.id = r.group_id ORDER BY r.finished_at, r.id"):
             first.setdefault(gi, length)
-    assert sorted(tracking.first_ratio.tolist()) == pytest.approx(sorted(first[g] / longest[g] for g in range(GROUPS)))
+    truth = sorted(first[g] / longest[g] for g in range(GROUPS))
+    assert sorted(tracking.first_ratio.tolist()) == pytest.approx(truth)
     assert "## Group estimates against the true longest response" in (out / "summary.md").read_text()
 
 
@@ -297,7 +300,8 @@ def test_synthetic_engine_resumed_run_counts_orphans_and_leaves_out_the_downtime
     expected = assert_report_matches_run(tmp_path, out)
     timing = metrics.timing(written.run)
     assert timing.downtime == ((stopped, restarted),)
-    assert timing.generation_s == pytest.approx(expected["end"] - expected["first_lease"] - (restarted - stopped))
+    span = expected["end"] - expected["first_lease"]
+    assert timing.generation_s == pytest.approx(span - (restarted - stopped))
     leases = metrics.lease_intervals(written.run)
     orphaned = leases.outcome == "orphaned"
     assert orphaned.sum() == held > 0
@@ -417,7 +421,8 @@ def test_report_cli_unknown_run_dir_exits_non_zero_with_a_clear_message(tmp_path
 
 def test_report_cli_out_dir_that_cannot_be_made_exits_non_zero(finished_run, tmp_path) -> None:
     (tmp_path / "a-file").write_text("")
-    result = CliRunner().invoke(cli, ["report", str(finished_run[0]), "--out", str(tmp_path / "a-file" / "report")])
+    out = tmp_path / "a-file" / "report"
+    result = CliRunner().invoke(cli, ["report", str(finished_run[0]), "--out", str(out)])
     assert result.exit_code == EXIT_BAD_INPUT
     assert "cannot write the report to" in result.output and "--out" in result.output
 
