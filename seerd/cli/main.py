@@ -90,6 +90,28 @@ def export(run_dir: Path) -> None:
                 f"(run is {rollout.status.value}); wrote {rundir.parquet_path} and {rundir.jsonl_path}")
 
 
+@cli.command()
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.option("--out", "out_dir", type=click.Path(path_type=Path, file_okay=False), default=None,
+              help="Directory for the PNGs and summary.md (default: RUN_DIR/report).")
+def report(run_dir: Path, out_dir: Path | None) -> None:
+    """Plots and a markdown summary of a run, finished or not (reads its database read-only)."""
+    from seerd.report import ReportError, write_report
+
+    rundir = _existing_run(run_dir)
+    out_dir = out_dir if out_dir is not None else rundir.path / "report"
+    try:
+        written = write_report(rundir.path, out_dir)
+    except ReportError as exc:
+        ui.error(str(exc))
+        raise SystemExit(EXIT_BAD_INPUT) from None
+    except OSError as exc:  # e.g. the default RUN_DIR/report in a run directory we may only read
+        ui.error(f"cannot write the report to {out_dir}: {exc.strerror or exc}; "
+                 "choose another place with --out DIR")
+        raise SystemExit(EXIT_BAD_INPUT) from None
+    ui.info(f"wrote {len(written.plots)} plots and {written.summary.name} to {out_dir}")
+
+
 @cli.group()
 def db() -> None:
     """The run database's schema."""

@@ -25,6 +25,7 @@ from seerd.scheduler.queue import RequestQueue
 from seerd.sim.costs import InstanceCosts
 from seerd.sim.engine import WATERMARK_FRACTION, SimInstance, SimSeq
 from seerd.sim.workload import Workload
+from seerd.tail import tail_start
 
 
 REPORT_EVENT = -1  # the version field of an event that delivers a report, not a segment end
@@ -91,9 +92,8 @@ class SimResult:
     @property
     def tail_time_s(self) -> float:
         """Time spent only on the last 10% of requests: the end minus when 90% had finished."""
-        ordered = sorted(self.finish_times)
-        k = -(-9 * len(ordered) // 10)  # ceil(0.9 n): the request that completes the first 90%
-        return self.total_time_s - ordered[k - 1]
+        start = tail_start(self.finish_times)
+        return self.total_time_s - start if start is not None else 0.0
 
     @property
     def idle_fraction(self) -> float:

@@ -1,0 +1,62 @@
+"""`seerd report`: read a run once, compute its figures, draw the plots and write summary.md."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from seerd.report import metrics, summary
+from seerd.report.source import ReportError, RunData, load_run
+from seerd.rundir import RunDir
+
+# File name -> caption, in the order summary.md shows them.
+PLOT_FILES = {
+    "running_and_kv.png": "Running requests and reserved KV per worker",
+    "completion_cdf.png": "Completion CDF, with the tail marked",
+    "length_heatmap.png": "Response lengths, groups x responses",
+    "chunk_timeline.png": "Chunk timeline per worker",
+    "estimate_tracking.png": "Group estimates against the true longest response",
+}
+SUMMARY_FILE = "summary.md"
+
+
+@dataclass(frozen=True)
+class ReportFiles:
+    out_dir: Path
+    plots: tuple[Path, ...]
+    summary: Path
+    run: RunData
+
+
+def write_report(run_dir: Path, out_dir: Path) -> ReportFiles:
+    """Write the PNGs of PLOT_FILES and summary.md into `out_dir` (created if missing)."""
+    from seerd.report import plots as draw  # matplotlib only when drawing
+
+    rundir = RunDir(Path(run_dir))
+    if not rundir.exists():
+        raise ReportError(f"no run at {run_dir} (no {rundir.db_path.name})")
+    run = load_run(rundir.db_path)
+    t0 = metrics.time_origin(run)
+    leases = metrics.lease_intervals(run)
+    timing = metrics.timing(run)
+    counts = metrics.lease_counts(run, leases)
+    tracking = metrics.estimate_tracking(run)
+    lengths = metrics.response_length_matrix(run)
+    unfinished, probe = metrics.request_cell_masks(run)
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    figures = {
+        "running_and_kv.png":
+            lambda: draw.plot_running_and_kv(metrics.worker_load(run, leases), timing.downtime, t0),
+        "completion_cdf.png": lambda: draw.plot_completion_cdf(metrics.completion_curve(run), timing.tail_s),
+        "length_heatmap.png": lambda: draw.plot_length_heatmap(lengths, unfinished, probe, run.groups.index),
+        "chunk_timeline.png":
+            lambda: draw.plot_chunk_timeline(leases, metrics.timeline_lanes(leases), run.workers, t0,
+                                             timing.downtime),
+        "estimate_tracking.png": lambda: draw.plot_estimate_tracking(tracking),
+    }
+    written = tuple(draw.save(figures[name](), out_dir / name) for name in PLOT_FILES)
+    text = summary.render(rundir.path, run, timing, counts, tracking, list(PLOT_FILES.items()))
+    summary_path = out_dir / SUMMARY_FILE
+    summary_path.write_text(text)
+    return ReportFiles(out_dir, written, summary_path, run)
