@@ -17,6 +17,7 @@ import json
 import math
 import sqlite3
 import time
+import urllib.parse
 from pathlib import Path
 
 from seerd.config import heartbeat_interval
@@ -37,7 +38,9 @@ class UnknownRun(RuntimeError):
 def open_read_only(db_path: Path) -> sqlite3.Connection:
     if not db_path.is_file():
         raise UnknownRun(f"no seerd run at {db_path.parent} (no {db_path.name})")
-    conn = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True, timeout=2.0, isolation_level=None)
+    # Quoted: a path with "?", "#" or spaces must not be read as URI syntax.
+    conn = sqlite3.connect(f"file:{urllib.parse.quote(str(db_path))}?mode=ro", uri=True, timeout=2.0,
+                           isolation_level=None)
     conn.row_factory = sqlite3.Row
     return conn
 
