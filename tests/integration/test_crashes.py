@@ -134,4 +134,7 @@ def test_worker_kill9_leases_expire_and_run_elsewhere(tiny_model_dir, tmp_path):
             assert holder != victim and attempt >= 2
         else:  # its report was already on the wire when it died, and landed
             assert holder == victim
-    assert db_rows(run_dir, "select status from workers where id=?", (victim,)) == [("stale",)]
+    # Marked stale when its heartbeats stopped; gone, like every worker, once the coordinator stopped.
+    assert db_rows(run_dir, "select count(*) from events where kind='worker_stale' and worker_id=?",
+                   (victim,)) == [(1,)]
+    assert db_rows(run_dir, "select status from workers where id=?", (victim,)) == [("gone",)]
