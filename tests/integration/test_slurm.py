@@ -21,7 +21,7 @@ import pytest
 import seerd
 from seerd.launch.submitit_launch import SlurmResources, sbatch_script
 from tests.integration.harness import (
-    assert_complete_output, db_rows, done_chunks, wait_for, write_token_prompts,
+    assert_complete_output, db_rows, done_chunks, seerd_cmd, test_env, wait_for, write_token_prompts,
 )
 from tests.integration.slurm_harness import (
     SUBMITTED, assert_each_chunk_ran_once, cancel_leftover_jobs, events, job_env, processes_mentioning,
@@ -101,6 +101,15 @@ def test_sbatch_rollout_completes_with_every_response(tmp_path, tiny_model_dir):
     assert started["address"] == address["host"] and started["job_id"] == job
     for (worker_address,) in db_rows(run_dir, "select address from workers"):
         assert not worker_address.startswith(("127.", "localhost"))
+    # `seerd status JOBID`: through the coordinator's record of the job, and without it through
+    # `scontrol show job` (the --run-dir on the job's command line).
+    for state_home in (None, tmp_path / "empty-state"):
+        env = {**test_env(), **({"XDG_STATE_HOME": str(state_home)} if state_home else {})}
+        shown = subprocess.run(seerd_cmd("status", job, "--json"), capture_output=True, text=True, env=env,
+                               timeout=60)
+        assert shown.returncode == 0, shown.stderr
+        snapshot = json.loads(shown.stdout)
+        assert Path(snapshot["run_dir"]).resolve() == run_dir.resolve() and snapshot["state"] == "finished"
 
 
 def interrupted_job(tmp_path: Path, model: Path, seed: int, interrupt: str, *extra: str) -> tuple[str, Path, str]:
