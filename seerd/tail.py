@@ -10,6 +10,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 
+def finishes_before_tail(total: int) -> int:
+    """How many of `total` requests finish before the tail: ceil(0.9 total), the request that
+    completes the first 90% included."""
+    return -(-9 * total // 10)
+
+
 def tail_start(finish_times: Iterable[float], total: int | None = None) -> float | None:
     """When 90% of `total` requests (default: as many as `finish_times`) had finished.
 
@@ -17,7 +23,7 @@ def tail_start(finish_times: Iterable[float], total: int | None = None) -> float
     """
     ordered = sorted(finish_times)
     total = len(ordered) if total is None else total
-    k = -(-9 * total // 10)  # ceil(0.9 n): the request that completes the first 90%
+    k = finishes_before_tail(total)
     if k < 1 or len(ordered) < k:
         return None
     return ordered[k - 1]

@@ -8,7 +8,6 @@ endpoint sits behind the run's bearer token like the rest of the API; Prometheus
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry
@@ -16,8 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from seerd.coordinator.book import LeaseBook
 from seerd.db.status import RequestStatus
-
-TAIL_FRACTION = 0.9  # the tail phase: after 90% of requests finished, as `seerd status` has it
+from seerd.tail import finishes_before_tail
 
 
 class RolloutCollector:
@@ -50,7 +48,7 @@ class RolloutCollector:
         yield CounterMetricFamily("seerd_output_tokens", "Output tokens committed (finished chunks).",
                                   value=book.output_tokens)
         total, done = len(book.requests), book.finished_requests
-        in_tail = total > 0 and done >= math.ceil(TAIL_FRACTION * total)
+        in_tail = total > 0 and done >= finishes_before_tail(total)
         yield GaugeMetricFamily("seerd_tail_requests",
                                 "Unfinished requests once 90% have finished (the tail), else 0.",
                                 value=total - done if in_tail else 0)

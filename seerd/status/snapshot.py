@@ -14,7 +14,6 @@ The snapshot is a plain dict (`SCHEMA_VERSION`): `seerd status --json` prints it
 from __future__ import annotations
 
 import json
-import math
 import sqlite3
 import time
 import urllib.parse
@@ -24,9 +23,9 @@ from seerd.config import heartbeat_interval
 from seerd.rundir import RunDir
 from seerd.scheduler.base import QueuedRequest
 from seerd.scheduler.forecast import expected_remaining, replay_growth
+from seerd.tail import finishes_before_tail
 
 SCHEMA_VERSION = 1
-TAIL_FRACTION = 0.9  # the tail phase: after 90% of the requests finished (the paper's "last 10%")
 RATE_WINDOW_S = 30.0  # tokens/s now from finished chunks when workers send no live figures
 STALE_HEARTBEATS = 3  # a worker this many heartbeat intervals silent is highlighted
 
@@ -248,7 +247,7 @@ def _expected_remaining_tokens(conn: sqlite3.Connection, rid: int, live: dict[in
 
 def _tail_phase(conn: sqlite3.Connection, rid: int, total: int, done: int, clock: float) -> dict | None:
     """From the finish that took the run past 90% of its requests, to now (or the end)."""
-    threshold = math.ceil(TAIL_FRACTION * total)
+    threshold = finishes_before_tail(total)
     if total == 0 or done < threshold:
         return None
     (started,) = conn.execute("""select finished_at from requests where rollout_id = ? and status = 'finished'
