@@ -42,6 +42,37 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding in each worker's engine (see seerd/drafts/)."""
+
+    mode: str = "off"  # off | ngram (vLLM's) | suffix (vLLM's, needs arctic-inference) | grouped | request
+    gamma_max: int = 8  # most draft tokens per request per step
+    probe_weight: float = 2.0  # lambda: a probe's accepted token counts this much more when sharing depth
+    adaptive: bool = True  # grouped/request: pick the depth per step from the step-time profile
+    profile_path: str | None = None  # the engine's T(B, gamma) profile; None: the one shipped for this device
+    history_run_dir: str | None = None  # an earlier rollout of the same prompts: its responses seed the groups
+
+    def problems(self) -> list[str]:
+        from seerd.drafts.protocol import SPEC_MODES
+
+        found = []
+        if self.mode not in SPEC_MODES:
+            found.append(f"--spec must be one of {', '.join(SPEC_MODES)} (got {self.mode!r})")
+        if not 1 <= self.gamma_max <= 16:
+            found.append(f"--spec-depth must be in 1..16 (got {self.gamma_max})")
+        if self.probe_weight <= 0:
+            found.append(f"--spec-probe-weight must be > 0 (got {self.probe_weight})")
+        if self.profile_path is not None and not Path(self.profile_path).is_file():
+            found.append(f"--spec-profile {self.profile_path} is not a file")
+        if self.history_run_dir is not None:
+            if self.mode != "grouped":
+                found.append("--spec-history needs --spec grouped")
+            elif not (Path(self.history_run_dir) / "state.db").is_file():
+                found.append(f"--spec-history {self.history_run_dir}: no run there (no state.db)")
+        return found
+
+
+@dataclass(frozen=True)
 class RunConfig:
     input_path: str
     model_path: str
@@ -61,6 +92,7 @@ class RunConfig:
     sqlite_synchronous: str = "FULL"
     # An earlier run whose lengths seeded the group estimates (`--prior`; see coordinator/prior.py).
     prior_run_dir: str | None = None
+    spec: SpecConfig = SpecConfig()
 
     def validate(self) -> None:
         problems = []
@@ -84,6 +116,7 @@ class RunConfig:
             problems.append(f"--engine-api must be auto, stepped or async (got {self.engine.api!r})")
         if self.engine.max_num_seqs < 1:
             problems.append(f"--max-num-seqs must be >= 1 (got {self.engine.max_num_seqs})")
+        problems.extend(self.spec.problems())
         if problems:
             raise ConfigError("; ".join(problems))
 
@@ -98,7 +131,8 @@ class RunConfig:
         sampling = dict(raw.pop("sampling", {}))
         sampling["stop_token_ids"] = tuple(sampling.get("stop_token_ids", ()))
         engine = EngineConfig(**raw.pop("engine", {}))
-        return cls(sampling=SamplingDefaults(**sampling), engine=engine, **raw)
+        spec = SpecConfig(**raw.pop("spec", {}))  # runs from before speculative decoding: off
+        return cls(sampling=SamplingDefaults(**sampling), engine=engine, spec=spec, **raw)
 
     @property
     def model_dir(self) -> Path:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from seerd.config import DEFAULT_CHUNK_TOKENS, EngineConfig, RunConfig, SamplingDefaults
+from seerd.config import DEFAULT_CHUNK_TOKENS, EngineConfig, RunConfig, SamplingDefaults, SpecConfig
 
 ROLLOUT_OPTIONS = [
     click.option("--input", "input_path", required=True, type=click.Path(path_type=Path),
@@ -38,6 +38,19 @@ ROLLOUT_OPTIONS = [
     click.option("--lease-ttl", default=30.0, show_default=True, help="Seconds a lease lives without a heartbeat."),
     click.option("--wait-for-workers", is_flag=True,
                  help="Hand out no work until every worker is up (always so for --policy group)."),
+    click.option("--spec", "spec_mode", default="off", show_default=True,
+                 type=click.Choice(["off", "ngram", "suffix", "grouped", "request"]),
+                 help="Speculative decoding: grouped = drafts from all sibling responses of the group (Seer); "
+                      "request = the response's own tokens only; ngram/suffix = vLLM's own methods."),
+    click.option("--spec-depth", default=8, show_default=True, help="Most draft tokens per request per step."),
+    click.option("--spec-probe-weight", default=2.0, show_default=True,
+                 help="How much more a probe's accepted token counts when draft depth is shared out."),
+    click.option("--spec-fixed-depth", is_flag=True,
+                 help="Always draft --spec-depth tokens (no adaptive depth; for comparisons)."),
+    click.option("--spec-profile", default=None, type=click.Path(path_type=Path),
+                 help="Step-time profile T(B, gamma) of this engine (tools/profile_spec_steps.py writes one)."),
+    click.option("--spec-history", "spec_history_dir", default=None, type=click.Path(path_type=Path),
+                 help="An earlier rollout of the same prompts: its responses seed each group's draft index."),
     click.option("--prior", "prior_dir", default=None, type=click.Path(path_type=Path),
                  help="A finished earlier run of the same prompts: its longest response per prompt seeds each "
                       "group's length estimate (matched by a hash of the prompt tokens)."),
@@ -79,7 +92,9 @@ def build_config(*, workers: int, input_path: Path, model_path: Path, policy: st
                  max_tokens: int, temperature: float, top_p: float, top_k: int, seed: int, kv_cache_gib: float,
                  max_num_seqs: int, max_model_len: int | None, dtype: str, engine_api: str, lease_ttl: float,
                  wait_for_workers: bool, prior_dir: Path | None, engine_args: dict | None = None,
-                 **_launcher_options: object) -> RunConfig:
+                 spec_mode: str = "off", spec_depth: int = 8, spec_probe_weight: float = 2.0,
+                 spec_fixed_depth: bool = False, spec_profile: Path | None = None,
+                 spec_history_dir: Path | None = None, **_launcher_options: object) -> RunConfig:
     """The RunConfig the rollout options describe (not yet validated)."""
     return RunConfig(
         input_path=str(input_path.resolve()), model_path=str(model_path.resolve()), policy=policy,
@@ -89,4 +104,8 @@ def build_config(*, workers: int, input_path: Path, model_path: Path, policy: st
                             dtype=dtype, api=engine_api, extra_args=dict(engine_args or {})),
         lease_ttl_s=lease_ttl, wait_for_workers=wait_for_workers,
         prior_run_dir=str(prior_dir.resolve()) if prior_dir is not None else None,
+        spec=SpecConfig(mode=spec_mode, gamma_max=spec_depth, probe_weight=spec_probe_weight,
+                        adaptive=not spec_fixed_depth,
+                        profile_path=str(spec_profile.resolve()) if spec_profile is not None else None,
+                        history_run_dir=str(spec_history_dir.resolve()) if spec_history_dir else None),
     )

@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from seerd.config import heartbeat_interval
 from seerd.coordinator.book import BadReport, ChunkReport, LeaseBook
+from seerd.coordinator.drafts import DraftHost, append_items, fetch_changes
 from seerd.coordinator.metrics import RolloutCollector, metrics_registry
 
 API_PREFIX = "/v1"
@@ -60,6 +61,21 @@ class HeartbeatBody(msgspec.Struct):
     worker_id: str
     running: list[int] = []
     stats: dict = {}
+
+
+class DraftAppendItem(msgspec.Struct, forbid_unknown_fields=True):
+    group: int
+    request: int
+    prev_count: int
+    tokens: list[int]
+
+
+class DraftAppendBody(msgspec.Struct):
+    items: list[DraftAppendItem]
+
+
+class DraftFetchBody(msgspec.Struct):
+    cursors: dict[str, dict[str, tuple[int, int]]]  # group -> request -> (gen, count) held
 
 
 class CoordinatorControl:
@@ -144,7 +160,7 @@ async def _decode(request: Request, body_type: type):  # noqa: ANN202
 
 
 def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
-               clock: Callable[[], float] = time.time) -> FastAPI:
+               clock: Callable[[], float] = time.time, drafts: DraftHost | None = None) -> FastAPI:
     app = FastAPI(title="seerd coordinator", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(SecretMiddleware, secret=secret, control=control)
 
@@ -228,6 +244,32 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
         if done:
             control.told_done.add(body.worker_id)
         return _json({"abort": abort, "done": done})
+
+    def draft_host() -> DraftHost:
+        if drafts is None:
+            raise ApiError(404, "this run has no grouped draft server (its --spec is not grouped)")
+        return drafts
+
+    @app.post(f"{API_PREFIX}/drafts/append")
+    async def drafts_append(request: Request) -> Response:
+        host, body = draft_host(), await _decode(request, DraftAppendBody)
+        results = await host.run(append_items, host.server, body.items)
+        return _json({"results": results})
+
+    @app.post(f"{API_PREFIX}/drafts/fetch")
+    async def drafts_fetch(request: Request) -> Response:
+        host, body = draft_host(), await _decode(request, DraftFetchBody)
+        try:
+            cursors = {int(g): {int(r): (int(c[0]), int(c[1])) for r, c in reqs.items()}
+                       for g, reqs in body.cursors.items()}
+        except ValueError:
+            raise ApiError(422, "cursors must map group ids to request ids (integers)") from None
+        return _json(await host.run(fetch_changes, host.server, cursors))
+
+    @app.get(f"{API_PREFIX}/drafts/stats")
+    async def drafts_stats() -> Response:
+        host = draft_host()
+        return _json(await host.run(host.server.stats))
 
     registry = metrics_registry(RolloutCollector(book, control.worker_stats, lambda: control.accepting, clock))
 

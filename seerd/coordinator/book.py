@@ -19,7 +19,7 @@ import hashlib
 import json
 import time
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from sqlalchemy import Connection, Engine, bindparam, insert, select, update
@@ -117,6 +117,11 @@ class ChunkGrant:
     # Tokens left to the response's target length (benchmark rows), else None. The worker ends
     # the chunk there with finish reason "length_target"; max_tokens stays the scheduler's budget.
     target_remaining: int | None = None
+    # Who the chunk belongs to, for the worker's drafter: the group's sibling responses are what
+    # it drafts from, and response tokens start after the group's prompt.
+    group_id: int = 0
+    prompt_len: int = 0
+    is_probe: bool = False
 
 
 @dataclass(frozen=True)
@@ -173,6 +178,10 @@ class LeaseBook:
         self.output_tokens = 0
         self.first_lease_at: float | None = None  # this session's; generation starts here
         self.first_lease_cpu: float | None = None  # this process's CPU time then
+        # Called on this (the state) thread after each commit: (group, request, offset, tokens) per
+        # accepted chunk, and a group's id once all its responses are done. The draft host listens.
+        self.on_committed_tokens: Callable[[int, int, int, Sequence[int]], None] | None = None
+        self.on_group_finished: Callable[[int], None] | None = None
 
     # ----------------------------------------------------------------- loading
     def load(self, now: float) -> None:
@@ -415,7 +424,8 @@ class LeaseBook:
         context.extend(request.tokens)
         target = self.worker_only_targets.get(request.id)
         return ChunkGrant(lease.chunk_id, lease.epoch, request.id, context, lease.max_tokens, sampling,
-                          lease.deadline, None if target is None else target - request.generated)
+                          lease.deadline, None if target is None else target - request.generated,
+                          group_id=request.group_id, prompt_len=len(group.prompt), is_probe=request.is_probe)
 
     # ----------------------------------------------------------------- reports
     def report(self, worker_id: str, report: ChunkReport, now: float) -> ReportOutcome:
@@ -498,6 +508,8 @@ class LeaseBook:
             self.output_tokens += len(token_ids)
             request.generated += len(token_ids)
             request.num_chunks += 1
+            if self.on_committed_tokens is not None:  # e.g. the grouped draft server's copy
+                self.on_committed_tokens(request.group_id, request.id, request.generated, token_ids)
             if finished:
                 request.status = RequestStatus.FINISHED
                 request.tokens = None  # durable in the database; the coordinator needs them no more
@@ -513,6 +525,8 @@ class LeaseBook:
             group.finished, group.estimate = done, estimate
             if done >= group.n:
                 self.unfinished_groups.pop(gid, None)
+                if self.on_group_finished is not None:
+                    self.on_group_finished(gid)
                 self.growth.observe_completed(group.finished_lengths)
         # The queue's views carry their group's estimate and progress: refresh those that changed.
         for gid in {request.group_id for _, request, _, _, _ in effects}:

@@ -11,10 +11,12 @@ import logging
 import os
 import signal
 import socket
+import sqlite3
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import partial
+from pathlib import Path
 
 import uvicorn
 from sqlalchemy import Engine, select
@@ -22,6 +24,7 @@ from sqlalchemy import Engine, select
 from seerd.config import RunConfig
 from seerd.coordinator.api import CoordinatorControl, create_app
 from seerd.coordinator.book import LeaseBook
+from seerd.coordinator.drafts import REFRESH_S, DraftHost, book_sequences, history_sequences
 from seerd.db import Rollout, RolloutStatus, WorkerStatus, add_event, make_engine, make_sessionmaker
 from seerd.db.migrate import upgrade
 from seerd.io.export import ExportResult, export_run
@@ -91,6 +94,12 @@ class Coordinator:
                               chunk_tokens=self.config.chunk_tokens, lease_ttl_s=self.config.lease_ttl_s,
                               seed=self.config.seed)
         self.control = CoordinatorControl()
+        # The job's grouped draft server (Seer's DGDS), only when workers draft from it.
+        self.drafts = DraftHost() if self.config.spec.mode == "grouped" else None
+        if self.drafts is not None:
+            self.book.on_committed_tokens = self.drafts.committed
+            self.book.on_group_finished = self.drafts.group_finished
+        self._drafts_refreshed_at = 0.0
         self.started_at = clock()
         self.cpu_started = time.process_time()
         self._stop_reason: str | None = None
@@ -145,7 +154,31 @@ class Coordinator:
 
     def engine_settings(self) -> dict:
         return {"model_path": self.config.model_path, "engine": self.config.engine.__dict__,
-                "seed": self.config.seed}
+                "seed": self.config.seed, "spec": asdict(self.config.spec)}
+
+    async def _start_drafts(self) -> None:
+        """Give the draft server every unfinished group with its tokens so far (and the earlier
+        rollout's responses with --spec-history) before any worker asks."""
+        if self.drafts is None:
+            return
+        self.drafts.seed(await self.control.run(book_sequences, self.book))
+        history = self.config.spec.history_run_dir
+        if history:
+            try:
+                seeded = history_sequences(RunDir(Path(history)).db_path, self.run_dir.db_path,
+                                           list(self.book.unfinished_groups))
+            except sqlite3.Error as exc:  # drafting from history is an accelerator: say so, go on
+                log.warning("--spec-history %s unreadable, drafting without it: %s", history, exc)
+                seeded = {}
+            self.drafts.seed(seeded)
+            await self.control.run(self.record_event, "spec_history_seeded",
+                                   {"run_dir": history, "groups": len(seeded),
+                                    "responses": sum(len(v) for v in seeded.values())})
+
+    def _refresh_drafts(self) -> None:
+        if self.drafts is not None and self.clock() - self._drafts_refreshed_at >= REFRESH_S:
+            self._drafts_refreshed_at = self.clock()
+            self.drafts.register(list(self.book.unfinished_groups))
 
     async def serve(self, on_tick: Callable[[dict], None] | None = None,
                     on_ready: Callable[[str, int], None] | None = None) -> CoordinatorResult:
@@ -165,7 +198,8 @@ class Coordinator:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, self.port))
         host, port = sock.getsockname()[:2]
-        app = create_app(self.book, self.run_dir.read_secret(), self.control, self.clock)
+        await self._start_drafts()
+        app = create_app(self.book, self.run_dir.read_secret(), self.control, self.clock, self.drafts)
         app.state.engine_settings = self.engine_settings()
         self.control.scheduling_gate = self._gate
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", loop="none",
@@ -190,6 +224,8 @@ class Coordinator:
             await server_task
             await self.control.run(self.book.retire_workers)
             self.control.close()
+            if self.drafts is not None:
+                self.drafts.close()
             for signum, handler in previous.items():
                 loop.remove_signal_handler(signum)
                 # asyncio leaves SIG_DFL behind; a late warning signal must not kill the process.
@@ -202,6 +238,7 @@ class Coordinator:
         while True:
             if await run(self.book.expire, self.clock()):
                 self.control.work_queued()
+            await run(self._refresh_drafts)
             if on_tick:
                 on_tick(await run(self.book.counts))
             if self.book.is_complete():

@@ -26,6 +26,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from seerd.drafts.protocol import parse_engine_id
+
+DRAFTER_SETTINGS_ENV = "SEERD_DRAFT_SETTINGS"  # read by seerd.drafts.drafter in the engine's process
+
 log = logging.getLogger("seerd.worker")
 
 
@@ -43,7 +47,7 @@ class EngineLive:
 
     at: float  # time.time() of the sample
     kv_usage: float  # fraction of the engine's KV blocks in use
-    progress: dict[str, int] = field(default_factory=dict)  # engine request id -> tokens so far
+    progress: dict[str, int] = field(default_factory=dict)  # lease key c{chunk}e{epoch} -> tokens so far
 
 
 LIVE_SAMPLE_INTERVAL_S = 0.5  # sampling walks every running request: not at every step
@@ -54,10 +58,16 @@ def sample_scheduler(llm) -> EngineLive | None:  # noqa: ANN001
     they moved, so a vLLM upgrade costs the status view its live figures, never a rollout)."""
     try:
         scheduler = llm.engine_core.engine_core.scheduler
-        progress = {rid: int(request.num_output_tokens) for rid, request in list(scheduler.requests.items())}
+        progress = {_lease_key(rid): int(request.num_output_tokens)
+                    for rid, request in list(scheduler.requests.items())}
         return EngineLive(time.time(), float(scheduler.kv_cache_manager.usage), progress)
     except (AttributeError, TypeError):
         return None
+
+
+def _lease_key(engine_id: str) -> str:
+    identity = parse_engine_id(engine_id)
+    return engine_id if identity is None else identity.lease_key
 
 
 class EngineDead(RuntimeError):
@@ -70,7 +80,33 @@ def engine_env_defaults() -> None:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 
-def engine_args(model_path: str, engine: dict, seed: int) -> dict:
+def speculative_config(spec: dict | None) -> dict | None:
+    """vLLM's `speculative_config` for seerd's `--spec` mode (None: off)."""
+    mode = (spec or {}).get("mode", "off")
+    depth = int(spec.get("gamma_max", 8)) if spec else 8
+    if mode == "off":
+        return None
+    if mode == "ngram":  # vLLM's prompt lookup, with the same match window as seerd's index
+        return {"method": "ngram", "num_speculative_tokens": depth, "prompt_lookup_min": 3, "prompt_lookup_max": 16}
+    if mode == "suffix":
+        try:
+            import arctic_inference  # noqa: F401
+        except ImportError:
+            raise EngineDead("--spec suffix needs arctic-inference in the worker's environment (vLLM's "
+                             "suffix method); see docs/speculative.md") from None
+        return {"method": "suffix", "num_speculative_tokens": depth}
+    return {"method": "custom_class", "model": "seerd.drafts.drafter.SeerdDrafter", "num_speculative_tokens": depth}
+
+
+def drafter_settings(spec: dict | None, run_dir: str | None) -> str:
+    """What `SeerdDrafter` reads from its environment (it is built by vLLM, maybe in another process)."""
+    spec = spec or {}
+    return json.dumps({"mode": spec.get("mode"), "probe_weight": spec.get("probe_weight", 2.0),
+                       "adaptive": spec.get("adaptive", True), "profile_path": spec.get("profile_path"),
+                       "run_dir": run_dir})
+
+
+def engine_args(model_path: str, engine: dict, seed: int, spec: dict | None = None) -> dict:
     kv_bytes = int(float(engine.get("kv_cache_gib", 1.0)) * (1 << 30))
     max_model_len = int(engine.get("max_model_len") or _model_max_len(model_path))
     args = dict(
@@ -89,6 +125,9 @@ def engine_args(model_path: str, engine: dict, seed: int) -> dict:
         disable_log_stats=True,
         seed=seed,
     )
+    speculative = speculative_config(spec)
+    if speculative is not None:
+        args["speculative_config"] = speculative
     args.update(engine.get("extra_args") or {})
     return args
 
@@ -137,9 +176,11 @@ def _model_max_len(model_path: str) -> int:
     return int(config.get("max_position_embeddings") or 4096)
 
 
-def start_engine(model_path: str, engine: dict, seed: int):  # noqa: ANN201
+def start_engine(model_path: str, engine: dict, seed: int, spec: dict | None = None,  # noqa: ANN201
+                 run_dir: str | None = None):
     """The engine driver for this machine: `engine["api"]` is "stepped", "async" or "auto"."""
     engine_env_defaults()
+    os.environ[DRAFTER_SETTINGS_ENV] = drafter_settings(spec, run_dir)
     api = engine.get("api", "auto")
     if api == "auto":
         import torch
@@ -148,7 +189,7 @@ def start_engine(model_path: str, engine: dict, seed: int):  # noqa: ANN201
     driver = {"stepped": SteppedEngine, "async": AsyncEngine}.get(api)
     if driver is None:
         raise ValueError(f"unknown engine api {api!r}: use auto, stepped or async")
-    return driver.start(model_path, engine, seed)
+    return driver.start(model_path, engine, seed, spec)
 
 
 class SteppedEngine:
@@ -169,12 +210,12 @@ class SteppedEngine:
         self.thread.start()
 
     @classmethod
-    def start(cls, model_path: str, engine: dict, seed: int) -> SteppedEngine:
+    def start(cls, model_path: str, engine: dict, seed: int, spec: dict | None = None) -> SteppedEngine:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
 
-        args = engine_args(model_path, engine, seed)
+        args = engine_args(model_path, engine, seed, spec)
         llm = LLMEngine.from_engine_args(EngineArgs(**args))
         return cls(llm, int(args["max_num_seqs"]), kv_capacity_tokens(llm.vllm_config, args["kv_cache_memory_bytes"]))
 
@@ -266,11 +307,11 @@ class AsyncEngine:
         self.live: EngineLive | None = None  # the scheduler is in the core process
 
     @classmethod
-    def start(cls, model_path: str, engine: dict, seed: int) -> AsyncEngine:
+    def start(cls, model_path: str, engine: dict, seed: int, spec: dict | None = None) -> AsyncEngine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        args = engine_args(model_path, engine, seed)
+        args = engine_args(model_path, engine, seed, spec)
         llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
         return cls(llm, int(args["max_num_seqs"]), kv_capacity_tokens(llm.vllm_config, args["kv_cache_memory_bytes"]))
 

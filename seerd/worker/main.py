@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+from seerd.drafts.drafter import drafter_stats
+from seerd.drafts.protocol import ChunkIdentity
 from seerd.rundir import RunDir
 from seerd.worker.client import CoordinatorClient, CoordinatorGone, NotRegistered
 from seerd.worker.engine import EngineDead, start_engine
@@ -41,6 +43,11 @@ def reported_finish_reason(grant: dict, finish_reason: str, num_tokens: int) -> 
     return finish_reason
 
 
+def chunk_identity(grant: dict) -> ChunkIdentity:
+    return ChunkIdentity(grant["chunk_id"], grant["epoch"], grant.get("group_id", 0), grant["request_id"],
+                         grant.get("prompt_len", 0), bool(grant.get("is_probe")))
+
+
 class Worker:
     def __init__(self, client: CoordinatorClient, engine, rank: int) -> None:  # noqa: ANN001
         self.client = client
@@ -48,6 +55,7 @@ class Worker:
         self.rank = rank
         self.worker_id = f"w{rank}-{socket.gethostname()}-{os.getpid()}"
         self.running: dict[int, tuple[int, asyncio.Task]] = {}  # chunk_id -> (epoch, task)
+        self.engine_ids: dict[int, str] = {}  # chunk_id -> the engine's request id (see drafts.protocol)
         self.reports: asyncio.Queue[dict] = asyncio.Queue()
         self.done = asyncio.Event()
         self.slot_freed = asyncio.Event()
@@ -120,14 +128,16 @@ class Worker:
 
     async def _run_chunk(self, grant: dict) -> None:
         chunk_id, epoch = grant["chunk_id"], grant["epoch"]
+        engine_id = self.engine_ids[chunk_id] = chunk_identity(grant).engine_id
         try:
-            result = await self.engine.run(f"c{chunk_id}e{epoch}", grant["prompt_token_ids"],
+            result = await self.engine.run(engine_id, grant["prompt_token_ids"],
                                            generation_budget(grant), grant["sampling"])
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the engine failed this chunk: give it back, it runs elsewhere
             log.exception("chunk %d failed", chunk_id)
             self.running.pop(chunk_id, None)
+            self.engine_ids.pop(chunk_id, None)
             self.slot_freed.set()
             with contextlib.suppress(NotRegistered):  # a restarted coordinator already voided the lease
                 await self.client.call("POST", "release", {"worker_id": self.worker_id, "chunk_id": chunk_id,
@@ -159,6 +169,7 @@ class Worker:
                     log.warning("report of chunk %d rejected: %s", item["chunk_id"], item["reason"])
             for report in batch:
                 self.running.pop(report["chunk_id"], None)
+                self.engine_ids.pop(report["chunk_id"], None)
             self.slot_freed.set()
             if reply.get("done"):
                 self.done.set()
@@ -167,7 +178,7 @@ class Worker:
         while True:
             await asyncio.sleep(self.heartbeat_interval_s)
             stats = self.stats.payload({cid: epoch for cid, (epoch, _) in self.running.items()},
-                                       getattr(self.engine, "live", None))
+                                       getattr(self.engine, "live", None), drafter_stats())
             try:
                 reply = await self.client.call("POST", "heartbeat", {
                     "worker_id": self.worker_id, "running": list(self.running), "stats": stats})
@@ -183,9 +194,11 @@ class Worker:
         entry = self.running.pop(chunk_id, None)
         if entry is None:
             return
-        epoch, task = entry
+        _epoch, task = entry
         task.cancel()
-        await self.engine.abort(f"c{chunk_id}e{epoch}")
+        engine_id = self.engine_ids.pop(chunk_id, None)
+        if engine_id is not None:
+            await self.engine.abort(engine_id)
         self.slot_freed.set()
 
     async def _reregister(self) -> None:
@@ -199,7 +212,8 @@ async def amain(run_dir: RunDir, rank: int, patience_s: float, address_timeout_s
                                                   address_timeout_s=address_timeout_s)
     settings = await client.call("GET", "config")
     started = time.monotonic()
-    engine = start_engine(settings["model_path"], settings["engine"], settings["seed"])
+    engine = start_engine(settings["model_path"], settings["engine"], settings["seed"], settings.get("spec"),
+                          str(run_dir.path))
     log.info("engine ready in %.1fs", time.monotonic() - started)
     worker = Worker(client, engine, rank)
     loop = asyncio.get_running_loop()

@@ -141,3 +141,51 @@ def test_long_poll_lease_wakes_when_a_chunk_is_requeued(tmp_path):
 
     second, waited = asyncio.run(scenario())
     assert second["prompt_token_ids"][-16:] == [3] * 16 and waited < 2.0
+
+
+@pytest.fixture
+def drafts_client(tmp_path):
+    from seerd.coordinator.drafts import DraftHost
+
+    clock = FakeClock()
+    book = make_book(tmp_path, prompt_rows=rows(groups=2, n=2, max_tokens=20), now=clock())
+    host = DraftHost()
+    app = create_app(book, SECRET, CoordinatorControl(), clock, host)
+    host.register(list(book.groups))
+    with TestClient(app) as test_client:
+        test_client.book = book
+        yield test_client
+    host.close()
+
+
+@pytest.mark.parametrize("path,body", [("/v1/drafts/append", {"items": []}), ("/v1/drafts/fetch", {"cursors": {}}),
+                                       ("/v1/drafts/stats", None)])
+def test_draft_server_endpoints_need_the_token(drafts_client, path, body):
+    method = "GET" if body is None else "POST"
+    assert drafts_client.request(method, path, json=body).status_code == 401
+    assert drafts_client.request(method, path, json=body, headers={"Authorization": "Bearer no"}).status_code == 401
+
+
+def test_draft_server_append_and_fetch_over_http(drafts_client):
+    auth = {"Authorization": f"Bearer {SECRET}"}
+    group = min(drafts_client.book.groups)
+    items = [{"group": group, "request": 7, "prev_count": 0, "tokens": [1, 2, 3]},
+             {"group": group, "request": 7, "prev_count": 0, "tokens": [1, 2, 3]},  # a retry: no-op
+             {"group": 999, "request": 1, "prev_count": 0, "tokens": [4]}]
+    results = drafts_client.post("/v1/drafts/append", json={"items": items}, headers=auth).json()["results"]
+    assert [r["ok"] for r in results] == [True, True, False]
+    assert results[1]["count"] == 3 and "999" in results[2]["error"]
+    fetched = drafts_client.post("/v1/drafts/fetch", json={"cursors": {str(group): {"7": [results[0]["gen"], 1]},
+                                                                      "999": {}}}, headers=auth).json()
+    assert fetched["changes"] == {str(group): {"7": [results[0]["gen"], 1, [2, 3]]}}
+    assert fetched["unknown"] == [999]
+    bad = drafts_client.post("/v1/drafts/append", json={"items": [{"group": "x"}]}, headers=auth)
+    assert bad.status_code == 422
+    bad = drafts_client.post("/v1/drafts/fetch", json={"cursors": {"g": {"1": [0, 0]}}}, headers=auth)
+    assert bad.status_code == 422
+
+
+def test_draft_endpoints_say_when_the_run_has_no_draft_server(client):
+    auth = {"Authorization": f"Bearer {SECRET}"}
+    response = client.post("/v1/drafts/fetch", json={"cursors": {}}, headers=auth)
+    assert response.status_code == 404 and "--spec" in response.json()["detail"]

@@ -1,0 +1,145 @@
+"""The job's grouped draft server, hosted in the coordinator process on a thread of its own.
+
+The server (`seerd.drafts.server.DraftServer`) is single-owner: every call runs on the
+`seerd-drafts` thread, so it needs no locks, and a slow database commit on the state thread never
+delays a worker's fetch. Its inputs:
+- workers push tokens of running chunks (HTTP `drafts/append`), so siblings running elsewhere
+  draft from each other within a chunk;
+- the lease book's committed chunks (the durable truth: a re-run chunk's tokens replace what a
+  dead worker had pushed);
+- at start, every unfinished group's tokens so far (a resumed run), and optionally the responses of
+  an earlier rollout of the same prompt (`--spec-history`, as RhymeRL's HistoSpec does).
+Groups are registered when the coordinator starts, refreshed while unfinished, and evicted when
+their last response is done or their TTL passes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sqlite3
+from collections import defaultdict
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from pathlib import Path
+
+from seerd.drafts.server import DraftError, DraftServer
+
+log = logging.getLogger("seerd.coordinator")
+
+GROUP_TTL_S = 1800.0  # refreshed every REFRESH_S while the group is unfinished; the TTL only catches leaks
+REFRESH_S = 60.0
+HISTORY_RESPONSES_PER_PROMPT = 16
+
+
+class DraftHost:
+    def __init__(self, server: DraftServer | None = None) -> None:
+        self.server = server or DraftServer()
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="seerd-drafts")
+        self.history_responses = 0
+
+    async def run(self, fn, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN201
+        return await asyncio.get_running_loop().run_in_executor(self._thread, partial(fn, *args, **kwargs))
+
+    def submit(self, fn, *args) -> None:  # noqa: ANN001, ANN002
+        self._thread.submit(self._logged, fn, *args)
+
+    @staticmethod
+    def _logged(fn, *args) -> None:  # noqa: ANN001, ANN002
+        try:
+            fn(*args)
+        except DraftError as exc:  # e.g. a chunk of a group evicted meanwhile: drafting loses nothing
+            log.debug("draft server: %s", exc)
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=True)
+
+    # ------------------------------------------------------------------ from the lease book
+    def committed(self, group: int, request: int, offset: int, tokens: Sequence[int]) -> None:
+        """Called on the state thread after a commit: the chunk's tokens are the durable truth."""
+        self.submit(self.server.append, group, request, offset, list(tokens))
+
+    def group_finished(self, group: int) -> None:
+        self.submit(self.server.finish, group)
+
+    def register(self, groups: Sequence[int]) -> None:
+        self.submit(self._register_all, list(groups))
+
+    def _register_all(self, groups: list[int]) -> None:
+        for group in groups:
+            self.server.register(group, GROUP_TTL_S)
+        self.server.expire()
+
+    def seed(self, sequences: dict[int, dict[int, Sequence[int]]]) -> None:
+        """Unfinished groups' tokens so far: {group: {request: tokens}}."""
+        def load() -> None:
+            for group, requests in sequences.items():
+                self.server.register(group, GROUP_TTL_S)
+                for request, tokens in requests.items():
+                    if tokens:
+                        self.server.append(group, request, 0, list(tokens))
+        self.submit(load)
+
+
+def book_sequences(book) -> dict[int, dict[int, list[int]]]:  # noqa: ANN001
+    """On the state thread: every unfinished group's requests and their tokens so far."""
+    from seerd.db import RequestStatus
+
+    out: dict[int, dict[int, list[int]]] = {}
+    with book.engine.connect() as conn:
+        for gid in book.unfinished_groups:
+            group = book.groups[gid]
+            requests = out.setdefault(gid, {})
+            for rid in group.request_ids:
+                request = book.requests[rid]
+                if request.status == RequestStatus.FINISHED or request.tokens is None:
+                    requests[rid] = list(book._read_tokens(conn, rid))
+                else:
+                    requests[rid] = list(request.tokens)
+    return out
+
+
+def history_sequences(history_db: Path, this_db: Path, groups: Sequence[int]) -> dict[int, dict[int, list[int]]]:
+    """Responses of an earlier rollout of the same prompts (matched by prompt hash), as extra
+    sequences of this run's groups, keyed by negative request ids so they never meet real ones."""
+    from seerd.io.codec import unpack_ints
+
+    wanted = set(groups)
+    with sqlite3.connect(f"file:{this_db}?mode=ro", uri=True) as conn:
+        by_hash = defaultdict(list)
+        for gid, prompt_hash in conn.execute("select id, prompt_hash from prompt_groups"):
+            if gid in wanted:
+                by_hash[prompt_hash].append(gid)
+    out: dict[int, dict[int, list[int]]] = {}
+    with sqlite3.connect(f"file:{history_db}?mode=ro", uri=True) as old:
+        rows = old.execute("""
+            select g.prompt_hash, r.id, c.token_ids from requests r
+            join prompt_groups g on g.id = r.group_id
+            join chunks c on c.request_id = r.id and c.status = 'done'
+            where r.status = 'finished' order by r.id, c.seq""")
+        responses: dict[str, dict[int, list[int]]] = defaultdict(dict)
+        for prompt_hash, rid, blob in rows:
+            if prompt_hash in by_hash:
+                per_prompt = responses[prompt_hash]
+                if rid in per_prompt or len(per_prompt) < HISTORY_RESPONSES_PER_PROMPT:
+                    per_prompt.setdefault(rid, []).extend(unpack_ints(blob))
+    for prompt_hash, per_prompt in responses.items():
+        for gid in by_hash[prompt_hash]:
+            out[gid] = {-(k + 1): tokens for k, tokens in enumerate(per_prompt.values())}
+    return out
+
+
+def append_items(server: DraftServer, items: Sequence) -> list[dict]:  # noqa: ANN001
+    """On the drafts thread: one result per pushed segment; a bad one never spoils the others."""
+    results = []
+    for item in items:
+        try:
+            results.append({"ok": True, **server.append(item.group, item.request, item.prev_count, item.tokens).to_json()})
+        except DraftError as exc:
+            results.append({"ok": False, "error": str(exc)})
+    return results
+
+
+def fetch_changes(server: DraftServer, cursors: dict[int, dict[int, tuple[int, int]]]) -> dict:
+    return server.fetch(cursors).to_json()
