@@ -199,6 +199,15 @@ def test_first_token_is_the_majority_and_ties_go_to_the_newest():
     assert index.propose([1, 2], 3) == Draft([7, 6], 2, 3)
 
 
+def test_a_continuation_with_half_of_the_votes_does_not_decide_alone():
+    index = SuffixIndex(2, 4)
+    for key, tail in (("t1", [5, 7, 3]), ("t2", [5, 7, 3]), ("x2", [5, 8, 2]), ("x1", [5, 8, 1])):
+        index.extend(key, [1, 2, *tail])
+    # 5,7,3 is the most common continuation (2 of 4), but at the second token 8 ties with 7 and
+    # its newest occurrence is newer.
+    assert index.propose([1, 2], 3) == Draft([5, 8, 1], 2, 4)
+
+
 def test_min_prob_cuts_the_draft_where_the_path_gets_unlikely():
     index = SuffixIndex(2, 4)
     for tail in ([5, 6, 7], [5, 6, 8], [5, 9, 9], [5, 6, 7]):
