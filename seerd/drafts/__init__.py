@@ -1,0 +1,11 @@
+"""Grouped speculative decoding: a server of per-group token logs, local suffix indexes per worker."""
+
+from seerd.drafts.index import Draft, SuffixIndex
+from seerd.drafts.server import (
+    AppendResult, DraftError, DraftServer, FetchResult, UnknownGroup, UnknownRequest,
+)
+
+__all__ = [
+    "AppendResult", "Draft", "DraftError", "DraftServer", "FetchResult", "SuffixIndex", "UnknownGroup",
+    "UnknownRequest",
+]
