@@ -25,6 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from seerd.config import heartbeat_interval
 from seerd.coordinator.book import BadReport, ChunkReport, LeaseBook
 from seerd.coordinator.drafts import DraftHost, append_items, fetch_changes
+from seerd.drafts.server import DraftError
 from seerd.coordinator.metrics import RolloutCollector, metrics_registry
 
 API_PREFIX = "/v1"
@@ -264,7 +265,10 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
                        for g, reqs in body.cursors.items()}
         except ValueError:
             raise ApiError(422, "cursors must map group ids to request ids (integers)") from None
-        return _json(await host.run(fetch_changes, host.server, cursors))
+        try:
+            return _json(await host.run(fetch_changes, host.server, cursors))
+        except DraftError as exc:
+            raise ApiError(422, str(exc)) from None
 
     @app.get(f"{API_PREFIX}/drafts/stats")
     async def drafts_stats() -> Response:

@@ -166,21 +166,24 @@ class DraftClient:
 
     def _push(self, transport) -> None:  # noqa: ANN001
         with self.lock:
-            batch = []
-            for key, push in list(self.pending.items()):
-                if push.tokens and (push.final or len(push.tokens) >= self.push_batch):
-                    batch.append((key, push.prev_count, push.tokens))
-                    push.prev_count += len(push.tokens)
-                    push.tokens = []
-                if push.final and not push.tokens:
-                    del self.pending[key]
+            batch = [(key, push.prev_count, list(push.tokens)) for key, push in self.pending.items()
+                     if push.tokens and (push.final or len(push.tokens) >= self.push_batch)]
+            for key in [k for k, push in self.pending.items() if push.final and not push.tokens]:
+                del self.pending[key]
         if not batch:
             return
+        # Pending tokens leave the queue only once the server answered: a failed call sends them again.
         results = transport.append([{"group": g, "request": r, "prev_count": prev, "tokens": tokens}
                                     for (g, r), prev, tokens in batch])
         self.pushed_tokens += sum(len(tokens) for _, _, tokens in batch)
         with self.lock:
-            for ((group, request), _, _), result in zip(batch, results):
+            for ((group, request), _, tokens), result in zip(batch, results):
+                push = self.pending.get((group, request))
+                if push is not None:
+                    del push.tokens[:len(tokens)]
+                    push.prev_count += len(tokens)
+                    if push.final and not push.tokens:
+                        del self.pending[(group, request)]
                 if result.get("ok"):
                     self.acked[(group, request)] = (int(result["gen"]), int(result["count"]))
 
@@ -189,7 +192,8 @@ class DraftClient:
             cursors = {}
             for group, local in self.groups.items():
                 mine = {r: self.acked.get((group, r), (UNKNOWN_GEN, 0)) for r in local.own}
-                cursors[group] = {**local.cursors, **mine}
+                # A request absent from the cursors is one the server sends whole.
+                cursors[group] = {r: c for r, c in {**local.cursors, **mine}.items() if c[0] != UNKNOWN_GEN}
         if not cursors:
             return
         reply = transport.fetch(cursors)

@@ -16,7 +16,8 @@ SPEC_MODES = ("off", "ngram", "suffix", "grouped", "request")  # "request": own 
 DEFAULT_GAMMA_MAX = 8
 DEFAULT_PROBE_WEIGHT = 2.0  # the paper's lambda
 
-_ENGINE_ID = re.compile(r"^c(\d+)e(\d+)g(\d+)r(\d+)p(\d+)(h?)$")
+# vLLM 0.32 appends "-<8 random hex>" to every request id inside the engine (the runner sees that).
+_ENGINE_ID = re.compile(r"^c(\d+)e(\d+)g(\d+)r(\d+)p(\d+)(h?)(?:-[0-9a-zA-Z]+)?$")
 
 
 @dataclass(frozen=True)

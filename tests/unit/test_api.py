@@ -183,6 +183,8 @@ def test_draft_server_append_and_fetch_over_http(drafts_client):
     assert bad.status_code == 422
     bad = drafts_client.post("/v1/drafts/fetch", json={"cursors": {"g": {"1": [0, 0]}}}, headers=auth)
     assert bad.status_code == 422
+    bad = drafts_client.post("/v1/drafts/fetch", json={"cursors": {str(group): {"7": [-1, 0]}}}, headers=auth)
+    assert bad.status_code == 422 and "ints >= 0" in bad.json()["detail"]
 
 
 def test_draft_endpoints_say_when_the_run_has_no_draft_server(client):

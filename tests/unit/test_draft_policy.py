@@ -136,6 +136,7 @@ def test_engine_ids_round_trip() -> None:
     assert identity.engine_id == "c12e3g7r99p31h"
     assert parse_engine_id(identity.engine_id) == identity
     assert parse_engine_id("c12e3g7r99p31").is_probe is False
+    assert parse_engine_id("c12e3g7r99p31h-94554842") == identity  # vLLM's internal suffix
     assert identity.lease_key == "c12e3"
     for foreign in ("0_c12e3g7r99p31", "c1e2", "cmpl-abc", ""):
         assert parse_engine_id(foreign) is None
