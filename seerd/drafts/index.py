@@ -170,13 +170,14 @@ class SuffixIndex:
                 older.append(head & _LOCATION_MASK)
                 newest[key] = base + end + _ONE_MORE + (head & _COUNT_BITS)
             return
-        for first in range(first, new_len + 1, _SEGMENT):
-            last = min(first + _SEGMENT - 1, new_len)
-            window = seq[first - m:last]
-            keys = list(zip(*[window[i:] for i in range(m)]))  # keys[j] ends at first + j
+        window = seq[first - m:]
+        all_keys = list(zip(*[window[i:] for i in range(m)]))  # all_keys[j] ends at first + j
+        # A key's new head: its location, and the count one more than before.
+        all_counted = range(base + first + _ONE_MORE, base + new_len + 1 + _ONE_MORE)
+        for j in range(0, len(all_keys), _SEGMENT):
+            keys = all_keys[j:j + _SEGMENT]
+            counted = all_counted[j:j + _SEGMENT]
             heads = list(map(newest.get, keys, repeat(_NONE)))
-            # A key's new head: this location, and the count one more than before.
-            counted = range(base + first + _ONE_MORE, base + last + 1 + _ONE_MORE)
             batch = dict(zip(keys, map(add, counted, map(and_, heads, repeat(_COUNT_BITS)))))
             if len(batch) == len(keys):
                 older.extend(map(and_, heads, repeat(_LOCATION_MASK)))
