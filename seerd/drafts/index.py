@@ -78,7 +78,8 @@ _NO_DRAFT = Draft()
 
 
 class SuffixIndex:
-    """One group's index: the prompt plus each request's response tokens."""
+    """One group's index: the prompt plus each request's response tokens. Not thread-safe: a
+    worker keeps it on the thread that drafts."""
 
     def __init__(self, min_match: int = 3, max_match: int = 16, max_candidates: int = 32,
                  max_scan: int = 64) -> None:
@@ -106,8 +107,7 @@ class SuffixIndex:
         slot = self._slot_of.get(seq_key)
         if slot is None:
             slot = self._new_slot(seq_key)
-        if tokens:
-            self._append(slot, tokens)
+        self._append(slot, tokens)
 
     def replace(self, seq_key: Hashable, tokens: Sequence[int]) -> None:
         """The sequence was rewritten (its request re-ran elsewhere): forget it, index `tokens`."""
@@ -163,6 +163,8 @@ class SuffixIndex:
         older = self._older[slot]
         newest = self._newest
         first = max(old_len + 1, m)  # the first new position that has a key
+        if first > new_len:
+            return
         if new_len - first < _FEW:
             for end in range(first, new_len + 1):
                 key = tuple(seq[end - m:end])
