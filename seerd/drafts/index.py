@@ -67,14 +67,13 @@ _REBUILD_MIN_DEAD = 4096
 
 @dataclass(frozen=True)
 class Draft:
-    """Speculated tokens for one request; no tokens when nothing in the index matches."""
+    """Speculated tokens for one request; no tokens when nothing in the index matches. Each call
+    returns a new one, so a caller may extend its tokens."""
 
     tokens: list[int] = field(default_factory=list)
     match_len: int = 0  # length of the context's suffix found in the index
     support: int = 0  # occurrences of that suffix whose continuation is the first draft token
 
-
-_NO_DRAFT = Draft()
 
 
 class SuffixIndex:
@@ -210,13 +209,13 @@ class SuffixIndex:
         """Draft up to `max_tokens` tokens to follow `context` (see the module docstring)."""
         m = self.min_match
         if max_tokens <= 0 or len(context) < m:
-            return _NO_DRAFT
+            return Draft()
         tail = list(context[-self.max_match:])
         cap = len(tail)
         keys = list(zip(*[tail[i:] for i in range(m)]))  # keys[i] = tail[i:i + m]
         heads = list(map(self._newest.get, keys, repeat(_NONE)))
         if heads[-1] == _NONE:
-            return _NO_DRAFT
+            return Draft()
         counts = list(map(rshift, heads, repeat(_COUNT_SHIFT)))
         # Grow the match: find an occurrence of the last `need` tokens (on the chain of the
         # rarest key inside them), measure how far back it matches, ask for one token more.
@@ -238,7 +237,7 @@ class SuffixIndex:
                 best += 1
             need = best + 1
         if found is None:
-            return _NO_DRAFT
+            return Draft()
         # The voters: the newest occurrences, found on the chain of the last key, whose order
         # is the order in which occurrences were completed.
         ties = self._occurrences(tail, best, cap - m, heads[-1], self.max_candidates)
