@@ -29,8 +29,13 @@ walk is cut short, `match_len` is the longest match in the whole index and the v
 newest `max_candidates` occurrences. No walk is cut when the context's last `min_match` tokens
 occur at most `max_scan` times in the index (every suffix contains them, so its rarest key occurs
 no more often). Beyond that a walk may stop early: `match_len` is then a match that exists but
-perhaps not the longest, and the voters some of its occurrences (at least one). Positions of
-dropped sequences count toward `max_scan` until the next rebuild (see `drop`).
+perhaps not the longest (rarely: the questions walk rare keys), and the voters those of its
+occurrences met in the newest `max_scan` occurrences of the last key, plus the one the match
+was measured on. Positions of dropped sequences count toward `max_scan` until the next rebuild.
+
+Why `max_scan = 64` (2 x `max_candidates`): the voters' walk is what a call costs, and on the
+motif replay of tools/bench_drafts.py tokens per step stayed within 0.5% from 32 to 256 (2.66 /
+2.67 / 2.67 / 2.67 at 32 / 64 / 128 / 256) while the median drafting call went from ~75 to ~120 us.
 """
 
 from __future__ import annotations
@@ -62,21 +67,21 @@ _REBUILD_MIN_DEAD = 4096
 
 @dataclass(frozen=True)
 class Draft:
-    """Speculated tokens for one request; no tokens when nothing in the index matches."""
+    """Speculated tokens for one request; no tokens when nothing in the index matches. Each call
+    returns a new one, so a caller may extend its tokens."""
 
     tokens: list[int] = field(default_factory=list)
     match_len: int = 0  # length of the context's suffix found in the index
     support: int = 0  # occurrences of that suffix whose continuation is the first draft token
 
 
-_NO_DRAFT = Draft()
-
 
 class SuffixIndex:
-    """One group's index: the prompt plus each request's response tokens."""
+    """One group's index: the prompt plus each request's response tokens. Not thread-safe: a
+    worker keeps it on the thread that drafts."""
 
     def __init__(self, min_match: int = 3, max_match: int = 16, max_candidates: int = 32,
-                 max_scan: int = 256) -> None:
+                 max_scan: int = 64) -> None:
         if not 1 <= min_match <= max_match:
             raise ValueError(f"need 1 <= min_match <= max_match, got min_match={min_match}, "
                              f"max_match={max_match}")
@@ -101,8 +106,7 @@ class SuffixIndex:
         slot = self._slot_of.get(seq_key)
         if slot is None:
             slot = self._new_slot(seq_key)
-        if tokens:
-            self._append(slot, tokens)
+        self._append(slot, tokens)
 
     def replace(self, seq_key: Hashable, tokens: Sequence[int]) -> None:
         """The sequence was rewritten (its request re-ran elsewhere): forget it, index `tokens`."""
@@ -158,6 +162,8 @@ class SuffixIndex:
         older = self._older[slot]
         newest = self._newest
         first = max(old_len + 1, m)  # the first new position that has a key
+        if first > new_len:
+            return
         if new_len - first < _FEW:
             for end in range(first, new_len + 1):
                 key = tuple(seq[end - m:end])
@@ -165,13 +171,14 @@ class SuffixIndex:
                 older.append(head & _LOCATION_MASK)
                 newest[key] = base + end + _ONE_MORE + (head & _COUNT_BITS)
             return
-        for first in range(first, new_len + 1, _SEGMENT):
-            last = min(first + _SEGMENT - 1, new_len)
-            window = seq[first - m:last]
-            keys = list(zip(*[window[i:] for i in range(m)]))  # keys[j] ends at first + j
+        window = seq[first - m:]
+        all_keys = list(zip(*[window[i:] for i in range(m)]))  # all_keys[j] ends at first + j
+        # A key's new head: its location, and the count one more than before.
+        all_counted = range(base + first + _ONE_MORE, base + new_len + 1 + _ONE_MORE)
+        for j in range(0, len(all_keys), _SEGMENT):
+            keys = all_keys[j:j + _SEGMENT]
+            counted = all_counted[j:j + _SEGMENT]
             heads = list(map(newest.get, keys, repeat(_NONE)))
-            # A key's new head: this location, and the count one more than before.
-            counted = range(base + first + _ONE_MORE, base + last + 1 + _ONE_MORE)
             batch = dict(zip(keys, map(add, counted, map(and_, heads, repeat(_COUNT_BITS)))))
             if len(batch) == len(keys):
                 older.extend(map(and_, heads, repeat(_LOCATION_MASK)))
@@ -202,13 +209,13 @@ class SuffixIndex:
         """Draft up to `max_tokens` tokens to follow `context` (see the module docstring)."""
         m = self.min_match
         if max_tokens <= 0 or len(context) < m:
-            return _NO_DRAFT
+            return Draft()
         tail = list(context[-self.max_match:])
         cap = len(tail)
         keys = list(zip(*[tail[i:] for i in range(m)]))  # keys[i] = tail[i:i + m]
         heads = list(map(self._newest.get, keys, repeat(_NONE)))
         if heads[-1] == _NONE:
-            return _NO_DRAFT
+            return Draft()
         counts = list(map(rshift, heads, repeat(_COUNT_SHIFT)))
         # Grow the match: find an occurrence of the last `need` tokens (on the chain of the
         # rarest key inside them), measure how far back it matches, ask for one token more.
@@ -230,10 +237,12 @@ class SuffixIndex:
                 best += 1
             need = best + 1
         if found is None:
-            return _NO_DRAFT
+            return Draft()
         # The voters: the newest occurrences, found on the chain of the last key, whose order
         # is the order in which occurrences were completed.
-        ties = self._occurrences(tail, best, cap - m, heads[-1], self.max_candidates) or [found]
+        ties = self._occurrences(tail, best, cap - m, heads[-1], self.max_candidates)
+        if found not in ties and len(ties) < self.max_candidates:  # the walk was cut before it
+            ties.append(found)
         tokens_of = self._tokens
         return _vote([tokens_of[slot][end:end + max_tokens] for slot, end in ties], best, min_prob)
 

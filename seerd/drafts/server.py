@@ -309,8 +309,9 @@ class DraftServer:
         return tuple(evicted)
 
     def stats(self) -> dict:
-        """Counts and memory, JSON-ready. `bytes` is a `sys.getsizeof` estimate over the logs,
-        their records and the group tables (O(requests): not for every call)."""
+        """Counts and memory, JSON-ready. `tokens`: held in logs and pending segments (what
+        `max_tokens` bounds); `bytes`: a `sys.getsizeof` estimate over the logs, their records and
+        the group tables (O(requests): not for every call)."""
         size = sys.getsizeof
         total = size(self._groups)
         requests = 0

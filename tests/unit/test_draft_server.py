@@ -160,6 +160,11 @@ def test_fetch_after_a_rewrite_resets_the_sequence(server):
     assert client.held[7][0] == [1, 7, 7]
 
 
+def test_a_client_ahead_of_the_log_is_reset(server):
+    gen = server.append(7, 0, 0, [1, 2]).gen
+    assert server.fetch({7: {0: (gen, 5)}}).changes == {7: {0: (gen, 0, [1, 2])}}
+
+
 def test_fetch_names_unknown_groups_and_requests_the_server_does_not_hold(server):
     server.append(7, 0, 0, [1])
     result = server.fetch({7: {0: (server.append(7, 0, 0, [1]).gen, 1), 5: (1, 3)}, 99: {1: (1, 1)}})
