@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sqlite3
+import time
 from collections import defaultdict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -35,7 +36,7 @@ HISTORY_RESPONSES_PER_PROMPT = 16
 
 class DraftHost:
     def __init__(self, server: DraftServer | None = None) -> None:
-        self.server = server or DraftServer()
+        self.server = server or DraftServer(first_gen=int(time.time() * 1000))
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="seerd-drafts")
         self.history_responses = 0
 

@@ -102,7 +102,8 @@ class _Group:
 class DraftServer:
     """Per-group token logs with idempotent, order-tolerant appends and delta fetches."""
 
-    def __init__(self, *, max_tokens: int = 64_000_000, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, *, max_tokens: int = 64_000_000, clock: Callable[[], float] = time.monotonic,
+                 first_gen: int = 0) -> None:
         if max_tokens < 1:
             raise DraftError(f"max_tokens must be >= 1 (got {max_tokens})")
         self.max_tokens = max_tokens
@@ -114,7 +115,9 @@ class DraftServer:
         self._duplicates = 0
         self._rewrites = 0
         self._evictions = {"finished": 0, "expired": 0, "memory": 0}
-        self._last_gen = 0
+        # Gens are unique over the server's life; a restarted coordinator starts past the old
+        # server's (first_gen from the wall clock), so no worker's cursor matches by accident.
+        self._last_gen = first_gen
 
     # ---- lifecycle -----------------------------------------------------------------------
 
