@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import REPO_ROOT, assert_complete_output, run_seerd, test_env
+from tests.integration.harness import REPO_ROOT, assert_complete_output, run_seerd
+from tests.integration.harness import test_env as harness_env
 
 MODEL = REPO_ROOT / "tools" / "motif_model" / "weights"
 COMMON = ["--workers", "2", "--kv-cache-gib", "0.25", "--max-num-seqs", "32", "--dtype", "float32",
@@ -64,7 +65,7 @@ def teacher_forced_logprobs(rows: list[dict], prompts: Path) -> list[list[float]
     script = REPO_ROOT / "tests" / "integration" / "teacher_force.py"
     payload = [{"prompt": p, "response": r["token_ids"]} for p, r in zip(_prompts_of(rows, prompts), rows)]
     done = subprocess.run([sys.executable, str(script), str(MODEL)], input=json.dumps(payload), capture_output=True,
-                          text=True, timeout=600, env=dict(test_env(), VLLM_CPU_OMP_THREADS_BIND="nobind"))
+                          text=True, timeout=600, env=dict(harness_env(), VLLM_CPU_OMP_THREADS_BIND="nobind"))
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -92,7 +93,10 @@ def test_sampling_distribution_is_unchanged_by_speculation(motif_prompts, tmp_pa
     # ... and tokens were as likely as without speculation (same distribution, other samples).
     mean_drafted = statistics.fmean(recomputed_flat)
     mean_plain = statistics.fmean(lp for r in plain for lp in r["logprobs"])
-    assert abs(mean_drafted - mean_plain) < 0.35, (mean_drafted, mean_plain)
+    print(f"mean sampled logprob {mean_drafted:.3f} with drafts, {mean_plain:.3f} without; median length "
+          f"{statistics.median(r['length'] for r in drafted)} vs {statistics.median(r['length'] for r in plain)}")
+    # Measured here: -1.204 vs -1.183 with the fix; -2.57 and -1.54 vs -1.18 without it (two runs).
+    assert abs(mean_drafted - mean_plain) < 0.15, (mean_drafted, mean_plain)
     lengths_plain = [r["length"] for r in plain]
     lengths_drafted = [r["length"] for r in drafted]
     ratio = statistics.median(lengths_drafted) / statistics.median(lengths_plain)
