@@ -70,13 +70,12 @@ def measure(run_dir: Path) -> dict:
     drafted = sum(s["drafted"] for s in spec)
     accepted = sum(s["accepted"] for s in spec)
     drafted_rows = sum(s["drafted_rows"] for s in spec)
-    proposals = sum(s["proposals"] for s in spec)
     return {"tokens": tokens, "seconds": end - first, "tok_s": tokens / (end - first),
             "body_s": p90 - first, "tail_s": end - p90,
             "body_tok_s": body_tokens / max(p90 - first, 1e-9),
             "tail_tok_s": (tokens - body_tokens) / max(end - p90, 1e-9),
             "drafted": drafted, "accepted": accepted, "drafted_rows": drafted_rows,
-            "draft_us": 1e6 * sum(s["propose_s"] for s in spec) / proposals if proposals else None,
+            "draft_us": statistics.median(s["median_us_per_row"] for s in spec) if spec else None,
             "run_dir": str(run_dir)}
 
 

@@ -509,7 +509,7 @@ class LeaseBook:
             request.generated += len(token_ids)
             request.num_chunks += 1
             if self.on_committed_tokens is not None:  # e.g. the grouped draft server's copy
-                self.on_committed_tokens(request.group_id, request.id, request.generated, token_ids)
+                self.on_committed_tokens(request.group_id, request.id, request.generated - len(token_ids), token_ids)
             if finished:
                 request.status = RequestStatus.FINISHED
                 request.tokens = None  # durable in the database; the coordinator needs them no more

@@ -24,9 +24,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import statistics
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 
 from seerd.drafts.index import SuffixIndex
@@ -52,6 +54,7 @@ def drafter_stats() -> dict | None:
     merged = {key: sum(t[key] for t in totals) for key in ("drafted", "accepted", "drafted_rows", "steps",
                                                             "spec_steps", "propose_s", "proposals")}
     merged["plan"] = totals[-1]["plan"]
+    merged["median_us_per_row"] = totals[-1]["median_us_per_row"]
     merged["mode"] = totals[-1]["mode"]
     return merged
 
@@ -92,6 +95,7 @@ class SeerdDrafter:
         self._steps_since_plan = REPLAN_EVERY_STEPS
         self.drafted = self.accepted = self.drafted_rows = self.steps = self.spec_steps = self.proposals = 0
         self.propose_s = 0.0
+        self.us_per_row: deque[float] = deque(maxlen=4096)  # recent steps' drafting time per row
         with _stats_lock:
             _live_drafters.append(self)
 
@@ -102,6 +106,7 @@ class SeerdDrafter:
         return {"mode": self.mode, "drafted": self.drafted, "accepted": self.accepted,
                 "drafted_rows": self.drafted_rows, "steps": self.steps,
                 "spec_steps": self.spec_steps, "propose_s": self.propose_s, "proposals": self.proposals,
+                "median_us_per_row": statistics.median(self.us_per_row) if self.us_per_row else None,
                 "plan": {"probe_depth": self.plan.high, "depth": self.plan.low, "gamma_star": self.plan.gamma_star}}
 
     # ------------------------------------------------------------------ the hook
@@ -130,7 +135,10 @@ class SeerdDrafter:
         self.steps += 1
         self.spec_steps += any(drafts)
         self.proposals += sum(row is not None for row in rows)
-        self.propose_s += time.perf_counter() - started
+        elapsed = time.perf_counter() - started
+        self.propose_s += elapsed
+        if rows:
+            self.us_per_row.append(1e6 * elapsed / len(rows))
         return drafts
 
     def _observe(self, req_id, sampled, num_tokens, token_ids_cpu, i) -> TrackedRow | None:  # noqa: ANN001
