@@ -125,14 +125,15 @@ def main() -> int:
     for mode, runs in samples.items():
         drafted = sum(r["drafted"] for r in runs)
         accepted = sum(r["accepted"] for r in runs)
+        drafted_rows = sum(r["drafted_rows"] for r in runs)
         draft_us = [r["draft_us"] for r in runs if r["draft_us"] is not None]
+        acceptance = f"{accepted / drafted:.0%}" if drafted else "-"
+        per_step = f"{1 + accepted / max(1, drafted_rows):.2f}" if drafted else "-"
+        us = f"{statistics.median(draft_us):.0f}" if draft_us else "-"
         row = med[mode]
         print(f"{mode:<15} {row['tok_s']:>6.0f} {row['tok_s'] / base['tok_s']:>6.2f} "
               f"{row['body_tok_s'] / base['body_tok_s']:>7.2f} {row['tail_tok_s'] / base['tail_tok_s']:>7.2f} "
-              f"{row['tail_s']:>7.1f} {(f'{accepted / drafted:.0%}' if drafted else '-'):>7} "
-              f"{(f'{1 + accepted / max(1, sum(r["drafted_rows"] for r in runs)):.2f}' if drafted else '-'):>8} "
-              f"{(f'{statistics.median(draft_us):.0f}' if draft_us else '-'):>8}  "
-              f"{[round(r['tok_s']) for r in runs]}")
+              f"{row['tail_s']:>7.1f} {acceptance:>7} {per_step:>8} {us:>8}  {[round(r['tok_s']) for r in runs]}")
     return 0
 
 
