@@ -21,6 +21,7 @@ inherit: the drafter is built by vLLM, not by us.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -95,6 +96,7 @@ class SeerdDrafter:
         self._steps_since_plan = REPLAN_EVERY_STEPS
         self.drafted = self.accepted = self.drafted_rows = self.steps = self.spec_steps = self.proposals = 0
         self.propose_s = 0.0
+        self.failures = 0
         self.us_per_row: deque[float] = deque(maxlen=4096)  # recent steps' drafting time per row
         with _stats_lock:
             _live_drafters.append(self)
@@ -123,15 +125,17 @@ class SeerdDrafter:
             self._forget(req_id)
         plan = self._plan(rows)
         drafts: list[list[int]] = []
-        for i, row in enumerate(rows):
-            depth = 0 if row is None else (plan.high if row.identity.is_probe else plan.low)
-            depth = min(depth, self.max_model_len - int(num_tokens_no_spec[i]) - 1)
-            draft = row.index.propose(row.response, depth, self.min_prob).tokens if depth > 0 else []
-            if row is not None:
-                row.last_drafted = len(draft)
-            self.drafted += len(draft)
-            self.drafted_rows += bool(draft)
-            drafts.append(draft)
+        # The client's sync thread updates group indices: draft while it cannot.
+        with self.client.lock if self.client is not None else contextlib.nullcontext():
+            for i, row in enumerate(rows):
+                depth = 0 if row is None else (plan.high if row.identity.is_probe else plan.low)
+                depth = min(depth, self.max_model_len - int(num_tokens_no_spec[i]) - 1)
+                draft = self._draft(row, depth) if depth > 0 else []
+                if row is not None:
+                    row.last_drafted = len(draft)
+                self.drafted += len(draft)
+                self.drafted_rows += bool(draft)
+                drafts.append(draft)
         self.steps += 1
         self.spec_steps += any(drafts)
         self.proposals += sum(row is not None for row in rows)
@@ -140,6 +144,15 @@ class SeerdDrafter:
         if rows:
             self.us_per_row.append(1e6 * elapsed / len(rows))
         return drafts
+
+    def _draft(self, row: TrackedRow, depth: int) -> list[int]:
+        try:
+            return row.index.propose(row.response, depth, self.min_prob).tokens
+        except Exception:  # a drafting bug must cost drafts, never the engine's step
+            self.failures += 1
+            if self.failures in (1, 100) or self.failures % 10000 == 0:
+                log.exception("seerd drafter failed %d times; drafting nothing for those rows", self.failures)
+            return []
 
     def _observe(self, req_id, sampled, num_tokens, token_ids_cpu, i) -> TrackedRow | None:  # noqa: ANN001
         if req_id is None or not sampled:

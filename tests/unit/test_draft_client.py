@@ -197,3 +197,17 @@ def test_drafter_depth_follows_the_plan_and_stops_at_the_model_length(monkeypatc
     runner = FakeRunner(drafter)
     drafts = runner.step({"c1e1g5r9p0": MOTIF * 3})
     assert drafts["c1e1g5r9p0"] == [11]  # room for one more token before max_model_len
+
+
+def test_a_drafting_failure_costs_drafts_not_the_step(monkeypatch):
+    from seerd.drafts.index import SuffixIndex
+
+    drafter = make_drafter(monkeypatch)
+    runner = FakeRunner(drafter)
+
+    def broken(self, context, max_tokens, min_prob=0.0):  # noqa: ANN001, ANN202
+        raise IndexError("a bug in the index")
+
+    monkeypatch.setattr(SuffixIndex, "propose", broken)
+    assert runner.step({"c1e1g5r9p0": MOTIF * 3}) == {"c1e1g5r9p0": []}
+    assert drafter.failures == 1
