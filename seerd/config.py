@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -58,6 +59,9 @@ class SpecConfig:
         found = []
         if self.mode not in SPEC_MODES:
             found.append(f"--spec must be one of {', '.join(SPEC_MODES)} (got {self.mode!r})")
+        if self.mode == "suffix" and importlib.util.find_spec("arctic_inference") is None:
+            found.append("--spec suffix is vLLM's suffix decoding, which needs arctic-inference (not installed "
+                         "here; see docs/speculative.md)")
         if not 1 <= self.gamma_max <= 16:
             found.append(f"--spec-depth must be in 1..16 (got {self.gamma_max})")
         if self.probe_weight <= 0:

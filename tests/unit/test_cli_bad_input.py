@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -81,6 +82,13 @@ def test_unusable_model_directory(model, tmp_path):
     (["--workers", "0"], "--workers"), (["--n", "0"], "--n"), (["--max-tokens", "0"], "--max-tokens"),
     (["--chunk-tokens", "0"], "--chunk-tokens"), (["--temperature", "-1"], "--temperature"),
     (["--top-p", "0"], "--top-p"), (["--kv-cache-gib", "0"], "--kv-cache-gib"),
+    (["--spec", "grouped", "--spec-depth", "0"], "--spec-depth"),
+    (["--spec", "grouped", "--spec-probe-weight", "0"], "--spec-probe-weight"),
+    (["--spec", "grouped", "--spec-profile", "/no/such/profile.json"], "--spec-profile"),
+    (["--spec", "off", "--spec-history", "."], "--spec-history"),
+    (["--spec", "grouped", "--spec-history", "/no/such/run"], "no run there"),
+    pytest.param(["--spec", "suffix"], "arctic-inference", marks=pytest.mark.skipif(
+        importlib.util.find_spec("arctic_inference") is not None, reason="arctic-inference is installed here")),
 ])
 def test_impossible_settings(flags, word, tmp_path, tiny_model_dir):
     (tmp_path / "prompts.jsonl").write_bytes(jsonl(GOOD))
