@@ -1,0 +1,99 @@
+"""Where a KV block lives in the pool: keys chained over token ids, scoped so cleanup is cheap.
+
+A block's digest is chained over the token ids of every block up to and including it, starting
+from a namespace digest (the run, the model's revision, dtype, block size, parallelism and the KV
+layout the engine really has). So two blocks share a digest only if everything that shaped their
+KV is the same; another model, dtype, block size or run never matches.
+
+The key's text also says whose block it is, so the coordinator removes a finished request's
+blocks, a finished group's prompt blocks and a finished run's everything with one
+`remove_by_regex` each, without knowing any digest:
+
+    seerd-kv/<run>/g<group>/p/<digest>         blocks made only of prompt tokens (shared by the group)
+    seerd-kv/<run>/g<group>/r<request>/<digest>  blocks holding any response token
+
+Blocks of identical responses in one group (greedy n > 1) are stored once per request: the cost is
+pool space, and it lets a finished request drop its blocks without reference counts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+KEY_ROOT = "seerd-kv"
+DIGEST_BYTES = 16
+
+
+def namespace_digest(parts: dict) -> bytes:
+    """A digest of everything that must agree for two blocks' KV to be interchangeable."""
+    canonical = json.dumps(parts, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.blake2b(canonical.encode(), digest_size=DIGEST_BYTES).digest()
+
+
+def run_prefix(run_tag: str) -> str:
+    return f"{KEY_ROOT}/{run_tag}/"
+
+
+def group_pattern(run_tag: str, group_id: int) -> str:
+    """A regex over every key of one group (prompt and responses)."""
+    return f"^{KEY_ROOT}/{_re(run_tag)}/g{group_id}/"
+
+
+def request_pattern(run_tag: str, group_id: int, request_id: int) -> str:
+    """A regex over the blocks that hold a request's response tokens."""
+    return f"^{KEY_ROOT}/{_re(run_tag)}/g{group_id}/r{request_id}/"
+
+
+def run_pattern(run_tag: str) -> str:
+    return f"^{KEY_ROOT}/{_re(run_tag)}/"
+
+
+def _re(text: str) -> str:
+    import re
+
+    return re.escape(text)
+
+
+def _block_bytes(token_ids: Sequence[int], start: int, stop: int) -> bytes:
+    return array("i", token_ids[start:stop]).tobytes()
+
+
+@dataclass
+class BlockKeys:
+    """The keys of one token sequence's full blocks, extended as the sequence grows.
+
+    `prompt_len` decides which blocks are the group's (all tokens in the prompt) and which are the
+    request's. Extending hashes only the new blocks: a request's tokens are only ever appended
+    (vLLM keeps draft tokens apart from them), so what was hashed stays true.
+    """
+
+    namespace: bytes
+    run_tag: str
+    group_id: int
+    request_id: int
+    prompt_len: int
+    block_size: int
+    keys: list[str] = field(default_factory=list)
+    _digest: bytes = b""
+
+    def extend(self, token_ids: Sequence[int], num_tokens: int) -> list[str]:
+        """Keys of the full blocks within the first `num_tokens` tokens (hashing only new ones)."""
+        full = num_tokens // self.block_size
+        if len(self.keys) > full:
+            return self.keys[:full]
+        digest = self._digest or self.namespace
+        for index in range(len(self.keys), full):
+            start, stop = index * self.block_size, (index + 1) * self.block_size
+            digest = hashlib.blake2b(digest + _block_bytes(token_ids, start, stop),
+                                     digest_size=DIGEST_BYTES).digest()
+            self.keys.append(self._key(stop, digest))
+        self._digest = digest
+        return self.keys
+
+    def _key(self, block_end: int, digest: bytes) -> str:
+        scope = "p" if block_end <= self.prompt_len else f"r{self.request_id}"
+        return f"{KEY_ROOT}/{self.run_tag}/g{self.group_id}/{scope}/{digest.hex()}"

@@ -1,0 +1,183 @@
+"""The engine process's one client of the job's KV pool, shared by both sides of the connector.
+
+It contributes no memory to the pool (the node's holder does: an engine may exit with its data),
+follows the pool's address file (`kvpool.json` in the run directory) so that a restarted master is
+picked up, and degrades to "no pool" on any error: every caller then treats the pool as empty and
+vLLM recomputes. Counters feed the worker's heartbeat (`seerd status`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from seerd.kvpool.address import POOL_FILE, PoolAddress, read_pool_address
+from seerd.kvpool.store import PoolUnavailable, open_store
+
+log = logging.getLogger("vllm.seerd.kvpool")
+
+ENGINE_BUFFER_BYTES = 16 << 20  # staging for unregistered copies; KV moves from registered caches
+RECONNECT_EVERY_S = 2.0
+ADDRESS_CHECK_EVERY_S = 1.0
+FAILURES_BEFORE_RECONNECT = 3
+
+
+@dataclass
+class PoolStats:
+    lookups: int = 0
+    lookup_blocks: int = 0  # blocks asked about past the local prefix-cache hit
+    hit_blocks: int = 0  # of those, found in the pool
+    blocks_loaded: int = 0
+    bytes_loaded: int = 0
+    load_failures: int = 0  # blocks that failed their size or checksum check, or did not arrive
+    load_s: float = 0.0
+    blocks_saved: int = 0
+    bytes_saved: int = 0
+    save_failures: int = 0
+    save_s: float = 0.0
+    errors: int = 0  # store calls that failed
+    reconnects: int = 0
+    generation: int = 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class PoolClient:
+    def __init__(self, run_dir: str, local_host: str) -> None:
+        self.run_dir = Path(run_dir)
+        self.local_host = local_host
+        self.stats = PoolStats()
+        self._store = None
+        self._address: PoolAddress | None = None
+        self._buffers: list = []  # numpy arrays registered for zero-copy transfers
+        self._next_connect = 0.0
+        self._next_address_check = 0.0
+        self._address_mtime = 0.0
+        self._failures = 0
+
+    # ---------------------------------------------------------------- connection
+
+    def usable(self) -> bool:
+        now = time.monotonic()
+        if self._store is not None and now >= self._next_address_check:
+            self._next_address_check = now + ADDRESS_CHECK_EVERY_S
+            if self._address_changed():
+                self._drop("the pool's address changed (master restarted)")
+        if self._store is None and now >= self._next_connect:
+            self._next_connect = now + RECONNECT_EVERY_S
+            self._connect()
+        return self._store is not None
+
+    def _address_changed(self) -> bool:
+        try:
+            mtime = os.stat(self.run_dir / POOL_FILE).st_mtime
+        except OSError:
+            return True
+        if mtime == self._address_mtime:
+            return False
+        address = read_pool_address(self.run_dir)
+        return address is None or self._address is None or address.generation != self._address.generation
+
+    def _connect(self) -> None:
+        try:
+            address = read_pool_address(self.run_dir)
+            if address is None:
+                return
+            self._address_mtime = os.stat(self.run_dir / POOL_FILE).st_mtime
+            store = open_store(address, local_host=self.local_host, segment_bytes=0,
+                               buffer_bytes=ENGINE_BUFFER_BYTES)
+            for buffer in self._buffers:
+                code = store.register_buffer(buffer.ctypes.data, buffer.nbytes)
+                if code != 0:
+                    raise PoolUnavailable(f"register_buffer failed with {code}", code)
+        except (PoolUnavailable, OSError, ValueError) as exc:
+            log.warning("KV pool unavailable (chunks recompute their context): %s", exc)
+            return
+        self._store, self._address, self._failures = store, address, 0
+        self.stats.generation = address.generation
+        self.stats.reconnects += 1
+        log.info("KV pool connected: master %s, generation %d", address.master, address.generation)
+
+    def _drop(self, why: str) -> None:
+        log.warning("KV pool client dropped: %s", why)
+        store, self._store = self._store, None
+        self._next_connect = 0.0
+        if store is not None:
+            try:
+                store.close()
+            except Exception:  # noqa: BLE001 - closing a broken client must not fail the step
+                pass
+
+    def _failed(self, what: str, detail: object) -> None:
+        self.stats.errors += 1
+        self._failures += 1
+        if self._failures >= FAILURES_BEFORE_RECONNECT:
+            self._drop(f"{what} failed {self._failures} times in a row ({detail})")
+
+    def register_buffers(self, buffers: list) -> None:
+        self._buffers = list(buffers)
+        if self._store is not None:
+            for buffer in self._buffers:
+                if self._store.register_buffer(buffer.ctypes.data, buffer.nbytes) != 0:
+                    self._drop("register_buffer failed")
+                    return
+
+    # ---------------------------------------------------------------- operations
+
+    def leading_present(self, keys: list[str]) -> int:
+        """How many of `keys`, from the first, are in the pool (0 when it is unreachable)."""
+        if not keys or not self.usable():
+            return 0
+        try:
+            found = self._store.batch_is_exist(keys)
+        except Exception as exc:  # noqa: BLE001
+            self._failed("batch_is_exist", exc)
+            return 0
+        if any(code < 0 for code in found):
+            self._failed("batch_is_exist", found)
+        self._failures = 0 if all(code >= 0 for code in found) else self._failures
+        count = 0
+        for code in found:
+            if code != 1:
+                break
+            count += 1
+        return count
+
+    def put_blocks(self, keys: list[str], ptrs: list[list[int]], sizes: list[list[int]]) -> list[int]:
+        if not keys or not self.usable():
+            return [-1] * len(keys)
+        try:
+            codes = list(self._store.batch_put_from_multi_buffers(keys, ptrs, sizes))
+        except Exception as exc:  # noqa: BLE001
+            self._failed("batch_put_from_multi_buffers", exc)
+            return [-1] * len(keys)
+        return codes
+
+    def get_blocks(self, keys: list[str], ptrs: list[list[int]], sizes: list[list[int]]) -> list[int]:
+        if not keys or not self.usable():
+            return [-1] * len(keys)
+        try:
+            return list(self._store.batch_get_into_multi_buffers(keys, ptrs, sizes))
+        except Exception as exc:  # noqa: BLE001
+            self._failed("batch_get_into_multi_buffers", exc)
+            return [-1] * len(keys)
+
+
+_CLIENT: PoolClient | None = None
+
+
+def pool_client(run_dir: str, local_host: str) -> PoolClient:
+    """The process's client (the scheduler-side and worker-side connectors share it)."""
+    global _CLIENT
+    if _CLIENT is None:
+        _CLIENT = PoolClient(run_dir, local_host)
+    return _CLIENT
+
+
+def pool_stats() -> dict | None:
+    """This process's pool counters, or None when no connector made a client here."""
+    return None if _CLIENT is None else _CLIENT.stats.to_dict()
