@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -76,6 +77,55 @@ class SpecConfig:
         return found
 
 
+KV_POOL_MODES = ("off", "mooncake")
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2, "mib": 1 << 20,
+          "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30, "t": 1 << 40, "tb": 1000**4, "tib": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """"8GiB", "512MiB", "1.5GB" or a plain byte count."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(f"not a size: {text!r} (use e.g. 8GiB, 512MiB or a byte count)")
+    return int(float(match.group(1)) * _UNITS[unit])
+KV_POOL_PROTOCOLS = ("tcp", "rdma")
+
+
+@dataclass(frozen=True)
+class KVPoolConfig:
+    """The job's global KV pool (see seerd/kvpool/): a chunk continues on any worker without
+    recomputing its context. `seerd run` resolves its `auto` before the config is stored."""
+
+    mode: str = "off"  # off | mooncake (runs stored before the pool existed read as off)
+    protocol: str = "tcp"  # mooncake's transfer protocol: tcp, or rdma on clusters
+    devices: str = ""  # RDMA devices (e.g. "mlx5_0,mlx5_1"), empty for tcp
+    segment_bytes: int | None = None  # pool memory per node; None: from the node's free RAM at start
+
+    def problems(self) -> list[str]:
+        found = []
+        if self.mode not in KV_POOL_MODES:
+            found.append(f"--kv-pool must be auto, {' or '.join(KV_POOL_MODES)} (got {self.mode!r})")
+        if self.protocol not in KV_POOL_PROTOCOLS:
+            found.append(f"--kv-pool-protocol must be tcp or rdma (got {self.protocol!r})")
+        if self.protocol == "rdma" and not self.devices:
+            found.append("--kv-pool-protocol rdma needs --kv-pool-devices (e.g. mlx5_0,mlx5_1)")
+        if self.segment_bytes is not None and self.segment_bytes < (64 << 20):
+            found.append(f"--kv-pool-size must be at least 64MiB (got {self.segment_bytes} bytes)")
+        if self.mode == "mooncake" and importlib.util.find_spec("mooncake") is None:
+            found.append("--kv-pool mooncake needs mooncake-transfer-engine in the workers' environment "
+                         "(tools/setup.sh installs it); use --kv-pool off to run without the pool")
+        return found
+
+    @staticmethod
+    def resolve_mode(mode: str, *, workers: int, policy: str) -> str:
+        """`auto`: the pool when chunks can move between workers (more than one worker, a policy
+        that chunks); the `group` baseline (veRL) never moves a request, so it runs without."""
+        if mode != "auto":
+            return mode
+        return "mooncake" if workers > 1 and policy != "group" else "off"
+
+
 @dataclass(frozen=True)
 class RunConfig:
     input_path: str
@@ -97,6 +147,7 @@ class RunConfig:
     # An earlier run whose lengths seeded the group estimates (`--prior`; see coordinator/prior.py).
     prior_run_dir: str | None = None
     spec: SpecConfig = SpecConfig()
+    kv_pool: KVPoolConfig = KVPoolConfig()
 
     def validate(self) -> None:
         problems = []
@@ -121,6 +172,7 @@ class RunConfig:
         if self.engine.max_num_seqs < 1:
             problems.append(f"--max-num-seqs must be >= 1 (got {self.engine.max_num_seqs})")
         problems.extend(self.spec.problems())
+        problems.extend(self.kv_pool.problems())
         if problems:
             raise ConfigError("; ".join(problems))
 
@@ -136,7 +188,8 @@ class RunConfig:
         sampling["stop_token_ids"] = tuple(sampling.get("stop_token_ids", ()))
         engine = EngineConfig(**raw.pop("engine", {}))
         spec = SpecConfig(**raw.pop("spec", {}))  # runs from before speculative decoding: off
-        return cls(sampling=SamplingDefaults(**sampling), engine=engine, spec=spec, **raw)
+        kv_pool = KVPoolConfig(**raw.pop("kv_pool", {}))  # runs from before the KV pool: off
+        return cls(sampling=SamplingDefaults(**sampling), engine=engine, spec=spec, kv_pool=kv_pool, **raw)
 
     @property
     def model_dir(self) -> Path:

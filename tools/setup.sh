@@ -13,13 +13,14 @@ if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]]; then
     exit 0
 fi
 
-# System packages: none are needed for local runs yet; later parts (Slurm, Mooncake) add theirs here.
-APT_PACKAGES=()
+# System packages: Mooncake's store links libibverbs even for TCP. (Slurm's own are installed by
+# tools/dev-slurm.sh, only for the tests that need a cluster.)
+APT_PACKAGES=(libibverbs1)
 if ((${#APT_PACKAGES[@]})); then
     missing=()
     for pkg in "${APT_PACKAGES[@]}"; do dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg"); done
     if ((${#missing[@]})); then
-        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
     fi
 fi
 
@@ -30,5 +31,5 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 "${PIP[@]}" install "torch==2.13.0" 2>&1 | grep -v "^WARNING: Location" || true
 "${PIP[@]}" install -e ".[cpu,dev]" 2>&1 | grep -v "^WARNING: Location" || true
 "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
-"$VENV/bin/python" -c "import torch, vllm, transformers, sqlalchemy, alembic, seerd; print('seerd environment ready: torch', torch.__version__, 'vllm', vllm.__version__)"
+"$VENV/bin/python" -c "import torch, vllm, transformers, sqlalchemy, alembic, mooncake.store, seerd; print('seerd environment ready: torch', torch.__version__, 'vllm', vllm.__version__)"
 echo "$WANT" > "$STAMP"

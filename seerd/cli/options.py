@@ -8,7 +8,8 @@ from pathlib import Path
 
 import click
 
-from seerd.config import DEFAULT_CHUNK_TOKENS, EngineConfig, RunConfig, SamplingDefaults, SpecConfig
+from seerd.config import (DEFAULT_CHUNK_TOKENS, EngineConfig, KVPoolConfig, RunConfig, SamplingDefaults, SpecConfig,
+                          parse_bytes)
 
 ROLLOUT_OPTIONS = [
     click.option("--input", "input_path", required=True, type=click.Path(path_type=Path),
@@ -51,6 +52,15 @@ ROLLOUT_OPTIONS = [
                  help="Step-time profile T(B, gamma) of this engine (tools/profile_spec_steps.py writes one)."),
     click.option("--spec-history", "spec_history_dir", default=None, type=click.Path(path_type=Path),
                  help="An earlier rollout of the same prompts: its responses seed each group's draft index."),
+    click.option("--kv-pool", "kv_pool_mode", default="auto", show_default=True,
+                 type=click.Choice(["auto", "off", "mooncake"]),
+                 help="Global KV pool: a chunk continues on any worker loading its context's KV instead of "
+                      "recomputing it (auto: mooncake with more than one worker, except --policy group)."),
+    click.option("--kv-pool-size", default=None, metavar="BYTES",
+                 help="Pool memory per node, e.g. 8GiB (default: a quarter of the node's free RAM, at most 64GiB)."),
+    click.option("--kv-pool-protocol", default="tcp", show_default=True, type=click.Choice(["tcp", "rdma"]),
+                 help="Mooncake's transfer protocol between nodes."),
+    click.option("--kv-pool-devices", default="", help="RDMA devices for --kv-pool-protocol rdma (e.g. mlx5_0,mlx5_1)."),
     click.option("--prior", "prior_dir", default=None, type=click.Path(path_type=Path),
                  help="A finished earlier run of the same prompts: its longest response per prompt seeds each "
                       "group's length estimate (matched by a hash of the prompt tokens)."),
@@ -94,7 +104,8 @@ def build_config(*, workers: int, input_path: Path, model_path: Path, policy: st
                  wait_for_workers: bool, prior_dir: Path | None, engine_args: dict | None = None,
                  spec_mode: str = "off", spec_depth: int = 8, spec_probe_weight: float = 2.0,
                  spec_fixed_depth: bool = False, spec_profile: Path | None = None,
-                 spec_history_dir: Path | None = None, **_launcher_options: object) -> RunConfig:
+                 spec_history_dir: Path | None = None, kv_pool_mode: str = "auto", kv_pool_size: str | None = None,
+                 kv_pool_protocol: str = "tcp", kv_pool_devices: str = "", **_launcher_options: object) -> RunConfig:
     """The RunConfig the rollout options describe (not yet validated)."""
     return RunConfig(
         input_path=str(input_path.resolve()), model_path=str(model_path.resolve()), policy=policy,
@@ -108,4 +119,16 @@ def build_config(*, workers: int, input_path: Path, model_path: Path, policy: st
                         adaptive=not spec_fixed_depth,
                         profile_path=str(spec_profile.resolve()) if spec_profile is not None else None,
                         history_run_dir=str(spec_history_dir.resolve()) if spec_history_dir else None),
+        kv_pool=KVPoolConfig(mode=KVPoolConfig.resolve_mode(kv_pool_mode, workers=workers, policy=policy),
+                             protocol=kv_pool_protocol, devices=kv_pool_devices,
+                             segment_bytes=_pool_size(kv_pool_size)),
     )
+
+
+def _pool_size(text: str | None) -> int | None:
+    if text is None:
+        return None
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--kv-pool-size") from None

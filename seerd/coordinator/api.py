@@ -285,8 +285,10 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
     @app.get(f"{API_PREFIX}/status")
     async def status() -> Response:
         counts = await control.run(book.counts)
+        pool = getattr(app.state, "kv_pool", None)
         return _json({"rollout_id": book.rollout_id, "policy": book.policy.name, **counts,
                       "complete": book.is_complete(), "accepting": control.accepting,
-                      "coordinator_busy_s": control.busy_s, "api_calls": control.calls})
+                      "coordinator_busy_s": control.busy_s, "api_calls": control.calls,
+                      **({"kv_pool": pool.latest} if pool is not None else {})})
 
     return app

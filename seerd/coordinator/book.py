@@ -182,6 +182,7 @@ class LeaseBook:
         # accepted chunk, and a group's id once all its responses are done. The draft host listens.
         self.on_committed_tokens: Callable[[int, int, int, Sequence[int]], None] | None = None
         self.on_group_finished: Callable[[int], None] | None = None
+        self.on_request_finished: Callable[[int, int], None] | None = None  # (group, request), e.g. the KV pool
 
     # ----------------------------------------------------------------- loading
     def load(self, now: float) -> None:
@@ -515,6 +516,8 @@ class LeaseBook:
                 request.tokens = None  # durable in the database; the coordinator needs them no more
                 self.finished_requests += 1
                 self.groups[request.group_id].finished_lengths.append(request.generated)
+                if self.on_request_finished is not None:
+                    self.on_request_finished(request.group_id, request.id)
             else:
                 request.tokens.extend(token_ids)
                 request.status = RequestStatus.QUEUED

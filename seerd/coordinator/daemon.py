@@ -25,6 +25,7 @@ from seerd.config import RunConfig
 from seerd.coordinator.api import CoordinatorControl, create_app
 from seerd.coordinator.book import LeaseBook
 from seerd.coordinator.drafts import REFRESH_S, DraftHost, book_sequences, history_sequences
+from seerd.coordinator.kvpool import PoolHost, model_revision, run_tag
 from seerd.db import Rollout, RolloutStatus, WorkerStatus, add_event, make_engine, make_sessionmaker
 from seerd.db.migrate import upgrade
 from seerd.io.export import ExportResult, export_run
@@ -98,7 +99,13 @@ class Coordinator:
         self.drafts = DraftHost() if self.config.spec.mode == "grouped" else None
         if self.drafts is not None:
             self.book.on_committed_tokens = self.drafts.committed
-            self.book.on_group_finished = self.drafts.group_finished
+        # The job's global KV pool (Mooncake master + metadata server), when workers use it.
+        self.pool = self._make_pool(run_dir, rollout) if self.config.kv_pool.mode == "mooncake" else None
+        if self.pool is not None:
+            self.book.on_request_finished = self.pool.request_finished
+        listeners = [host.group_finished for host in (self.drafts, self.pool) if host is not None]
+        if listeners:
+            self.book.on_group_finished = lambda gid: [listener(gid) for listener in listeners]
         self._drafts_refreshed_at = 0.0
         self.started_at = clock()
         self.cpu_started = time.process_time()
@@ -114,6 +121,14 @@ class Coordinator:
         self._drain_reason = ""
         self.drained = False  # the run stopped after a drain: the caller requeues the job
         self.drain_recorded = False
+
+    def _make_pool(self, run_dir: RunDir, rollout: Rollout) -> PoolHost:
+        from seerd.kvpool.service import PoolService
+
+        pool = self.config.kv_pool
+        service = PoolService(run_dir.path, self.host, protocol=pool.protocol, devices=pool.devices,
+                              log_dir=run_dir.logs)
+        return PoolHost(service, run_tag(run_dir.path, rollout.created_at), local_host=self.host)
 
     # The group policy binds every group once, so it waits for the expected workers (or a timeout).
     def _gate(self) -> bool:
@@ -153,8 +168,12 @@ class Coordinator:
         return actions
 
     def engine_settings(self) -> dict:
-        return {"model_path": self.config.model_path, "engine": self.config.engine.__dict__,
-                "seed": self.config.seed, "spec": asdict(self.config.spec)}
+        settings = {"model_path": self.config.model_path, "engine": self.config.engine.__dict__,
+                    "seed": self.config.seed, "spec": asdict(self.config.spec)}
+        if self.pool is not None:
+            settings["kv_pool"] = {**asdict(self.config.kv_pool), "run_tag": self.pool.tag,
+                                   "model_revision": model_revision(self.config.model_path)}
+        return settings
 
     async def _start_drafts(self) -> None:
         """Give the draft server every unfinished group with its tokens so far (and the earlier
@@ -199,8 +218,13 @@ class Coordinator:
         sock.bind((self.host, self.port))
         host, port = sock.getsockname()[:2]
         await self._start_drafts()
+        if self.pool is not None:  # before workers can learn the coordinator's address
+            address = await asyncio.get_running_loop().run_in_executor(None, self.pool.start)
+            await self.control.run(self.record_event, "kv_pool_started",
+                                   {"master": address.master, "generation": address.generation})
         app = create_app(self.book, self.run_dir.read_secret(), self.control, self.clock, self.drafts)
         app.state.engine_settings = self.engine_settings()
+        app.state.kv_pool = self.pool
         self.control.scheduling_gate = self._gate
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", loop="none",
                                 http="httptools")
@@ -226,6 +250,9 @@ class Coordinator:
             self.control.close()
             if self.drafts is not None:
                 self.drafts.close()
+            if self.pool is not None:
+                await asyncio.get_running_loop().run_in_executor(
+                    None, partial(self.pool.close, run_finished=self.book.is_complete()))
             for signum, handler in previous.items():
                 loop.remove_signal_handler(signum)
                 # asyncio leaves SIG_DFL behind; a late warning signal must not kill the process.
@@ -239,6 +266,8 @@ class Coordinator:
             if await run(self.book.expire, self.clock()):
                 self.control.work_queued()
             await run(self._refresh_drafts)
+            if self.pool is not None and await self.pool.check():
+                await run(self.record_event, "kv_pool_restarted", {"restarts": self.pool.restarts})
             if on_tick:
                 on_tick(await run(self.book.counts))
             if self.book.is_complete():

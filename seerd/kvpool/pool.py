@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -181,3 +182,11 @@ def pool_client(run_dir: str, local_host: str) -> PoolClient:
 def pool_stats() -> dict | None:
     """This process's pool counters, or None when no connector made a client here."""
     return None if _CLIENT is None else _CLIENT.stats.to_dict()
+
+
+def route_source_address(peer_host: str) -> str:
+    """The address this node uses to reach `peer_host` (the coordinator): what other nodes'
+    pool clients reach this one at (a UDP connect sends nothing)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((peer_host, 9))
+        return probe.getsockname()[0]

@@ -15,7 +15,9 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
+from seerd.config import KVPoolConfig
 from seerd.coordinator.daemon import Coordinator, CoordinatorResult, run_event_loop
 from seerd.db import RolloutStatus
 from seerd.rundir import RunDir
@@ -42,16 +44,35 @@ def worker_env() -> dict[str, str]:
 
 
 class WorkerPool:
-    def __init__(self, run_dir: RunDir, count: int) -> None:
+    def __init__(self, run_dir: RunDir, count: int, *, kv_pool: KVPoolConfig | None = None) -> None:
         self.run_dir = run_dir
         self.count = count
+        self.kv_pool = kv_pool if kv_pool is not None and kv_pool.mode == "mooncake" else None
         self.procs: dict[int, subprocess.Popen] = {}
         self.restarts: dict[int, int] = {rank: 0 for rank in range(count)}
+        self.holders: dict[str, subprocess.Popen] = {}  # the KV pool's memory, one per node
         self.exhausted = False
 
     def start(self, *_address: object) -> None:
+        for name in self.holder_commands():  # before the workers: their engines find a pool at once
+            self._spawn_holder(name)
         for rank in range(self.count):
             self._spawn(rank)
+
+    def holder_commands(self) -> dict[str, list[str]]:
+        """The KV pool's holders (long-lived processes that give the pool its memory), by name."""
+        if self.kv_pool is None:
+            return {}
+        return {"kvpool-holder": self._holder_command()}
+
+    def _holder_command(self, *extra: str) -> list[str]:
+        command = [sys.executable, "-m", "seerd.kvpool.holder", "--run-dir", str(self.run_dir.path), *extra]
+        if self.kv_pool is not None and self.kv_pool.segment_bytes:
+            command += ["--segment-bytes", str(self.kv_pool.segment_bytes)]
+        return command
+
+    def _spawn_holder(self, name: str) -> None:
+        self.holders[name] = self._popen(self.holder_commands()[name], self.run_dir.logs / f"{name}.log")
 
     def command(self, rank: int) -> list[str]:
         """How worker `rank` starts (the Slurm pool wraps it in `srun`)."""
@@ -61,11 +82,13 @@ class WorkerPool:
         return worker_env()
 
     def _spawn(self, rank: int) -> None:
-        log_path = self.run_dir.logs / f"worker-{rank}.log"
+        self.procs[rank] = self._popen(self.command(rank), self.run_dir.logs / f"worker-{rank}.log")
+
+    def _popen(self, command: list[str], log_path: Path) -> subprocess.Popen:
         with open(log_path, "ab") as log_file:
             os.chmod(log_path, 0o600)
-            self.procs[rank] = subprocess.Popen(
-                self.command(rank),
+            return subprocess.Popen(
+                command,
                 stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.environment(),
                 preexec_fn=_die_with_parent,
                 # Its own process group: vLLM's engine-core processes outlive a killed frontend
@@ -77,6 +100,11 @@ class WorkerPool:
         """Restart workers that died; return a reason to stop when none can run any more."""
         if rollout_complete:
             return None
+        for name, holder in list(self.holders.items()):
+            if holder.poll() is not None:  # the pool lost this node's memory: workers recompute meanwhile
+                log.warning("KV pool holder %s exited with %s; starting it again", name, holder.returncode)
+                _kill_group(holder)
+                self._spawn_holder(name)
         for rank, proc in list(self.procs.items()):
             code = proc.poll()
             if code is None:
@@ -110,6 +138,11 @@ class WorkerPool:
                 proc.kill()
                 proc.wait()
             _kill_group(proc)
+        for holder in self.holders.values():  # after the workers: their last saves may still land
+            holder.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                holder.wait(timeout=10)
+            _kill_group(holder)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -122,7 +155,7 @@ def run_local(run_dir: RunDir, workers: int, on_tick: Callable[[dict], None] | N
     """The coordinator in this process, its workers supervised by `pool` (local processes by
     default; the Slurm launcher passes a pool of job steps)."""
     coordinator = coordinator or Coordinator(run_dir, expected_workers=workers)
-    pool = pool or WorkerPool(run_dir, workers)
+    pool = pool or WorkerPool(run_dir, workers, kv_pool=coordinator.config.kv_pool)
 
     def tick(counts: dict) -> None:
         reason = pool.supervise(counts["requests_done"] == counts["requests_total"])

@@ -26,7 +26,7 @@ import subprocess
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from seerd.config import DEFAULT_DRAIN_GRACE_S
+from seerd.config import DEFAULT_DRAIN_GRACE_S, KVPoolConfig
 from seerd.coordinator.daemon import Coordinator, CoordinatorResult
 from seerd.db import RolloutStatus
 from seerd.launch.local import WorkerPool, run_local, worker_env
@@ -183,9 +183,18 @@ def node_address() -> str:
 class SlurmWorkerPool(WorkerPool):
     """The local pool's supervision, with each worker started as a job step."""
 
-    def __init__(self, run_dir: RunDir, layout: WorkerLayout) -> None:
-        super().__init__(run_dir, layout.total_workers)
+    def __init__(self, run_dir: RunDir, layout: WorkerLayout, *, kv_pool: KVPoolConfig | None = None) -> None:
+        super().__init__(run_dir, layout.total_workers, kv_pool=kv_pool)
         self.layout = layout
+
+    def holder_commands(self) -> dict[str, list[str]]:
+        """One holder per node, as a step that overlaps the workers' (it needs memory, not CPUs)."""
+        if self.kv_pool is None:
+            return {}
+        return {f"kvpool-holder-{node}": ["srun", f"--jobid={self.layout.job_id}", f"--job-name=seerd-kvpool-{node}",
+                                          "--nodes=1", "--ntasks=1", f"--nodelist={node}", "--overlap",
+                                          *self._holder_command("--no-parent-death")]
+                for node in self.layout.nodes}
 
     def command(self, rank: int) -> list[str]:
         worker = [*super().command(rank), "--wait-for-coordinator", f"{WORKER_ADDRESS_TIMEOUT_S:.0f}"]
@@ -226,7 +235,7 @@ def run_in_allocation(run_dir: RunDir, layout: WorkerLayout, *, drain_grace_s: f
                                            "address": coordinator.host})
     log.warning("coordinator at %s: %s (restart %d)", coordinator.host, layout.describe(), restarts)
     result = run_local(run_dir, layout.total_workers, on_tick=on_tick, coordinator=coordinator,
-                       pool=SlurmWorkerPool(run_dir, layout))
+                       pool=SlurmWorkerPool(run_dir, layout, kv_pool=coordinator.config.kv_pool))
     if not coordinator.drained:
         return AllocationResult(result)
     # Said and recorded before the requeue: Slurm signals this job's processes as soon as it is

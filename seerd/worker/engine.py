@@ -106,7 +106,18 @@ def drafter_settings(spec: dict | None, run_dir: str | None) -> str:
                        "run_dir": run_dir})
 
 
-def engine_args(model_path: str, engine: dict, seed: int, spec: dict | None = None) -> dict:
+def kv_transfer_config(kv_pool: dict | None, run_dir: str | None) -> dict | None:
+    """vLLM's `kv_transfer_config` for the job's KV pool (None: no pool)."""
+    if not kv_pool or kv_pool.get("mode") != "mooncake":
+        return None
+    from seerd.kvpool.connector import transfer_config
+
+    return transfer_config(run_dir=str(run_dir), run_tag=kv_pool["run_tag"], model_revision=kv_pool["model_revision"],
+                           local_host=kv_pool.get("local_host", "127.0.0.1"))
+
+
+def engine_args(model_path: str, engine: dict, seed: int, spec: dict | None = None,
+                kv_transfer: dict | None = None) -> dict:
     kv_bytes = int(float(engine.get("kv_cache_gib", 1.0)) * (1 << 30))
     max_model_len = int(engine.get("max_model_len") or _model_max_len(model_path))
     args = dict(
@@ -128,6 +139,8 @@ def engine_args(model_path: str, engine: dict, seed: int, spec: dict | None = No
     speculative = speculative_config(spec)
     if speculative is not None:
         args["speculative_config"] = speculative
+    if kv_transfer is not None:
+        args["kv_transfer_config"] = kv_transfer
     args.update(engine.get("extra_args") or {})
     return args
 
@@ -177,7 +190,7 @@ def _model_max_len(model_path: str) -> int:
 
 
 def start_engine(model_path: str, engine: dict, seed: int, spec: dict | None = None,  # noqa: ANN201
-                 run_dir: str | None = None):
+                 run_dir: str | None = None, kv_pool: dict | None = None):
     """The engine driver for this machine: `engine["api"]` is "stepped", "async" or "auto"."""
     engine_env_defaults()
     os.environ[DRAFTER_SETTINGS_ENV] = drafter_settings(spec, run_dir)
@@ -189,7 +202,7 @@ def start_engine(model_path: str, engine: dict, seed: int, spec: dict | None = N
     driver = {"stepped": SteppedEngine, "async": AsyncEngine}.get(api)
     if driver is None:
         raise ValueError(f"unknown engine api {api!r}: use auto, stepped or async")
-    return driver.start(model_path, engine, seed, spec)
+    return driver.start(model_path, engine, seed, spec, kv_transfer_config(kv_pool, run_dir))
 
 
 class SteppedEngine:
@@ -210,12 +223,13 @@ class SteppedEngine:
         self.thread.start()
 
     @classmethod
-    def start(cls, model_path: str, engine: dict, seed: int, spec: dict | None = None) -> SteppedEngine:
+    def start(cls, model_path: str, engine: dict, seed: int, spec: dict | None = None,
+              kv_transfer: dict | None = None) -> SteppedEngine:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
 
-        args = engine_args(model_path, engine, seed, spec)
+        args = engine_args(model_path, engine, seed, spec, kv_transfer)
         llm = LLMEngine.from_engine_args(EngineArgs(**args))
         return cls(llm, int(args["max_num_seqs"]), kv_capacity_tokens(llm.vllm_config, args["kv_cache_memory_bytes"]))
 
@@ -307,11 +321,12 @@ class AsyncEngine:
         self.live: EngineLive | None = None  # the scheduler is in the core process
 
     @classmethod
-    def start(cls, model_path: str, engine: dict, seed: int, spec: dict | None = None) -> AsyncEngine:
+    def start(cls, model_path: str, engine: dict, seed: int, spec: dict | None = None,
+              kv_transfer: dict | None = None) -> AsyncEngine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        args = engine_args(model_path, engine, seed, spec)
+        args = engine_args(model_path, engine, seed, spec, kv_transfer)
         llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
         return cls(llm, int(args["max_num_seqs"]), kv_capacity_tokens(llm.vllm_config, args["kv_cache_memory_bytes"]))
 

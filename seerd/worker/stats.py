@@ -39,10 +39,12 @@ class WorkerStats:
         self.running.pop(chunk_id, None)
         self._ended.add(chunk_id)  # until its report is through, the worker still lists it
 
-    def payload(self, running: dict[int, int], engine_live, spec: dict | None = None) -> dict:  # noqa: ANN001
+    def payload(self, running: dict[int, int], engine_live, spec: dict | None = None,  # noqa: ANN001
+                kv_pool: dict | None = None) -> dict:
         """The heartbeat's `stats`: `running` maps chunk id -> lease epoch (lease key c{id}e{epoch});
         `engine_live` is the engine's latest `EngineLive` or None; `spec` the drafter's totals
-        (drafted, accepted, ...) when seerd's drafter runs in this process."""
+        (drafted, accepted, ...) when seerd's drafter runs in this process; `kv_pool` the KV pool
+        connector's counters (blocks loaded and saved, bytes, hits) when it runs in this process."""
         now = self.clock()
         progress = engine_live.progress if engine_live is not None else {}
         for chunk_id in list(self.running):
@@ -72,4 +74,5 @@ class WorkerStats:
                         for cid, e in self.running.items()},
             "sampled_at": None if engine_live is None else engine_live.at,
             **({"spec": spec} if spec else {}),
+            **({"kv_pool": kv_pool} if kv_pool else {}),
         }
