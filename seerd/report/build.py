@@ -16,6 +16,7 @@ PLOT_FILES = {
     "length_heatmap.png": "Response lengths, groups x responses",
     "chunk_timeline.png": "Chunk timeline per worker",
     "estimate_tracking.png": "Group estimates against the true longest response",
+    "prefill_avoided.png": "Prefill tokens avoided over time",
 }
 SUMMARY_FILE = "summary.md"
 
@@ -43,6 +44,7 @@ def write_report(run_dir: Path, out_dir: Path) -> ReportFiles:
     tracking = metrics.estimate_tracking(run)
     lengths = metrics.response_length_matrix(run)
     unfinished, probe = metrics.request_cell_masks(run)
+    continuation = metrics.continuation_cache_figures(run)
 
     out_dir.mkdir(parents=True, exist_ok=True)
     figures = {
@@ -54,9 +56,11 @@ def write_report(run_dir: Path, out_dir: Path) -> ReportFiles:
             lambda: draw.plot_chunk_timeline(leases, metrics.timeline_lanes(leases), run.workers, t0,
                                              timing.downtime),
         "estimate_tracking.png": lambda: draw.plot_estimate_tracking(tracking),
+        "prefill_avoided.png":
+            lambda: draw.plot_prefill_avoided(metrics.prefill_avoided_over_time(run), timing.downtime, t0),
     }
     written = tuple(draw.save(figures[name](), out_dir / name) for name in PLOT_FILES)
-    text = summary.render(rundir.path, run, timing, counts, tracking, list(PLOT_FILES.items()))
+    text = summary.render(rundir.path, run, timing, counts, tracking, list(PLOT_FILES.items()), continuation)
     summary_path = out_dir / SUMMARY_FILE
     summary_path.write_text(text)
     return ReportFiles(out_dir, written, summary_path, run)
