@@ -440,6 +440,9 @@ class ContinuationCache:
     # Done continued chunks left out: the worker did not report cached tokens (NULL), or the
     # previous chunk's worker is unknown.
     left_out: int
+    # Moved chunks that went back to a worker that had run an earlier chunk (not the previous one) of
+    # their request: its prefix cache may still hold that part of the context, without a pool.
+    returned: int = 0
 
     @property
     def pool_hit_rate(self) -> float | None:
@@ -462,6 +465,7 @@ class _DoneChunks:
     context_len: np.ndarray  # prompt + the tokens of the request's earlier chunks
     cached: np.ndarray  # float, NaN: not reported
     moved: np.ndarray  # int8: 1 moved, 0 same worker, -1 unknown (first chunks: -1)
+    returned: np.ndarray  # bool: its worker ran an earlier chunk of the request, before the previous one
 
 
 def _done_chunks(run: RunData) -> _DoneChunks:
@@ -471,7 +475,10 @@ def _done_chunks(run: RunData) -> _DoneChunks:
     done = np.flatnonzero(chunks.done)
     holder = {(int(chunks.request_id[i]), int(chunks.seq[i])): chunks.lease_holder[i] for i in done.tolist()}
     done = done[np.lexsort((chunks.seq[done], chunks.request_id[done], chunks.finished_at[done]))]
-    seq, prompt, context, moved = [], [], [], []
+    first_on: dict[tuple[int, str | None], int] = {}  # (request, worker) -> its first done chunk there
+    for (rid, k), worker in holder.items():
+        first_on[(rid, worker)] = min(k, first_on.get((rid, worker), k))
+    seq, prompt, context, moved, returned = [], [], [], [], []
     for i in done.tolist():
         rid, k = int(chunks.request_id[i]), int(chunks.seq[i])
         p = prompt_of_request.get(rid, 0)
@@ -480,9 +487,11 @@ def _done_chunks(run: RunData) -> _DoneChunks:
         context.append(p + before.get((rid, k), 0))
         mine, previous = chunks.lease_holder[i], holder.get((rid, k - 1))
         moved.append(-1 if k == 0 or mine is None or previous is None else int(mine != previous))
+        returned.append(mine is not None and first_on[(rid, mine)] < k - 1)
     return _DoneChunks(np.array(seq, dtype=np.int64), chunks.finished_at[done].astype(float),
                        np.array(prompt, dtype=np.int64), np.array(context, dtype=np.int64),
-                       chunks.cached_tokens[done].astype(float), np.array(moved, dtype=np.int8))
+                       chunks.cached_tokens[done].astype(float), np.array(moved, dtype=np.int8),
+                       np.array(returned, dtype=bool))
 
 
 def _cache_figures(prompt: np.ndarray, context: np.ndarray, cached: np.ndarray,
@@ -507,7 +516,7 @@ def continuation_cache_figures(run: RunData, block_size: int = KV_BLOCK_SIZE) ->
         block_size,
         _cache_figures(d.prompt_len[same], d.context_len[same], d.cached[same], block_size),
         _cache_figures(d.prompt_len[moved], d.context_len[moved], d.cached[moved], block_size),
-        left_out=int((continued & ~known).sum()))
+        left_out=int((continued & ~known).sum()), returned=int((moved & d.returned).sum()))
 
 
 @dataclass(frozen=True)

@@ -170,6 +170,10 @@ def continuation_section(cache: ContinuationCache) -> list[str]:
         _cache_row("moved to another worker", cache.moved),
         "",
     ]
+    if cache.returned:
+        lines += [f"Of the moved chunks, {cache.returned} went back to a worker that had run an earlier "
+                  "chunk (not the previous one) of their request: that worker's prefix cache may still have held "
+                  "that part of the context, without a pool.", ""]
     if cache.moved.chunks:
         lines += [f"Measured pool hit rate (moved chunks, token-weighted): {_rate(cache.pool_hit_rate)}; "
                   f"over response tokens only: {_rate(cache.pool_hit_rate_response)}. The second is what "

@@ -471,6 +471,7 @@ def test_max_cacheable_is_whole_blocks_short_of_the_last_token() -> None:
 def test_continuation_cache_figures_of_hand_built_chunks(hand_run) -> None:
     cache = metrics.continuation_cache_figures(load_run(hand_run / "state.db"))
     assert (cache.same, cache.moved, cache.left_out, cache.block_size) == (HAND_SAME, HAND_MOVED, 1, 128)
+    assert cache.returned == 1  # (0,0,3) went back to w0, which ran (0,0,0) and (0,0,1)
     assert cache.same.hit_rate == 512 / 640 and cache.same.response_hit_rate == 112 / 240
     assert cache.pool_hit_rate == 640 / 1024 and cache.pool_hit_rate_response == 184 / 424
     assert cache.moved.near_full_fraction == 3 / 4  # (0,0,3) missed: 128 < 384 - 128
@@ -512,6 +513,7 @@ def test_report_of_hand_built_chunks_plots_and_states_the_cache_figures(hand_run
     assert ("Measured pool hit rate (moved chunks, token-weighted): 0.625; over response tokens only: 0.434"
             in summary)
     assert "Left out: 1 finished continued chunk(s)" in summary
+    assert "Of the moved chunks, 1 went back to a worker that had run an earlier chunk" in summary
     series = metrics.prefill_avoided_over_time(written.run)
     fig = plot_prefill_avoided(series, (), metrics.time_origin(written.run))
     lines = {line.get_label(): line for line in fig.axes[0].get_lines()}
