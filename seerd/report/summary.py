@@ -172,13 +172,15 @@ def continuation_section(cache: ContinuationCache) -> list[str]:
     ]
     if cache.returned:
         lines += [f"Of the moved chunks, {cache.returned} went back to a worker that had run an earlier "
-                  "chunk (not the previous one) of their request: that worker's prefix cache may still have held "
-                  "that part of the context, without a pool.", ""]
+                  "chunk (not the previous one) of their request: that worker's prefix cache may still have "
+                  "held that part of the context, without a pool.", ""]
     if cache.moved.chunks:
         lines += [f"Measured pool hit rate (moved chunks, token-weighted): {_rate(cache.pool_hit_rate)}; "
                   f"over response tokens only: {_rate(cache.pool_hit_rate_response)}. The second is what "
                   "`seerd sim --pool-hit-rate-from RUN_DIR` uses as `--pool-hit-rate`. Without a KV pool it "
-                  "is 0, while the first can still be high from the shared prompt.", ""]
+                  "is about 0 (a local prefix cache supplies response tokens to a moved chunk only when it "
+                  "went back to a worker that ran an earlier chunk of it, or when siblings generated the "
+                  "same tokens), while the first can still be high from the shared prompt.", ""]
     return lines
 
 
