@@ -8,6 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from seerd.sim.costs import Efficiency
 from seerd.sim.presets import PRESETS, get_preset
@@ -23,6 +24,35 @@ EXIT_BAD_INPUT = 2
 def _bad(message: str) -> None:
     click.echo(f"error: {message}", err=True)
     sys.exit(EXIT_BAD_INPUT)
+
+
+def _pool_hit_rate_source(pool_hit_rate: float, run_dir: Path | None) -> dict:
+    """The pool hit rate to simulate and where it came from: {"rate", "from": "default" | "option" |
+    "run", and for a run what it measured (`seerd.report.MeasuredPoolHitRate.describe`)}."""
+    given = click.get_current_context().get_parameter_source("pool_hit_rate") != ParameterSource.DEFAULT
+    if run_dir is None:
+        if not 0.0 <= pool_hit_rate <= 1.0:
+            _bad(f"--pool-hit-rate must be in [0, 1], got {pool_hit_rate}")
+        return {"rate": pool_hit_rate, "from": "option" if given else "default"}
+    if given:
+        _bad("--pool-hit-rate and --pool-hit-rate-from exclude each other: give a rate, or a run to "
+             "measure it in")
+    from seerd.report import ReportError, measured_pool_hit_rate
+
+    try:
+        measured = measured_pool_hit_rate(run_dir)
+    except ReportError as exc:
+        _bad(f"--pool-hit-rate-from: {exc}")
+    return {"rate": measured.rate, "from": "run", **measured.describe()}
+
+
+def _describe_pool_source(source: dict) -> str:
+    if source["from"] == "run":
+        return (f"measured in {source['run_dir']} ({source['run_status']}): {source['moved_chunks']} "
+                f"continued chunks moved to another worker found {source['response_cached_tokens']:,} of "
+                f"{source['response_cacheable_tokens']:,} cacheable response tokens cached "
+                f"({source['measured']:.3f}; blocks of {source['block_size']})")
+    return "--pool-hit-rate" if source["from"] == "option" else "the default (--pool-hit-rate)"
 
 
 @click.command()
@@ -47,6 +77,10 @@ def _bad(message: str) -> None:
               help="Within-group share of the log-length variance (0 = identical lengths in a group).")
 @click.option("--pool-hit-rate", default=1.0, show_default=True,
               help="Chance that a chunk continued elsewhere finds its KV in the pool (else it recomputes).")
+@click.option("--pool-hit-rate-from", "pool_hit_rate_from", type=click.Path(path_type=Path),
+              help="Use the pool hit rate measured in this run's database (finished or not; read-only): "
+                   "moved continued chunks, over response tokens, as `seerd report` states it. "
+                   "Not with --pool-hit-rate.")
 @click.option("--prefill-mfu", type=float, help="Prefill efficiency (default 0.5).")
 @click.option("--chunk-gap-ms", type=float,
               help="Control-plane time per chunk boundary (default: the preset's; 25 for cpu-tiny, else 0).")
@@ -55,7 +89,8 @@ def _bad(message: str) -> None:
 def sim(preset_name: str, trace_path: Path | None, policies: str, seed: int, seeds: int, iterations: int,
         chunk_tokens: int | None, requests: int | None, instances: int | None, max_num_seqs: int | None,
         kv_tokens: int | None, within_share: float,
-        pool_hit_rate: float, prefill_mfu: float | None, chunk_gap_ms: float | None, as_json: bool,
+        pool_hit_rate: float, pool_hit_rate_from: Path | None, prefill_mfu: float | None,
+        chunk_gap_ms: float | None, as_json: bool,
         plot_dir: Path | None) -> None:
     """Simulate a rollout under each policy with the daemon's own scheduler code."""
     preset = get_preset(preset_name)
@@ -68,8 +103,8 @@ def sim(preset_name: str, trace_path: Path | None, policies: str, seed: int, see
         _bad("--seeds and --iterations must be at least 1")
     if PRIOR_POLICY in names and iterations < 2:
         _bad(f"{PRIOR_POLICY} needs --iterations 2 or more (the prior is the iteration before)")
-    if not 0.0 <= pool_hit_rate <= 1.0:
-        _bad(f"--pool-hit-rate must be in [0, 1], got {pool_hit_rate}")
+    pool_source = _pool_hit_rate_source(pool_hit_rate, pool_hit_rate_from)
+    pool_hit_rate = pool_source["rate"]
     if not 0.0 <= within_share < 1.0:
         _bad(f"--within-share must be in [0, 1), got {within_share}")
     if chunk_gap_ms is not None and chunk_gap_ms < 0:
@@ -117,6 +152,7 @@ def sim(preset_name: str, trace_path: Path | None, policies: str, seed: int, see
                      "iterations": iterations, "within_share": within_share},
         "cluster": {"instances": preset.instances, "chunk_tokens": settings.chunk_tokens,
                     "max_num_seqs": preset.max_num_seqs, "pool_hit_rate": pool_hit_rate,
+                    "pool_hit_rate_source": {k: v for k, v in pool_source.items() if k != "rate"},
                     "chunk_gap_s": preset.chunk_gap_s if settings.chunk_gap_s is None else settings.chunk_gap_s,
                     **costs.describe(),
                     **({"kv_capacity_tokens": kv_tokens} if kv_tokens else {})},
@@ -132,6 +168,7 @@ def sim(preset_name: str, trace_path: Path | None, policies: str, seed: int, see
                f"{first.requests} requests ({first.output_tokens:,} output tokens), chunk {settings.chunk_tokens}, "
                f"KV {kv_tokens or costs.kv_capacity_tokens():,} tokens/instance, {seeds} seed(s) x {iterations} "
                "iteration(s)")
+    click.echo(f"pool hit rate {pool_hit_rate:.3f}: {_describe_pool_source(pool_source)}")
     click.echo(format_table(summary, preset))
     for path in document.get("plots", []):
         click.echo(f"wrote {path}")

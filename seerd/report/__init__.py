@@ -5,7 +5,10 @@ tests check), `plots` draws them with matplotlib's Agg backend, `summary` writes
 `build` ties them together.
 """
 
-from seerd.report.build import PLOT_FILES, SUMMARY_FILE, ReportFiles, write_report
+from seerd.report.build import (
+    PLOT_FILES, SUMMARY_FILE, MeasuredPoolHitRate, ReportFiles, measured_pool_hit_rate, write_report,
+)
 from seerd.report.source import ReportError, RunData, load_run
 
-__all__ = ["PLOT_FILES", "SUMMARY_FILE", "ReportError", "ReportFiles", "RunData", "load_run", "write_report"]
+__all__ = ["PLOT_FILES", "SUMMARY_FILE", "MeasuredPoolHitRate", "ReportError", "ReportFiles", "RunData",
+           "load_run", "measured_pool_hit_rate", "write_report"]

@@ -18,12 +18,14 @@ from matplotlib.collections import PolyCollection  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 from seerd.report.metrics import (  # noqa: E402
-    CompletionCurve, EstimateTracking, Leases, WorkerLoadSeries,
+    CompletionCurve, EstimateTracking, Leases, PrefillOverTime, WorkerLoadSeries,
 )
 
 DPI = 100
 MAX_LEGEND = 16  # workers named in a legend; more would hide the plot
 TAIL_LABEL = "tail start"
+AVOIDED_LABEL = "continued chunks: avoided (cached)"
+RECOMPUTED_LABEL = "continued chunks: recomputed"
 DOWNTIME_LABEL = "coordinator down"
 
 
@@ -182,5 +184,39 @@ def plot_estimate_tracking(tracking: EstimateTracking) -> Figure:
     ax_ratio.set_title(f"Group estimates against each group's true longest response "
                        f"({tracking.groups_complete} of {tracking.groups_total} groups complete; "
                        f"{len(t)} evenly spaced samples)", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def plot_prefill_avoided(series: PrefillOverTime, downtime: Sequence[tuple[float, float]],
+                         t0: float) -> Figure:
+    fig, ax = plt.subplots(figsize=(9, 5))
+    t = np.r_[0.0, series.times]
+    if len(series.times):
+        ax.step(t, np.r_[0, series.avoided], where="post", color="tab:green", linewidth=1.4,
+                label=AVOIDED_LABEL)
+        ax.step(t, np.r_[0, series.recomputed], where="post", color="tab:red", linewidth=1.4,
+                label=RECOMPUTED_LABEL)
+        ax.step(t, np.r_[0, series.unavoidable], where="post", color="tab:red", linewidth=0.8, linestyle=":",
+                label=f"... of which no cache could avoid (last partial {series.block_size}-token block)")
+        ax.step(t, np.r_[0, series.prompt_avoided], where="post", color="tab:green", linewidth=0.9,
+                linestyle="--", alpha=0.7, label="first chunks: prompt tokens cached (siblings)")
+        ax.step(t, np.r_[0, series.prompt_computed], where="post", color="tab:grey", linewidth=0.9,
+                linestyle="--", alpha=0.7, label="first chunks: prompt tokens computed")
+        ax.legend(fontsize=7, loc="upper left")
+        recomputed, avoided = int(series.recomputed[-1]), int(series.avoided[-1])
+        total = recomputed + avoided
+        share = f"{100 * avoided / total:.0f}%" if total else "-"
+        title = (f"Prefill tokens avoided over time\ncontinued chunks: {avoided:,} context tokens cached, "
+                 f"{recomputed:,} recomputed ({share} avoided)")
+    else:
+        _no_data(ax, "no finished chunk reported its cached tokens")
+        title = "Prefill tokens avoided over time"
+    if series.left_out:
+        title += f"; left out: {series.left_out} finished chunk(s) without reported cached tokens"
+    _shade_downtime(ax, downtime, t0)
+    ax.set_xlabel("time since the first lease (s)")
+    ax.set_ylabel("prefill tokens (cumulative)")
+    ax.set_title(title, fontsize=10)
     fig.tight_layout()
     return fig

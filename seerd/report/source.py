@@ -77,6 +77,12 @@ class ChunkRows:
     seq: np.ndarray
     done: np.ndarray  # bool
     num_tokens: np.ndarray
+    # The worker of the chunk's last lease (for a done chunk: the one that reported it); None if never leased.
+    lease_holder: np.ndarray  # object: str | None
+    # vLLM's num_cached_tokens of the chunk's prefill (local prefix cache + loaded from a KV pool);
+    # NaN where the worker did not report it (or the chunk is not done).
+    cached_tokens: np.ndarray  # float
+    finished_at: np.ndarray  # float, absolute; NaN while not done
 
 
 @dataclass(frozen=True)
@@ -170,7 +176,7 @@ READ_COLUMNS = {
                       "finished_requests"},
     "requests": {"id", "rollout_id", "group_id", "response_index", "status", "is_probe", "generated_tokens",
                  "finished_at"},
-    "chunks": {"request_id", "seq", "status", "num_tokens"},
+    "chunks": {"request_id", "seq", "status", "num_tokens", "lease_holder", "cached_tokens", "finished_at"},
     "workers": {"id", "rollout_id", "rank", "max_chunks", "kv_capacity_tokens", "registered_at"},
     "events": {"id", "rollout_id", "ts", "kind", "worker_id", "request_id", "chunk_id", "data_json"},
 }
@@ -230,14 +236,19 @@ def _read(conn: Connection, db_path: Path) -> RunData:
         generated=np.array([x.generated_tokens for x in r], dtype=np.int64),
         finished_at=np.array([np.nan if x.finished_at is None else x.finished_at for x in r], dtype=float))
 
-    c = conn.execute(select(Chunk.request_id, Chunk.seq, Chunk.status, Chunk.num_tokens)
+    c = conn.execute(select(Chunk.request_id, Chunk.seq, Chunk.status, Chunk.num_tokens, Chunk.lease_holder,
+                            Chunk.cached_tokens, Chunk.finished_at)
                      .join(Request, Request.id == Chunk.request_id)
                      .where(Request.rollout_id == rollout.id)).all()
     chunks = ChunkRows(
         request_id=np.array([x.request_id for x in c], dtype=np.int64),
         seq=np.array([x.seq for x in c], dtype=np.int64),
         done=np.array([x.status == ChunkStatus.DONE for x in c], dtype=bool),
-        num_tokens=np.array([x.num_tokens for x in c], dtype=np.int64))
+        num_tokens=np.array([x.num_tokens for x in c], dtype=np.int64),
+        lease_holder=np.array([x.lease_holder for x in c], dtype=object),
+        cached_tokens=np.array([np.nan if x.cached_tokens is None else x.cached_tokens for x in c],
+                               dtype=float),
+        finished_at=np.array([np.nan if x.finished_at is None else x.finished_at for x in c], dtype=float))
 
     w = conn.execute(select(Worker.id, Worker.rank, Worker.max_chunks, Worker.kv_capacity_tokens,
                             Worker.registered_at)

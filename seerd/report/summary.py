@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from seerd.report.metrics import EstimateTracking, LeaseCounts, Timing
+from seerd.report.metrics import CacheFigures, ContinuationCache, EstimateTracking, LeaseCounts, Timing
 from seerd.report.source import RunData
 
 # Rows of the estimate table: every k-th sample, so that it stays short.
@@ -130,8 +130,62 @@ def estimate_section(tracking: EstimateTracking) -> list[str]:
     return lines + [""]
 
 
+def _rate(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _cache_row(name: str, f: CacheFigures) -> str:
+    near = "-" if f.near_full_fraction is None else f"{f.near_full} ({_pct(f.near_full_fraction)})"
+    return (f"| {name} | {f.chunks} | {f.cacheable_tokens} | {f.cached_tokens} | {_rate(f.hit_rate)} | "
+            f"{f.response_cacheable_tokens} | {f.response_cached_tokens} | {_rate(f.response_hit_rate)} | "
+            f"{near} |")
+
+
+def continuation_section(cache: ContinuationCache) -> list[str]:
+    lines = ["## Continued chunks: prefix cache and KV pool", ""]
+    left_out = (f" Left out: {cache.left_out} finished continued chunk(s) whose cached tokens were not "
+                "reported (or whose previous chunk's worker is unknown)." if cache.left_out else "")
+    if not cache.same.chunks and not cache.moved.chunks:
+        return lines + ["No continued chunk (seq >= 1) with reported cached tokens has finished yet."
+                        + left_out, ""]
+    block = cache.block_size
+    lines += [
+        "Each continued chunk (seq >= 1) prefills its context again: the prompt and the tokens of the "
+        "request's earlier chunks (L tokens). vLLM reuses whole KV blocks only and always computes the "
+        f"last token, so at most floor((L - 1) / {block}) x {block} of them can be cached (\"cacheable\", "
+        f"with a block size of {block}, vLLM-CPU's, assumed); \"cached\" is vLLM's `num_cached_tokens` "
+        "for the chunk (local prefix cache + loaded from a KV pool). A chunk on the worker that ran the "
+        "request's previous chunk can find it all in that worker's prefix cache; a chunk moved to another "
+        "worker only in a KV pool, except the prompt's blocks, which a sibling of its group may have left "
+        "there. The response columns count only tokens beyond the prompt (cacheable - prompt, cached - "
+        "prompt, each at least 0): what only a pool supplies to a moved chunk. Hit rates are "
+        "token-weighted (cached / cacheable, summed over the chunks); near-full: chunks with cached >= "
+        f"cacheable - {block} (one block; a chunk with at most {block} cacheable counts trivially)."
+        + left_out,
+        "",
+        "| continued chunks | chunks | cacheable | cached | hit rate | response cacheable | response cached "
+        "| response hit rate | near-full |",
+        "|---|---|---|---|---|---|---|---|---|",
+        _cache_row("same worker as the previous chunk", cache.same),
+        _cache_row("moved to another worker", cache.moved),
+        "",
+    ]
+    if cache.returned:
+        lines += [f"Of the moved chunks, {cache.returned} went back to a worker that had run an earlier "
+                  "chunk (not the previous one) of their request: that worker's prefix cache may still have "
+                  "held that part of the context, without a pool.", ""]
+    if cache.moved.chunks:
+        lines += [f"Measured pool hit rate (moved chunks, token-weighted): {_rate(cache.pool_hit_rate)}; "
+                  f"over response tokens only: {_rate(cache.pool_hit_rate_response)}. The second is what "
+                  "`seerd sim --pool-hit-rate-from RUN_DIR` uses as `--pool-hit-rate`. Without a KV pool it "
+                  "is about 0 (a local prefix cache supplies response tokens to a moved chunk only when it "
+                  "went back to a worker that ran an earlier chunk of it, or when siblings generated the "
+                  "same tokens), while the first can still be high from the shared prompt.", ""]
+    return lines
+
+
 def render(run_dir: Path, run: RunData, timing: Timing, counts: LeaseCounts, tracking: EstimateTracking,
-           plots: Sequence[tuple[str, str]]) -> str:
+           plots: Sequence[tuple[str, str]], continuation: ContinuationCache | None = None) -> str:
     """The markdown text; `plots` are (file name, caption) pairs, linked relative to summary.md."""
     lines = [f"# Run report: {run_dir}", "",
              f"Rollout created {_utc(run.rollout.created_at)}; read from `{run.db_path.name}` read-only. "
@@ -140,6 +194,8 @@ def render(run_dir: Path, run: RunData, timing: Timing, counts: LeaseCounts, tra
         lines += [f"The run is **{run.rollout.status}**: every figure covers what it has done so far.", ""]
     lines += figures_table(run, timing, counts) + ["", preemption_note(run), ""]
     lines += estimate_section(tracking)
+    if continuation is not None:
+        lines += continuation_section(continuation)
     lines += ["## Plots", ""]
     for name, caption in plots:
         lines += [f"### {caption}", "", f"![{caption}]({name})", ""]

@@ -56,3 +56,69 @@ def reopen(book: LeaseBook, now: float) -> LeaseBook:
                       lease_ttl_s=book.lease_ttl_s, seed=book.seed)
     again.load(now)
     return again
+
+
+# A run whose chunks are written by hand, with their workers and cached tokens, so that the report's
+# prefix-cache and KV-pool figures can be checked exactly. Group 0 has a 200-token prompt, group 1 a
+# 60-token one, 2 responses each. Per chunk: (group, response, seq, worker, num_tokens, cached_tokens,
+# leased_at, finished_at); finished_at None: still leased. Times are seconds after HAND_T0, the first lease.
+HAND_T0 = 2000.0
+HAND_PROMPTS = (200, 60)
+HAND_CHUNKS = (
+    (0, 0, 0, "w0", 100, 128, 0.0, 1.0),
+    (0, 0, 1, "w0", 100, 256, 1.0, 3.0),
+    (0, 0, 2, "w1", 100, 384, 3.0, 6.0),
+    (0, 0, 3, "w0", 100, 128, 6.0, 10.0),
+    (0, 1, 0, "w1", 100, 0, 0.0, 2.0),
+    (0, 1, 1, "w0", 100, 128, 2.0, 4.0),
+    (0, 1, 2, "w0", 100, 256, 4.0, 7.0),
+    (1, 0, 0, "w0", 50, 0, 0.5, 1.5),
+    (1, 0, 1, "w1", 50, 0, 1.5, 5.0),
+    (1, 0, 2, "w1", 50, None, 5.0, 8.0),  # the worker did not report cached tokens
+    (1, 0, 3, "w1", 0, None, 8.0, None),
+    (1, 1, 0, "w0", 0, None, 9.0, None),
+)
+
+
+def hand_built_cache_run(run_dir: Path, chunks: tuple = HAND_CHUNKS) -> Path:
+    """A run database (unfinished) holding `chunks` as done or leased rows, with their events."""
+    import json
+    import sqlite3
+
+    prompts = [PromptRow(f"p{g}", tuple(range(length)), 2, 1000, {}, g + 1)
+               for g, length in enumerate(HAND_PROMPTS)]
+    book = make_book(run_dir, policy="divided", prompt_rows=prompts, now=HAND_T0 - 10)
+    for rank in (0, 1):
+        book.register(rank=rank, address="hand", max_chunks=8, kv_capacity_tokens=10_000,
+                      worker_id=f"w{rank}", now=HAND_T0 - 1)
+    rollout_id = book.rollout_id
+    book.engine.dispose()
+    with sqlite3.connect(run_dir / "state.db") as db:
+        request_of = {(g, r): rid for rid, g, r in db.execute(
+            "SELECT r.id, g.group_index, r.response_index FROM requests r "
+            "JOIN prompt_groups g ON g.id = r.group_id")}
+        events = []
+        for g, r, seq, worker, tokens, cached, leased, finished in chunks:
+            rid = request_of[(g, r)]
+            done = finished is not None
+            cursor = db.execute(
+                "INSERT INTO chunks (request_id, seq, max_tokens, status, lease_holder, lease_epoch, attempt, "
+                "created_at, leased_at, finished_at, num_tokens, cached_tokens) "
+                "VALUES (?, ?, 100, ?, ?, 1, 1, ?, ?, ?, ?, ?)",
+                (rid, seq, "done" if done else "leased", worker, HAND_T0 + leased, HAND_T0 + leased,
+                 HAND_T0 + finished if done else None, tokens, cached))
+            events.append((HAND_T0 + leased, "chunk_leased", worker, rid, cursor.lastrowid,
+                           {"seq": seq, "epoch": 1, "max_tokens": 100}))
+            if done:
+                events.append((HAND_T0 + finished, "chunk_done", worker, rid, cursor.lastrowid,
+                               {"tokens": tokens, "cached_tokens": cached}))
+            db.execute("UPDATE requests SET generated_tokens = generated_tokens + ?, num_chunks = num_chunks + ?, "
+                       "status = ? WHERE id = ?", (tokens, int(done), "queued" if done else "running", rid))
+        db.executemany(
+            "INSERT INTO events (rollout_id, ts, kind, worker_id, request_id, chunk_id, data_json) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?)",
+            [(rollout_id, ts, kind, worker, rid, cid, json.dumps(data))
+             for ts, kind, worker, rid, cid, data in sorted(events, key=lambda e: e[0])])
+        db.execute("UPDATE rollouts SET status = 'running', started_at = ? WHERE id = ?",
+                   (HAND_T0 - 10, rollout_id))
+    return run_dir

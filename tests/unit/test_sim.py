@@ -17,6 +17,7 @@ from seerd.sim.driver import SimResult, Simulation
 from seerd.sim.presets import PRESETS, get_preset
 from seerd.sim.report import SimSettings, run_comparison, summarize
 from seerd.sim.workload import SimGroup, TraceError, Workload, generate, load_trace, next_iteration
+from tests.unit.helpers import HAND_CHUNKS, hand_built_cache_run
 
 QWEN = get_preset("qwen2-vl-72b")
 
@@ -288,3 +289,65 @@ def test_a_control_plane_gap_per_chunk_slows_chunked_policies_only() -> None:
     gapped = Simulation(workload, "group", QWEN.costs(), instances=2, chunk_tokens=32, max_num_seqs=16, seed=0,
                         kv_capacity=4000, chunk_gap_s=0.5).run()
     assert gapped.total_time_s <= group.total_time_s + 0.5 + 1e-9  # unchunked: one report at the very end
+
+
+# ----------------------------------------------------------------- --pool-hit-rate-from RUN_DIR
+FAST_SIM = ["sim", "--preset", "cpu-tiny", "--requests", "64", "--policies", "divided"]
+
+
+def test_sim_command_takes_the_pool_hit_rate_measured_in_a_run(tmp_path) -> None:
+    """tests/unit/helpers.py HAND_CHUNKS: 4 moved continued chunks found 184 of their 424 cacheable
+    response tokens (the report's test works them out); the run is unfinished (running)."""
+    run_dir = hand_built_cache_run(tmp_path / "run")
+    result = CliRunner().invoke(cli, [*FAST_SIM, "--pool-hit-rate-from", str(run_dir), "--json"])
+    assert result.exit_code == 0, result.output
+    cluster = json.loads(result.output)["cluster"]
+    assert cluster["pool_hit_rate"] == 184 / 424
+    assert cluster["pool_hit_rate_source"] == {
+        "from": "run", "run_dir": str(run_dir), "measured": 184 / 424, "moved_chunks": 4,
+        "response_cached_tokens": 184, "response_cacheable_tokens": 424, "block_size": 128, "run_status": "running"}
+    result = CliRunner().invoke(cli, [*FAST_SIM, "--pool-hit-rate-from", str(run_dir)])
+    assert result.exit_code == 0, result.output
+    assert (f"pool hit rate 0.434: measured in {run_dir} (running): 4 continued chunks moved to another worker "
+            "found 184 of 424 cacheable response tokens cached") in result.output
+
+
+def test_sim_command_clamps_a_measured_pool_hit_rate_above_one(tmp_path) -> None:
+    """More cached than 128-token blocks allow (an engine with smaller blocks): used as 1."""
+    chunks = ((0, 0, 0, "w0", 100, 0, 0.0, 1.0), (0, 0, 1, "w1", 100, 288, 1.0, 2.0))  # 88 of 56 cacheable
+    run_dir = hand_built_cache_run(tmp_path / "run", chunks)
+    result = CliRunner().invoke(cli, [*FAST_SIM, "--pool-hit-rate-from", str(run_dir), "--json"])
+    assert result.exit_code == 0, result.output
+    cluster = json.loads(result.output)["cluster"]
+    assert cluster["pool_hit_rate"] == 1.0 and cluster["pool_hit_rate_source"]["measured"] == 88 / 56
+
+
+def test_sim_command_says_where_the_pool_hit_rate_came_from() -> None:
+    for args, source in (([], "default"), (["--pool-hit-rate", "0.25"], "option")):
+        result = CliRunner().invoke(cli, [*FAST_SIM, *args, "--json"])
+        assert result.exit_code == 0, result.output
+        cluster = json.loads(result.output)["cluster"]
+        assert cluster["pool_hit_rate_source"] == {"from": source}
+        assert cluster["pool_hit_rate"] == (0.25 if args else 1.0)
+    result = CliRunner().invoke(cli, [*FAST_SIM, "--pool-hit-rate", "0.25"])
+    assert "pool hit rate 0.250: --pool-hit-rate" in result.output
+
+
+def test_sim_command_pool_hit_rate_from_bad_runs_exit_2(tmp_path) -> None:
+    def fails(*args: str) -> str:
+        result = CliRunner().invoke(cli, [*FAST_SIM, *args])
+        assert result.exit_code == 2, result.output
+        return result.output
+
+    run_dir = hand_built_cache_run(tmp_path / "run")
+    assert "exclude each other" in fails("--pool-hit-rate", "0.5", "--pool-hit-rate-from", str(run_dir))
+    assert "exclude each other" in fails("--pool-hit-rate", "1.0", "--pool-hit-rate-from", str(run_dir))
+    assert "no run directory" in fails("--pool-hit-rate-from", str(tmp_path / "nowhere"))
+    (tmp_path / "empty").mkdir()
+    assert "no run at" in fails("--pool-hit-rate-from", str(tmp_path / "empty"))
+    same_worker_only = tuple(c for c in HAND_CHUNKS if (c[0], c[1]) == (0, 0) and c[2] <= 1)
+    output = fails("--pool-hit-rate-from", str(hand_built_cache_run(tmp_path / "same", same_worker_only)))
+    assert "no continued chunk that moved to another worker" in output and "1 stayed on their worker" in output
+    within_prompt = ((1, 0, 0, "w0", 50, 0, 0.0, 1.0), (1, 0, 1, "w1", 50, 0, 1.0, 2.0))  # L 110: nothing cacheable
+    output = fails("--pool-hit-rate-from", str(hand_built_cache_run(tmp_path / "short", within_prompt)))
+    assert "had no response tokens that could be cached" in output
