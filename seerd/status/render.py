@@ -110,13 +110,36 @@ def tail_table(s: dict) -> Table:
     return table
 
 
+def size(value: float | None) -> str:
+    if value is None:
+        return "-"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if value >= scale:
+            return f"{value / scale:.1f} {unit}"
+    return f"{value:.0f} B"
+
+
+def pool_line(s: dict) -> Text | None:
+    pool = s["coordinator"].get("kv_pool") if s["coordinator"]["reachable"] else None
+    if not pool:
+        return None
+    used, capacity = pool.get("bytes_used"), pool.get("capacity_bytes")
+    parts = [f"KV pool {size(used)} of {size(capacity)}", f"{pool.get('keys', '-')} blocks"]
+    if pool.get("restarts"):
+        parts.append(f"restarted {pool['restarts']}x")
+    return Text("   ".join(parts), style="dim")
+
+
 def workers_table(s: dict) -> Table:
     spec = any(w["spec"] for w in s["workers"])
+    pool = any(w.get("kv_pool") for w in s["workers"])
     table = Table(title="workers", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     columns = [("worker", "left"), ("state", "left"), ("chunks", "right"), ("KV res", "right"),
                ("KV eng", "right"), ("tok/s", "right"), ("heartbeat", "right")]
     if spec:
         columns.append(("accept", "right"))
+    if pool:
+        columns += [("pool hit", "right"), ("blocks in/out", "right"), ("moved", "right")]
     for name, justify in columns:
         table.add_column(name, justify=justify, no_wrap=True)
     for w in s["workers"]:
@@ -128,6 +151,12 @@ def workers_table(s: dict) -> Table:
         if spec:
             row.append("-" if not w["spec"] or w["spec"]["acceptance"] is None
                        else f"{100 * w['spec']['acceptance']:.0f}%")
+        if pool:
+            p = w.get("kv_pool")
+            row += ["-", "-", "-"] if not p else [
+                "-" if p["hit_rate"] is None else f"{100 * p['hit_rate']:.0f}%",
+                f"{p['blocks_loaded']:,}/{p['blocks_saved']:,}" + (f" ({p['load_failures']} bad)" if p["load_failures"] else ""),
+                size(p["bytes_loaded"] + p["bytes_saved"])]
         table.add_row(*row, style=style)
     return table
 
@@ -141,4 +170,7 @@ def render(s: dict) -> RenderableType:
         parts.append(tail_table(s))
     if s["workers"]:
         parts.append(workers_table(s))
+    line = pool_line(s)
+    if line is not None:
+        parts.append(line)
     return Group(*parts)

@@ -69,7 +69,8 @@ def _coordinator_part(answer: dict | None) -> dict:
     if answer is None:
         return {"reachable": False}
     return {"reachable": True, "accepting": answer.get("accepting"), "leases": answer.get("leases"),
-            "workers_alive": answer.get("workers_alive"), "busy_s": answer.get("coordinator_busy_s")}
+            "workers_alive": answer.get("workers_alive"), "busy_s": answer.get("coordinator_busy_s"),
+            "kv_pool": answer.get("kv_pool")}
 
 
 def _read(conn: sqlite3.Connection, run_dir: Path, tail_rows: int, now: float) -> dict:
@@ -144,6 +145,7 @@ def _workers(conn: sqlite3.Connection, rid: int, clock: float, lease_ttl_s: floa
         stats = json.loads(row["stats_json"]) if row["stats_json"] else {}
         age = max(0.0, clock - row["last_heartbeat"])
         spec = stats.get("spec")
+        pool = stats.get("kv_pool")
         workers.append({
             "worker_id": row["id"],
             "rank": row["rank"],
@@ -159,6 +161,7 @@ def _workers(conn: sqlite3.Connection, rid: int, clock: float, lease_ttl_s: floa
             "chunks_done": stats.get("chunks_done"),
             "tokens_out": stats.get("tokens_out"),
             "spec": _spec_part(spec) if spec else None,
+            "kv_pool": _pool_part(pool) if pool else None,
             "live_running": stats.get("running") or {} if row["status"] == "alive" else {},
         })
     return workers
@@ -167,6 +170,17 @@ def _workers(conn: sqlite3.Connection, rid: int, clock: float, lease_ttl_s: floa
 def _spec_part(spec: dict) -> dict:
     drafted, accepted = int(spec.get("drafted", 0)), int(spec.get("accepted", 0))
     return {"drafted": drafted, "accepted": accepted, "acceptance": accepted / drafted if drafted else None}
+
+
+def _pool_part(pool: dict) -> dict:
+    """A worker's KV pool figures: of the full blocks its chunks' contexts had beyond its own
+    prefix cache, how many the pool held (hit rate); blocks and bytes moved each way."""
+    asked, hits = int(pool.get("lookup_blocks", 0)), int(pool.get("hit_blocks", 0))
+    return {"hit_rate": hits / asked if asked else None, "blocks_loaded": int(pool.get("blocks_loaded", 0)),
+            "blocks_saved": int(pool.get("blocks_saved", 0)), "load_failures": int(pool.get("load_failures", 0)),
+            "bytes_loaded": int(pool.get("bytes_loaded", 0)), "bytes_saved": int(pool.get("bytes_saved", 0)),
+            "load_s": float(pool.get("load_s", 0.0)), "save_s": float(pool.get("save_s", 0.0)),
+            "connected": bool(pool.get("reconnects", 0)) and int(pool.get("generation", 0)) > 0}
 
 
 def _tail(conn: sqlite3.Connection, rid: int, clock: float, live: dict[int, dict],

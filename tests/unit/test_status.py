@@ -261,3 +261,26 @@ def test_reading_status_in_a_loop_never_blocks_or_fails_the_writer_synthetic_eng
     assert not errors, errors
     assert frames > 0
     assert read_snapshot(tmp_path)["requests_done"] == 80
+
+
+def test_kv_pool_figures_show_per_worker_and_for_the_pool(monkeypatch):
+    from seerd.status.snapshot import _pool_part
+
+    monkeypatch.setenv("NO_COLOR", "1")
+    monkeypatch.setenv("COLUMNS", "140")
+    part = _pool_part({"lookup_blocks": 40, "hit_blocks": 30, "blocks_loaded": 30, "blocks_saved": 55,
+                       "bytes_loaded": 15_000_000, "bytes_saved": 27_500_000, "load_failures": 1,
+                       "reconnects": 1, "generation": 2})
+    assert part["hit_rate"] == 0.75 and part["connected"]
+    snapshot = hand_made_snapshot()
+    snapshot["workers"][0]["kv_pool"] = part
+    snapshot["coordinator"]["kv_pool"] = {"bytes_used": 1_200_000_000, "capacity_bytes": 4_000_000_000,
+                                          "keys": 2345, "restarts": 1}
+    buffer = StringIO()
+    Console(file=buffer, width=140).print(render(snapshot))
+    text = buffer.getvalue()
+    assert "pool hit" in text and "75%" in text and "30/55 (1 bad)" in text and "42.5 MB" in text
+    assert "KV pool 1.2 GB of 4.0 GB   2345 blocks   restarted 1x" in text
+    worker_line = next(line for line in text.splitlines() if "w1-gpu02" in line and "stale" not in line
+                       and "ago" in line)
+    assert worker_line.split()[-3:] == ["-", "-", "-"]  # no pool figures from that worker yet
