@@ -7,7 +7,6 @@ number of times); its leases expire meanwhile and run on the others.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import signal
@@ -20,19 +19,13 @@ from pathlib import Path
 from seerd.config import KVPoolConfig
 from seerd.coordinator.daemon import Coordinator, CoordinatorResult, run_event_loop
 from seerd.db import RolloutStatus
+from seerd.launch.parent_death import die_with_parent as _die_with_parent
 from seerd.rundir import RunDir
 
 log = logging.getLogger("seerd.local")
 
 RESTARTS_PER_WORKER = 3
 WORKER_EXIT_GRACE_S = 20.0
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    # Local workers must not outlive the coordinator that launched them (kill -9 included).
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def worker_env() -> dict[str, str]:
@@ -90,7 +83,7 @@ class WorkerPool:
             return subprocess.Popen(
                 command,
                 stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.environment(),
-                preexec_fn=_die_with_parent,
+                preexec_fn=_die_with_parent,  # never outlive the coordinator (kill -9 included)
                 # Its own process group: vLLM's engine-core processes outlive a killed frontend
                 # (they are re-parented, never exit), so we reap the whole group.
                 start_new_session=True,

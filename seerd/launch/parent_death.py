@@ -1,0 +1,18 @@
+"""A parent-death signal for child processes, kept free of heavy imports (the KV pool holder
+and the pool service use it without loading the coordinator)."""
+
+from __future__ import annotations
+
+import ctypes
+import signal
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGTERM this process when its parent dies (kill -9 included).
+
+    Use as `preexec_fn`, or call in the child itself. The signal fires when the parent *thread*
+    that forked the child exits, so spawn from a long-lived thread."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
