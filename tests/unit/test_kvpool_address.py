@@ -1,4 +1,4 @@
-"""kvpool.json and pool sizes (no Mooncake process)."""
+"""kvpool.json, pool sizes and the parsing of the master's metrics (no Mooncake process)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 from seerd.kvpool.address import (
     POOL_FILE, PoolAddress, PoolAddressError, read_pool_address, write_pool_address,
 )
+from seerd.kvpool.service import parse_master_metrics
 from seerd.kvpool.store import GiB, MiB, default_segment_bytes, parse_size
 
 ADDRESS = PoolAddress(generation=3, master="10.0.0.5:50051", metadata_url="http://10.0.0.5:8080/metadata",
@@ -83,3 +84,19 @@ def test_default_segment_bytes_of_this_machine():
     size = default_segment_bytes()
     assert 256 * MiB <= size <= 64 * GiB and size % (256 * MiB) == 0
 
+
+def test_parse_master_metrics():
+    text = """# HELP master_allocated_bytes Total memory bytes currently allocated across all segments
+# TYPE master_allocated_bytes gauge
+master_allocated_bytes 1048576
+master_total_capacity_bytes 67108864
+master_key_count 1
+master_active_clients 2
+master_evicted_key_count nonsense
+master_put_start_alloc_failures_total 0
+master_ping_requests_total 7
+garbage
+"""
+    assert parse_master_metrics(text) == {"bytes_used": MiB, "capacity_bytes": 64 * MiB, "keys": 1,
+                                          "clients": 2, "put_no_space_failures": 0}
+    assert parse_master_metrics("") == {}
