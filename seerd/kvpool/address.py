@@ -63,8 +63,9 @@ def read_pool_address(run_dir: Path) -> PoolAddress | None:
 
 
 def _validate(address: PoolAddress) -> None:
-    if not isinstance(address.generation, int) or isinstance(address.generation, bool) or address.generation < 1:
-        raise ValueError(f"generation must be a positive integer, got {address.generation!r}")
+    generation = address.generation
+    if not isinstance(generation, int) or isinstance(generation, bool) or generation < 1:
+        raise ValueError(f"generation must be a positive integer, got {generation!r}")
     host, sep, port = str(address.master).rpartition(":")
     if not (isinstance(address.master, str) and sep and host and port.isdigit()):
         raise ValueError(f"master must be 'host:port', got {address.master!r}")

@@ -126,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="pool memory of this node: bytes or a size such as 4GiB")
     parser.add_argument("--buffer-bytes", default=DEFAULT_BUFFER_BYTES, type=parse_size)
     parser.add_argument("--host", default=None,
-                        help="this node's address for peers (default: the local address routing to the master)")
+                        help="this node's address for peers (default: the local address that routes to "
+                             "the master)")
     parser.add_argument("--no-parent-death", action="store_true",
                         help="keep running when the parent exits (Slurm steps)")
     args = parser.parse_args(argv)

@@ -116,6 +116,8 @@ class PoolService:
         self.metadata: subprocess.Popen | None = None
         self._ports: tuple[int, int, int] | None = None  # rpc, metrics, metadata
         self._next_attempt = 0.0
+        self._stopped = False
+        self._log_starts: dict[str, int] = {}
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -123,16 +125,18 @@ class PoolService:
         """Start both processes, wait until they answer, publish kvpool.json."""
         if self.running():
             raise RuntimeError("the KV pool service is already running")
+        self._stopped = False
         return self._launch(self._next_generation())
 
     def check(self) -> bool:
-        """Restart both processes if either died. True when a restart happened now."""
-        if self.address is None or self.running():
+        """Restart both processes if either died. True when a restart happened now. A failed
+        restart is logged (the pool is a cache; the rollout goes on) and tried again later."""
+        if self.address is None or self._stopped or self.running():
             return False
         if time.monotonic() < self._next_attempt:
             return False
-        died = {name: proc.poll() for name, proc in (("master", self.master), ("metadata server", self.metadata))
-                if proc is not None and proc.poll() is not None}
+        processes = (("master", self.master), ("metadata server", self.metadata))
+        died = {name: proc.returncode for name, proc in processes if proc and proc.poll() is not None}
         log.warning("KV pool %s exited (%s); restarting the pool (generation %d lost)",
                     ", ".join(died) or "processes", ", ".join(f"{k}: {v}" for k, v in died.items()),
                     self.address.generation)
@@ -150,6 +154,7 @@ class PoolService:
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         """SIGTERM both, SIGKILL what is left after `grace_s`. kvpool.json stays (a resumed run
         reads its generation)."""
+        self._stopped = True
         self._terminate(grace_s)
 
     def running(self) -> bool:
@@ -214,8 +219,8 @@ class PoolService:
             log.info("KV pool generation %d: master %s, metadata %s (ready in %.2f s)", generation,
                      self.address.master, self.address.metadata_url, time.monotonic() - started)
             return self.address
-        raise PoolStartError(f"the KV pool did not start in {START_ATTEMPTS} attempts:\n"
-                             + "\n".join(failures))
+        raise PoolStartError(f"the KV pool did not start in {START_ATTEMPTS} attempts (new ports each "
+                             f"time); the last one: {failures[-1]}")
 
     def _pick_ports(self, *, reuse: bool) -> tuple[int, int, int]:
         if reuse and self._ports and all(_port_free(self.host, port) for port in self._ports):
@@ -243,6 +248,7 @@ class PoolService:
         path = self.log_dir / log_name
         with open(path, "ab") as log_file:
             os.chmod(path, 0o600)
+            self._log_starts[log_name] = log_file.tell()  # errors quote this start's lines only
             log_file.write(f"--- seerd: generation {generation}: {' '.join(command)}\n".encode())
             log_file.flush()
             return subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT,
@@ -251,24 +257,29 @@ class PoolService:
 
     def _wait_ready(self, ports: tuple[int, int, int]) -> None:
         rpc_port, metrics_port, metadata_port = ports
-        pending = {"master": lambda: _tcp_answers(self.host, rpc_port) and _master_healthy(self.host, metrics_port),
-                   "metadata server": lambda: _metadata_answers(self.host, metadata_port)}
+        checks = {
+            "master": (self.master, MASTER_LOG, lambda: _tcp_answers(self.host, rpc_port)
+                       and _master_healthy(self.host, metrics_port)),
+            "metadata server": (self.metadata, METADATA_LOG,
+                                lambda: _metadata_answers(self.host, metadata_port)),
+        }
         deadline = time.monotonic() + START_TIMEOUT_S
-        while pending:
-            for name, proc, log_name in (("master", self.master, MASTER_LOG),
-                                         ("metadata server", self.metadata, METADATA_LOG)):
+        while checks:
+            for name, (proc, log_name, answers) in list(checks.items()):
                 if proc is not None and proc.poll() is not None:
                     raise PoolStartError(f"the KV pool {name} exited with {proc.returncode}; "
-                                         f"{self.log_dir / log_name} ends with:\n{_tail(self.log_dir / log_name)}")
-            for name in [name for name, ready in pending.items() if ready()]:
-                del pending[name]
-            if pending and time.monotonic() > deadline:
-                name = next(iter(pending))
-                log_name = MASTER_LOG if name == "master" else METADATA_LOG
-                raise PoolStartError(f"the KV pool {name} did not answer within {START_TIMEOUT_S:.0f} s; "
-                                     f"{self.log_dir / log_name} ends with:\n{_tail(self.log_dir / log_name)}")
-            if pending:
+                                         f"{self._log_tail(log_name)}")
+                if answers():
+                    del checks[name]
+                elif time.monotonic() > deadline:
+                    raise PoolStartError(f"the KV pool {name} did not answer within {START_TIMEOUT_S:.0f} s; "
+                                         f"{self._log_tail(log_name)}")
+            if checks:
                 time.sleep(0.05)
+
+    def _log_tail(self, log_name: str) -> str:
+        path = self.log_dir / log_name
+        return f"{path} ends with:\n{_tail(path, self._log_starts.get(log_name, 0))}"
 
     def _terminate(self, grace_s: float = STOP_GRACE_S) -> None:
         procs = [proc for proc in (self.master, self.metadata) if proc is not None]
@@ -337,8 +348,9 @@ def _tcp_answers(host: str, port: int) -> bool:
 
 def _master_healthy(host: str, metrics_port: int) -> bool:
     try:
-        with urllib.request.urlopen(f"http://{_join(host, metrics_port)}/health", timeout=HTTP_TIMEOUT_S) as resp:
-            return json.loads(resp.read()).get("status") == "ok"
+        url = f"http://{_join(host, metrics_port)}/health"
+        with urllib.request.urlopen(url, timeout=HTTP_TIMEOUT_S) as response:
+            return json.loads(response.read()).get("status") == "ok"
     except (OSError, ValueError, AttributeError):
         return False
 
@@ -355,11 +367,11 @@ def _metadata_answers(host: str, port: int) -> bool:
         return False
 
 
-def _tail(path: Path) -> str:
+def _tail(path: Path, start: int = 0) -> str:
     try:
         with open(path, "rb") as handle:
             handle.seek(0, os.SEEK_END)
-            handle.seek(max(0, handle.tell() - LOG_TAIL_BYTES))
+            handle.seek(max(start, handle.tell() - LOG_TAIL_BYTES))
             return handle.read().decode("utf-8", "replace")
     except OSError as exc:
         return f"(cannot read it: {exc})"

@@ -174,8 +174,8 @@ def test_pool_lifecycle(run_dir: Path):
         holder.stop()
         holder_stopped = time.monotonic()
         service.stop()
-        print(f"closing clients {closed - stopping:.2f} s, stopping the holder {holder_stopped - closed:.2f} s, "
-              f"the service {time.monotonic() - holder_stopped:.2f} s")
+        print(f"closing clients {closed - stopping:.2f} s, stopping the holder "
+              f"{holder_stopped - closed:.2f} s, the service {time.monotonic() - holder_stopped:.2f} s")
     for pid in pids:
         assert session_members(pid) == [], f"process left in session {pid}"
 

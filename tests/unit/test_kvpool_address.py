@@ -56,7 +56,8 @@ def test_malformed_file_is_a_clear_error(tmp_path, text):
 
 @pytest.mark.parametrize("text, size", [
     ("4GiB", 4 * GiB), ("512MiB", 512 * MiB), ("512 mib", 512 * MiB), ("1.5GiB", 3 * GiB // 2),
-    ("2GB", 2_000_000_000), ("1.1GB", 1_100_000_000), ("1048576", MiB), ("0", 0), ("64KiB", 65536), ("7b", 7), (4096, 4096),
+    ("2GB", 2_000_000_000), ("1.1GB", 1_100_000_000), ("1048576", MiB), ("0", 0), ("64KiB", 65536),
+    ("7b", 7), (4096, 4096),
 ])
 def test_parse_size(text, size):
     assert parse_size(text) == size
