@@ -173,6 +173,7 @@ def test_pool_lifecycle(run_dir: Path):
         closed = time.monotonic()
         holder.stop()
         holder_stopped = time.monotonic()
+        assert holder.poll() == 0  # SIGTERM: unmounted and exited cleanly
         service.stop()
         print(f"closing clients {closed - stopping:.2f} s, stopping the holder "
               f"{holder_stopped - closed:.2f} s, the service {time.monotonic() - holder_stopped:.2f} s")
@@ -188,14 +189,18 @@ def test_pool_lifecycle(run_dir: Path):
     assert not any(session_members(pid) for pid in again.pids())
 
 
-def test_service_dies_with_its_owner(run_dir: Path):
-    """kill -9 of the coordinator (here: a small owner process) takes the pool processes along."""
+def test_pool_dies_with_its_owner(run_dir: Path):
+    """kill -9 of the coordinator (here: a small owner process) takes the service and the holder
+    along."""
     owner = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import json, sys, time
+        from seerd.kvpool.holder import HolderProcess
         from seerd.kvpool.service import PoolService
         service = PoolService({str(run_dir)!r}, {HOST!r})
         service.start()
-        print(json.dumps(service.pids()), flush=True)
+        holder = HolderProcess({str(run_dir)!r}, {SEGMENT}, host={HOST!r})
+        holder.spawn()
+        print(json.dumps(service.pids() + [holder.pid]), flush=True)
         time.sleep(120)
     """)], stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     try:

@@ -11,6 +11,7 @@ import pytest
 from seerd.kvpool.address import (
     POOL_FILE, PoolAddress, PoolAddressError, read_pool_address, write_pool_address,
 )
+from seerd.kvpool.holder import local_address_towards
 from seerd.kvpool.service import parse_master_metrics
 from seerd.kvpool.store import GiB, MiB, default_segment_bytes, parse_size
 
@@ -101,3 +102,7 @@ garbage
     assert parse_master_metrics(text) == {"bytes_used": MiB, "capacity_bytes": 64 * MiB, "keys": 1,
                                           "clients": 2, "put_no_space_failures": 0}
     assert parse_master_metrics("") == {}
+
+
+def test_holder_address_is_the_one_routing_to_the_master():
+    assert local_address_towards(replace(ADDRESS, master="127.0.0.1:50051")) == "127.0.0.1"
