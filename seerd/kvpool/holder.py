@@ -1,7 +1,8 @@
 """The process that contributes a node's memory to the job's KV pool.
 
-`python -m seerd.kvpool.holder --run-dir R --segment-bytes N [--host H]` mounts a global segment of
-N bytes and keeps it mounted: every ~0.5 s it re-reads `R/kvpool.json` and sets its store up
+`python -m seerd.kvpool.holder --run-dir R [--segment-bytes N] [--host H]` mounts a global segment
+of N bytes (default: `store.default_segment_bytes()`, from the node's free RAM) and keeps it
+mounted: every ~0.5 s it re-reads `R/kvpool.json` and sets its store up
 again when the generation changes (the coordinator restarted the master) or `health_check()`
 fails (the master is gone), retrying with backoff while the pool is down. Engines contribute no
 memory (segment 0), so what they stored outlives them as long as the holder runs.
@@ -28,7 +29,9 @@ import threading
 from pathlib import Path
 
 from seerd.kvpool.address import PoolAddress, PoolAddressError, read_pool_address
-from seerd.kvpool.store import MiB, PoolUnavailable, close_quietly, open_store, parse_size
+from seerd.kvpool.store import (
+    MiB, PoolUnavailable, close_quietly, default_segment_bytes, open_store, parse_size,
+)
 from seerd.launch.parent_death import die_with_parent
 
 log = logging.getLogger("seerd.kvpool.holder")
@@ -122,8 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m seerd.kvpool.holder",
                                      description="contribute this node's memory to the job's KV pool")
     parser.add_argument("--run-dir", required=True, type=Path)
-    parser.add_argument("--segment-bytes", required=True, type=parse_size,
-                        help="pool memory of this node: bytes or a size such as 4GiB")
+    parser.add_argument("--segment-bytes", default=None, type=parse_size,
+                        help="pool memory of this node: bytes or a size such as 4GiB (default: a quarter "
+                             "of MemAvailable, at most 64 GiB)")
     parser.add_argument("--buffer-bytes", default=DEFAULT_BUFFER_BYTES, type=parse_size)
     parser.add_argument("--host", default=None,
                         help="this node's address for peers (default: the local address that routes to "
@@ -131,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-parent-death", action="store_true",
                         help="keep running when the parent exits (Slurm steps)")
     args = parser.parse_args(argv)
+    if args.segment_bytes is None:
+        args.segment_bytes = default_segment_bytes()
     if args.segment_bytes <= 0:
         parser.error("--segment-bytes must be > 0: a holder exists to contribute memory")
     if not args.no_parent_death:
@@ -152,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
 class HolderProcess:
     """One holder process on this machine: own session, log file 0600, dies with us."""
 
-    def __init__(self, run_dir: Path, segment_bytes: int, *, host: str | None = None,
+    def __init__(self, run_dir: Path, segment_bytes: int | None = None, *, host: str | None = None,
                  buffer_bytes: int = DEFAULT_BUFFER_BYTES, log_path: Path | None = None,
                  parent_death: bool = True) -> None:
         self.run_dir = Path(run_dir)
@@ -166,7 +172,9 @@ class HolderProcess:
 
     def command(self) -> list[str]:
         command = [sys.executable, "-m", "seerd.kvpool.holder", "--run-dir", str(self.run_dir),
-                   "--segment-bytes", str(self.segment_bytes), "--buffer-bytes", str(self.buffer_bytes)]
+                   "--buffer-bytes", str(self.buffer_bytes)]
+        if self.segment_bytes is not None:  # else the holder sizes it from its node's free RAM
+            command += ["--segment-bytes", str(self.segment_bytes)]
         if self.host:
             command += ["--host", self.host]
         if not self.parent_death:

@@ -157,6 +157,10 @@ class PoolService:
         self._stopped = True
         self._terminate(grace_s)
 
+    @property
+    def generation(self) -> int | None:
+        return self.address.generation if self.address else None
+
     def running(self) -> bool:
         return all(proc is not None and proc.poll() is None for proc in (self.master, self.metadata))
 
@@ -168,7 +172,7 @@ class PoolService:
     def stats(self) -> dict:
         """The pool's figures from the master's /metrics (absent keys when it does not answer),
         plus generation, restarts and whether both processes run."""
-        figures: dict = {"generation": self.address.generation if self.address else None,
+        figures: dict = {"generation": self.generation,
                          "restarts": self.restarts, "up": self.running()}
         if self.last_error:
             figures["last_error"] = self.last_error

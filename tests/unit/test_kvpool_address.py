@@ -11,7 +11,7 @@ import pytest
 from seerd.kvpool.address import (
     POOL_FILE, PoolAddress, PoolAddressError, read_pool_address, write_pool_address,
 )
-from seerd.kvpool.holder import local_address_towards
+from seerd.kvpool.holder import HolderProcess, local_address_towards
 from seerd.kvpool.service import parse_master_metrics
 from seerd.kvpool.store import GiB, MiB, default_segment_bytes, parse_size
 
@@ -106,3 +106,11 @@ garbage
 
 def test_holder_address_is_the_one_routing_to_the_master():
     assert local_address_towards(replace(ADDRESS, master="127.0.0.1:50051")) == "127.0.0.1"
+
+
+def test_holder_command(tmp_path):
+    sized = HolderProcess(tmp_path, 64 * MiB, host="10.0.0.7", parent_death=False).command()
+    assert sized[1:3] == ["-m", "seerd.kvpool.holder"]
+    assert sized[sized.index("--segment-bytes") + 1] == str(64 * MiB)
+    assert sized[sized.index("--host") + 1] == "10.0.0.7" and "--no-parent-death" in sized
+    assert "--segment-bytes" not in HolderProcess(tmp_path).command()  # sized from the node's free RAM
