@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -78,17 +77,6 @@ class SpecConfig:
 
 
 KV_POOL_MODES = ("off", "mooncake")
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2, "mib": 1 << 20,
-          "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30, "t": 1 << 40, "tb": 1000**4, "tib": 1 << 40}
-
-
-def parse_bytes(text: str) -> int:
-    """"8GiB", "512MiB", "1.5GB" or a plain byte count."""
-    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise ValueError(f"not a size: {text!r} (use e.g. 8GiB, 512MiB or a byte count)")
-    return int(float(match.group(1)) * _UNITS[unit])
 KV_POOL_PROTOCOLS = ("tcp", "rdma")
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import click
 
-from seerd.config import (DEFAULT_CHUNK_TOKENS, EngineConfig, KVPoolConfig, RunConfig, SamplingDefaults, SpecConfig,
-                          parse_bytes)
+from seerd.config import DEFAULT_CHUNK_TOKENS, EngineConfig, KVPoolConfig, RunConfig, SamplingDefaults, SpecConfig
+from seerd.kvpool.store import parse_size
 
 ROLLOUT_OPTIONS = [
     click.option("--input", "input_path", required=True, type=click.Path(path_type=Path),
@@ -129,6 +129,6 @@ def _pool_size(text: str | None) -> int | None:
     if text is None:
         return None
     try:
-        return parse_bytes(text)
+        return parse_size(text)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--kv-pool-size") from None
