@@ -19,7 +19,7 @@ def main() -> None:
 
     engine = {"kv_cache_gib": 0.25, "max_num_seqs": 8, "dtype": settings.get("dtype", "float32"),
               "api": "stepped", "extra_args": settings.get("extra_args", {})}
-    kv_pool = {"mode": "mooncake", "run_tag": settings.get("run_tag", "test"),
+    kv_pool = None if settings.get("no_pool") else {"mode": "mooncake", "run_tag": settings.get("run_tag", "test"),
                "model_revision": settings.get("model_revision", "m"), "local_host": "127.0.0.1"}
 
     async def serve() -> None:

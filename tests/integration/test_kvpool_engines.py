@@ -22,7 +22,14 @@ pytestmark = [pytest.mark.vllm, pytest.mark.mooncake]
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "tools" / "motif_model" / "weights"
 BLOCK = 128  # vLLM-CPU's default block size
-PROMPT = [random.Random(1).randrange(3, 500) for _ in range(300)]
+GROUPS = (5, 6, 7, 8, 9)
+
+
+def prompt(group: int) -> list[int]:
+    """A prompt per test group: greedy continuations of one prompt are equal, so a shared prompt
+    would let an engine's own prefix cache serve what the test means the pool to serve."""
+    rng = random.Random(group)
+    return [rng.randrange(3, 500) for _ in range(300)]
 
 
 class EngineProcess:
@@ -86,7 +93,19 @@ def pool(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engines(pool):
+def reference(pool):
+    """Per group, 480 greedy tokens in one go, on an engine of its own without the pool (gone
+    before the tests' engines start: their prefix caches must not hold these tokens already)."""
+    run_dir, _ = pool
+    plain = EngineProcess(run_dir, run_dir / "engine-reference.log", no_pool=True)
+    try:
+        return {group: plain.chunk(f"c90{group}e0g99r99p300", prompt(group), 480)["tokens"] for group in GROUPS}
+    finally:
+        plain.close()
+
+
+@pytest.fixture(scope="module")
+def engines(pool, reference):
     run_dir, _ = pool
     first = EngineProcess(run_dir, run_dir / "engine-a.log")
     second = EngineProcess(run_dir, run_dir / "engine-b.log")
@@ -95,28 +114,21 @@ def engines(pool):
     second.close()
 
 
-@pytest.fixture(scope="module")
-def reference(engines):
-    """480 greedy tokens in one go (group 99: its keys never serve the tests' groups)."""
-    first, _ = engines
-    return first.chunk("c900e0g99r99p300", PROMPT, 480)["tokens"]
-
-
 def test_chunks_alternating_between_engines_load_their_context_from_the_pool(engines, reference):
     first, second = engines
-    one = first.chunk("c1e0g5r7p300", PROMPT, 160)
-    two = second.chunk("c2e0g5r7p300", PROMPT + one["tokens"], 160)
+    one = first.chunk("c1e0g5r7p300", prompt(5), 160)
+    two = second.chunk("c2e0g5r7p300", prompt(5) + one["tokens"], 160)
     # The second engine never saw this request: every full block of its 460-token context but the
     # last token's came from the pool.
     assert two["cached"] == (460 - 1) // BLOCK * BLOCK == 384
     assert two["stats"]["blocks_loaded"] >= 3 and two["stats"]["load_failures"] == 0
     loaded_before = one["stats"]["blocks_loaded"]
-    three = first.chunk("c3e0g5r7p300", PROMPT + one["tokens"] + two["tokens"], 160)
+    three = first.chunk("c3e0g5r7p300", prompt(5) + one["tokens"] + two["tokens"], 160)
     # The first engine's prefix cache still holds chunk one's blocks; the block chunk two filled
     # comes from the pool.
     assert three["cached"] == (620 - 1) // BLOCK * BLOCK == 512
     assert three["stats"]["blocks_loaded"] > loaded_before
-    assert one["tokens"] + two["tokens"] + three["tokens"] == reference
+    assert one["tokens"] + two["tokens"] + three["tokens"] == reference[5]
 
 
 def _store(run_dir: Path):  # noqa: ANN202
@@ -148,18 +160,18 @@ def test_a_corrupted_block_is_detected_and_recomputed(pool, engines, reference, 
     run_dir, _ = pool
     first, second = engines
     group = 6 if damage == "flipped" else 7
-    one = first.chunk(f"c10e0g{group}r1p300", PROMPT, 160)
-    context = PROMPT + one["tokens"]
+    one = first.chunk(f"c10e0g{group}r1p300", prompt(group), 160)
+    context = prompt(group) + one["tokens"]
     keys = first.keys(context, group, 1, 300)
     store = _store(run_dir)
     try:
         _rewrite_block(store, keys[1], flip_payload=damage == "flipped", fix_crc=False, truncate=damage == "truncated")
     finally:
         store.close()
-    failures_before = second.chunk("c0e0g0r0p4", PROMPT[:4], 1)["stats"]["load_failures"]
+    failures_before = second.chunk("c0e0g0r0p4", [3, 4, 5, 6], 1)["stats"]["load_failures"]
     two = second.chunk(f"c11e0g{group}r1p300", context, 160)
     assert two["stats"]["load_failures"] > failures_before
-    assert one["tokens"] + two["tokens"] == reference[:320]  # recomputed from the bad block on
+    assert one["tokens"] + two["tokens"] == reference[group][:320]  # recomputed from the bad block on
 
 
 def test_loaded_kv_is_really_used(pool, engines, reference):
@@ -167,8 +179,8 @@ def test_loaded_kv_is_really_used(pool, engines, reference):
     second engine computed with the pool's KV, not its own."""
     run_dir, _ = pool
     first, second = engines
-    one = first.chunk("c20e0g8r1p300", PROMPT, 160)
-    context = PROMPT + one["tokens"]
+    one = first.chunk("c20e0g8r1p300", prompt(8), 160)
+    context = prompt(8) + one["tokens"]
     keys = first.keys(context, 8, 1, 300)
     store = _store(run_dir)
     try:
@@ -178,19 +190,19 @@ def test_loaded_kv_is_really_used(pool, engines, reference):
         store.close()
     two = second.chunk("c21e0g8r1p300", context, 160)
     assert two["cached"] == 384
-    assert two["tokens"] != reference[160:320]
+    assert two["tokens"] != reference[8][160:320]
 
 
 def test_another_dtype_or_run_never_matches(pool, engines):
     run_dir, _ = pool
     first, second = engines
     second.close()  # at most two engines at once
-    one = first.chunk("c30e0g9r1p300", PROMPT, 160)
+    one = first.chunk("c30e0g9r1p300", prompt(9), 160)
     assert one["stats"]["blocks_saved"] > 0
     for settings in ({"dtype": "bfloat16"}, {"run_tag": "another-run"}):
         other = EngineProcess(run_dir, run_dir / "engine-c.log", **settings)
         try:
-            two = other.chunk("c31e0g9r1p300", PROMPT + one["tokens"], 160)
+            two = other.chunk("c31e0g9r1p300", prompt(9) + one["tokens"], 160)
         finally:
             other.close()
         assert two["stats"]["lookups"] >= 1 and two["stats"]["hit_blocks"] == 0, settings
