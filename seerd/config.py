@@ -89,6 +89,7 @@ class KVPoolConfig:
     protocol: str = "tcp"  # mooncake's transfer protocol: tcp, or rdma on clusters
     devices: str = ""  # RDMA devices (e.g. "mlx5_0,mlx5_1"), empty for tcp
     segment_bytes: int | None = None  # pool memory per node; None: from the node's free RAM at start
+    gpu_workers: bool = False  # the workers' engines run on GPUs (known to slurm-run and submit)
 
     def problems(self) -> list[str]:
         found = []
@@ -100,18 +101,22 @@ class KVPoolConfig:
             found.append("--kv-pool-protocol rdma needs --kv-pool-devices (e.g. mlx5_0,mlx5_1)")
         if self.segment_bytes is not None and self.segment_bytes < (64 << 20):
             found.append(f"--kv-pool-size must be at least 64MiB (got {self.segment_bytes} bytes)")
+        if self.mode == "mooncake" and self.gpu_workers:
+            found.append("--kv-pool mooncake: seerd's KV connector copies CPU KV caches only; GPU workers run "
+                         "without the pool for now (--kv-pool off or auto; see docs/kvpool.md)")
         if self.mode == "mooncake" and importlib.util.find_spec("mooncake") is None:
             found.append("--kv-pool mooncake needs mooncake-transfer-engine in the workers' environment "
                          "(tools/setup.sh installs it); use --kv-pool off to run without the pool")
         return found
 
     @staticmethod
-    def resolve_mode(mode: str, *, workers: int, policy: str) -> str:
+    def resolve_mode(mode: str, *, workers: int, policy: str, gpus_per_worker: int = 0) -> str:
         """`auto`: the pool when chunks can move between workers (more than one worker, a policy
-        that chunks); the `group` baseline (veRL) never moves a request, so it runs without."""
+        that chunks); the `group` baseline (veRL) never moves a request, so it runs without. GPU
+        workers run without it for now: seerd's connector copies CPU KV caches only."""
         if mode != "auto":
             return mode
-        return "mooncake" if workers > 1 and policy != "group" else "off"
+        return "mooncake" if workers > 1 and policy != "group" and not gpus_per_worker else "off"
 
 
 @dataclass(frozen=True)

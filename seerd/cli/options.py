@@ -105,7 +105,8 @@ def build_config(*, workers: int, input_path: Path, model_path: Path, policy: st
                  spec_mode: str = "off", spec_depth: int = 8, spec_probe_weight: float = 2.0,
                  spec_fixed_depth: bool = False, spec_profile: Path | None = None,
                  spec_history_dir: Path | None = None, kv_pool_mode: str = "auto", kv_pool_size: str | None = None,
-                 kv_pool_protocol: str = "tcp", kv_pool_devices: str = "", **_launcher_options: object) -> RunConfig:
+                 kv_pool_protocol: str = "tcp", kv_pool_devices: str = "", gpus_per_worker: int = 0,
+                 **_launcher_options: object) -> RunConfig:
     """The RunConfig the rollout options describe (not yet validated)."""
     return RunConfig(
         input_path=str(input_path.resolve()), model_path=str(model_path.resolve()), policy=policy,
@@ -119,9 +120,10 @@ def build_config(*, workers: int, input_path: Path, model_path: Path, policy: st
                         adaptive=not spec_fixed_depth,
                         profile_path=str(spec_profile.resolve()) if spec_profile is not None else None,
                         history_run_dir=str(spec_history_dir.resolve()) if spec_history_dir else None),
-        kv_pool=KVPoolConfig(mode=KVPoolConfig.resolve_mode(kv_pool_mode, workers=workers, policy=policy),
+        kv_pool=KVPoolConfig(mode=KVPoolConfig.resolve_mode(kv_pool_mode, workers=workers, policy=policy,
+                                                            gpus_per_worker=gpus_per_worker),
                              protocol=kv_pool_protocol, devices=kv_pool_devices,
-                             segment_bytes=_pool_size(kv_pool_size)),
+                             segment_bytes=_pool_size(kv_pool_size), gpu_workers=bool(gpus_per_worker)),
     )
 
 

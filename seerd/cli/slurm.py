@@ -50,7 +50,8 @@ def slurm_run(workers_per_node: int | None, gpus_per_worker: int | None, cpus_pe
     except (LayoutError, NotInAllocation, click.BadParameter) as exc:
         ui.error(str(exc))
         raise SystemExit(EXIT_BAD_INPUT) from None
-    prepared = prepare_or_exit({**options, "engine_args": parsed}, workers=layout.total_workers,
+    prepared = prepare_or_exit({**options, "engine_args": parsed, "gpus_per_worker": layout.gpus_per_worker},
+                               workers=layout.total_workers,
                                where=layout.describe())
     if prepared.finished:
         return
@@ -118,7 +119,7 @@ def submit(nodes: int, workers_per_node: int | None, gpus_per_worker: int, gpus_
             folder = options["run_dir"].resolve() / "submitit" / "DRY-RUN"
             click.echo(sbatch_script(resources, folder, shlex.quote(sys.executable)), nl=False)
             return
-        config = build_config(workers=nodes * resources.workers,
+        config = build_config(workers=nodes * resources.workers, gpus_per_worker=resources.gpus_per_worker,
                               engine_args=_engine_args(engine_args, gpus_per_worker), **options)
         handle = submit_rollout(RunDir(options["run_dir"].resolve()), config, options["input_path"], resources,
                                 prior_dir=options["prior_dir"], cluster=None if cluster == "auto" else cluster)

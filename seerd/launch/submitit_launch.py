@@ -270,7 +270,8 @@ def submit(input: str | Path, model: str | Path, run_dir: str | Path, *,  # noqa
     prior = merged.pop("prior_dir")
     prior_dir = Path(prior) if prior is not None else None
     resources.validate()
-    config = build_config(workers=resources.nodes * resources.workers, input_path=Path(input),
+    config = build_config(workers=resources.nodes * resources.workers, gpus_per_worker=resources.gpus_per_worker,
+                          input_path=Path(input),
                           model_path=Path(model), prior_dir=prior_dir, **merged)
     return submit_rollout(RunDir(Path(run_dir).resolve()), config, Path(input), resources, prior_dir=prior_dir,
                           cluster=cluster, folder=Path(folder) if folder is not None else None)
