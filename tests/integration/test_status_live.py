@@ -22,7 +22,8 @@ GROUPS, N = 12, 4
 
 
 def write_long_prompts(path: Path) -> int:
-    """Target lengths up to ~900 tokens in chunks of 32: the run lasts long enough to be watched."""
+    """Target lengths up to ~900 tokens in chunks of 32, 4 sequences per engine: the run lasts long
+    enough to be watched (with 8 per engine it took 16 s here, and ended before the checks did)."""
     rng = random.Random(5)
     total = 0
     with open(path, "w") as handle:
@@ -58,7 +59,7 @@ def test_status_and_metrics_on_a_live_run_then_status_and_report_when_finished(t
     run_dir = tmp_path / "run"
     proc = start_seerd("run", "--input", str(tmp_path / "prompts.jsonl"), "--model", str(tiny_model_dir),
                        "--run-dir", str(run_dir), "--chunk-tokens", "32", "--workers", "2",
-                       "--kv-cache-gib", "0.25", "--max-num-seqs", "8", "--no-progress", log=tmp_path / "run.log")
+                       "--kv-cache-gib", "0.25", "--max-num-seqs", "4", "--no-progress", log=tmp_path / "run.log")
     try:
         # Live: both workers have sent heartbeats with their own figures, chunks are running.
         def watched() -> dict | None:
