@@ -251,8 +251,9 @@ class Coordinator:
             if self.drafts is not None:
                 self.drafts.close()
             if self.pool is not None:
-                await asyncio.get_running_loop().run_in_executor(
+                figures = await asyncio.get_running_loop().run_in_executor(
                     None, partial(self.pool.close, run_finished=self.book.is_complete()))
+                self.record_event("kv_pool_stopped", figures)  # the state thread is closed: ours now
             for signum, handler in previous.items():
                 loop.remove_signal_handler(signum)
                 # asyncio leaves SIG_DFL behind; a late warning signal must not kill the process.

@@ -100,7 +100,7 @@ class PoolHost:
             self.remove_errors += 1
         elif scope == "request":
             self.removed_requests += 1
-        else:
+        elif scope == "group":
             self.removed_groups += 1
 
     # ------------------------------------------------------------------ from the coordinator's watch loop
@@ -133,15 +133,20 @@ class PoolHost:
         return {**self.service.stats(), "restarts": self.restarts, "removed_requests": self.removed_requests,
                 "removed_groups": self.removed_groups, "remove_errors": self.remove_errors}
 
-    def close(self, *, run_finished: bool) -> None:
-        def finish() -> None:
+    def close(self, *, run_finished: bool) -> dict:
+        """Remove a finished run's keys, stop the pool; returns its last figures (after the
+        removals queued before, which run first)."""
+        def finish() -> dict:
             if run_finished and self._store is not None:
                 self._remove(run_pattern(self.tag), "run")
+            figures = self._figures()
             self._close_cleaner()
             self.service.stop()
+            return figures
 
-        self._thread.submit(finish).result()
+        figures = self._thread.submit(finish).result()
         self._thread.shutdown(wait=True)
+        return figures
 
     def _close_cleaner(self) -> None:
         store, self._store = self._store, None

@@ -70,6 +70,12 @@ def test_moved_chunks_load_their_context_and_outputs_equal_a_run_without_the_poo
     stats = [json.loads(s) for (s,) in db_rows(run_dir, "select stats_json from workers") if s]
     pools = [s["kv_pool"] for s in stats if "kv_pool" in s]
     assert sum(p["blocks_loaded"] for p in pools) > 0 and sum(p["load_failures"] for p in pools) == 0
+    # Every request's blocks were removed as it finished, each group's prompt blocks with the
+    # group, and the pool held none of the run's keys when it stopped.
+    ((stopped,),) = db_rows(run_dir, "select data_json from events where kind = 'kv_pool_stopped'")
+    stopped = json.loads(stopped)
+    assert (stopped["removed_requests"], stopped["removed_groups"], stopped["remove_errors"]) == (16, 8, 0), stopped
+    assert stopped["keys"] == 0 and stopped["bytes_used"] == 0, stopped
     # The pool's processes went with the run.
     assert not _pool_processes(run_dir)
 
