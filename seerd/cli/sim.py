@@ -81,6 +81,9 @@ def _describe_pool_source(source: dict) -> str:
               help="Use the pool hit rate measured in this run's database (finished or not; read-only): "
                    "moved continued chunks, over response tokens, as `seerd report` states it. "
                    "Not with --pool-hit-rate.")
+@click.option("--profile", "profile_path", type=click.Path(path_type=Path),
+              help="A measured engine profile (tools/profile_engine.py) as the cost model instead of the "
+                   "preset's; needs --kv-tokens (the engines' KV capacity, as the workers registered it).")
 @click.option("--prefill-mfu", type=float, help="Prefill efficiency (default 0.5).")
 @click.option("--chunk-gap-ms", type=float,
               help="Control-plane time per chunk boundary (default: the preset's; 25 for cpu-tiny, else 0).")
@@ -89,7 +92,7 @@ def _describe_pool_source(source: dict) -> str:
 def sim(preset_name: str, trace_path: Path | None, policies: str, seed: int, seeds: int, iterations: int,
         chunk_tokens: int | None, requests: int | None, instances: int | None, max_num_seqs: int | None,
         kv_tokens: int | None, within_share: float,
-        pool_hit_rate: float, pool_hit_rate_from: Path | None, prefill_mfu: float | None,
+        pool_hit_rate: float, pool_hit_rate_from: Path | None, profile_path: Path | None, prefill_mfu: float | None,
         chunk_gap_ms: float | None, as_json: bool,
         plot_dir: Path | None) -> None:
     """Simulate a rollout under each policy with the daemon's own scheduler code."""
@@ -121,6 +124,12 @@ def sim(preset_name: str, trace_path: Path | None, policies: str, seed: int, see
         preset = preset.with_changes(max_num_seqs=max_num_seqs)
     if kv_tokens is not None and kv_tokens < 1:
         _bad("--kv-tokens must be positive")
+    if profile_path is not None:
+        if kv_tokens is None:
+            _bad("--profile needs --kv-tokens (the engines' KV capacity in tokens)")
+        if not profile_path.is_file():
+            _bad(f"--profile {profile_path}: no such file")
+        preset = preset.with_changes(profile=str(profile_path.resolve()), kv_tokens=kv_tokens)
     if requests is not None and requests < preset.group_size:
         _bad(f"--requests must be at least the group size {preset.group_size}")
     efficiency = Efficiency() if prefill_mfu is None else replace(Efficiency(), prefill_mfu=prefill_mfu)

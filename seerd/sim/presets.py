@@ -103,7 +103,9 @@ class Preset:
 
     def costs(self, efficiency: Efficiency = Efficiency()) -> InstanceCosts | ProfiledCosts:
         if self.profile is not None:
-            return ProfiledCosts.load(PROFILE_DIR / f"{self.profile}.json", self.kv_tokens or 0)
+            # A shipped profile by name, or any profile file (`seerd sim --profile FILE`).
+            path = Path(self.profile) if self.profile.endswith(".json") else PROFILE_DIR / f"{self.profile}.json"
+            return ProfiledCosts.load(path, self.kv_tokens or 0)
         return InstanceCosts(self.model, self.parallelism, eff=efficiency)
 
     def with_changes(self, **changes) -> Preset:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -351,3 +352,24 @@ def test_sim_command_pool_hit_rate_from_bad_runs_exit_2(tmp_path) -> None:
     within_prompt = ((1, 0, 0, "w0", 50, 0, 0.0, 1.0), (1, 0, 1, "w1", 50, 0, 1.0, 2.0))  # L 110: nothing cacheable
     output = fails("--pool-hit-rate-from", str(hand_built_cache_run(tmp_path / "short", within_prompt)))
     assert "had no response tokens that could be cached" in output
+
+
+def test_a_measured_pool_load_replaces_the_recompute_in_a_profile(tmp_path) -> None:
+    from seerd.sim.costs import ProfiledCosts
+
+    profile = json.loads((Path(__file__).resolve().parents[2] / "seerd/sim/profiles/cpu-tiny.json").read_text())
+    without = ProfiledCosts(profile, 5120)
+    assert without.pool_load_time(1000) == without.prefill_time(1000)  # no pool measured: a recompute
+    with_pool = ProfiledCosts({**profile, "pool_load": {"h": 0.002, "k": 1e-6}}, 5120)
+    assert with_pool.pool_load_time(1000) == pytest.approx(0.003)
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({**profile, "pool_load": {"h": 0.002, "k": 1e-6}}))
+    result = CliRunner().invoke(cli, ["sim", "--preset", "cpu-tiny", "--requests", "64", "--policies", "divided",
+                                      "--profile", str(path), "--kv-tokens", "4096", "--json"])
+    assert result.exit_code == 0, result.output
+    cluster = json.loads(result.output)["cluster"]
+    assert cluster["kv_capacity_tokens"] == 4096 and cluster["pool_load_ms_1k"] == pytest.approx(3.02, abs=0.01)
+    for args, says in ((["--profile", str(path)], "needs --kv-tokens"),
+                       (["--profile", str(tmp_path / "nope.json"), "--kv-tokens", "10"], "no such file")):
+        bad = CliRunner().invoke(cli, ["sim", "--preset", "cpu-tiny", *args])
+        assert bad.exit_code == 2 and says in bad.output
