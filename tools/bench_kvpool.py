@@ -11,8 +11,14 @@
    moved chunks and the pool hit rate over their response tokens, bytes moved and load bandwidth.
 
     .venv/bin/python tools/make_tiny_model.py models/gqa24m --shape gqa-24m
+    .venv/bin/python tools/profile_engine.py --model models/gqa24m --out runs/gqa24m-profile.json
     OMP_NUM_THREADS=1 .venv/bin/python tools/bench_kvpool.py --model models/gqa24m [--repeats 3] \
-        [--contexts 256,512,1024,2048] [--rollout-repeats 2] [--skip-ttft] [--skip-rollout]
+        [--contexts 256,512,1024,2048] [--rollout-repeats 2] [--skip-ttft] [--skip-rollout] \
+        [--profile runs/gqa24m-profile.json --write-pool-load]
+
+3. With --profile: the simulator on the last pool run's lengths, with that engine profile (and
+   the pool load cost part 1 measured, --write-pool-load), at the pool hit rate the run measured
+   and at none, beside the real ratio.
 
 At most two engines run at once. Needs a quiet machine: figures are medians, ratios side by side.
 """
@@ -111,6 +117,7 @@ def ttft(args: argparse.Namespace, work: Path) -> None:
     finally:
         holder.stop()
         service.stop()
+    fit_pool_load(args, {length: statistics.median(r[0] for r in rows["pool"][length]) for length in args.contexts})
     print(f"\n## Time to first token of a continued chunk ({args.model.name}, medians of {args.repeats})\n")
     print("| context | recompute (no pool) | pool miss | pool load | load / recompute | cached | loaded | GB/s |")
     print("|---|---|---|---|---|---|---|---|")
@@ -124,6 +131,21 @@ def ttft(args: argparse.Namespace, work: Path) -> None:
         rate = sum(r[2] for r in pool) / max(sum(r[3] for r in pool), 1e-9) / 1e9
         print(f"| {length + 1} | {1e3 * plain_s:.1f} ms | {1e3 * miss_s:.1f} ms | {1e3 * pool_s:.1f} ms | "
               f"{pool_s / plain_s:.2f}x | {cached:.0f} | {loaded / 1e6:.1f} MB | {rate:.2f} |")
+
+
+def fit_pool_load(args: argparse.Namespace, medians: dict[int, float]) -> None:
+    """L(c) = h + k * c over the pool-load medians; written into --profile with --write-pool-load
+    (the simulator then costs a pool load so instead of as a recompute)."""
+    import numpy as np
+
+    contexts = np.array(sorted(medians), dtype=float)
+    k, h = np.polyfit(contexts, np.array([medians[int(c)] for c in contexts]), 1)
+    print(f"pool load fit: {1e3 * h:.2f} ms + {1e6 * k:.2f} us/token", file=sys.stderr)
+    if args.write_pool_load:
+        profile = json.loads(args.profile.read_text())
+        profile["pool_load"] = {"h": float(h), "k": float(k), "model": args.model.name,
+                                "measured": time.strftime("%Y-%m-%d"), "source": "tools/bench_kvpool.py"}
+        args.profile.write_text(json.dumps(profile, indent=2) + "\n")
 
 
 def rollout_figures(run_dir: Path) -> dict:
@@ -169,6 +191,7 @@ def rollouts(args: argparse.Namespace, work: Path) -> None:
             results[mode].append(rollout_figures(run_dir))
             print(f"  {mode} run {rep}: {results[mode][-1]}", file=sys.stderr)
     off_rate = statistics.median(r["tok_s"] for r in results["off"])
+    sim = simulated(args, work / f"mooncake-{args.rollout_repeats - 1}", work) if args.profile else None
     print(f"\n## Rollouts that migrate ({args.groups}x{args.n} requests, prompt {args.prompt_len}, "
           f"{args.max_tokens} tokens in chunks of {args.chunk_tokens}, 2 workers, divided; medians of "
           f"{args.rollout_repeats})\n")
@@ -184,6 +207,38 @@ def rollouts(args: argparse.Namespace, work: Path) -> None:
               f"{f'{100 * statistics.median(hit):.0f}%' if hit else '-'} | "
               f"{statistics.median(r['bytes'] for r in runs) / 1e6:.0f} MB | "
               f"{f'{statistics.median(gbs):.2f}' if gbs else '-'} |")
+    if sim is not None:
+        real = statistics.median(r["tok_s"] for r in results["mooncake"]) / off_rate
+        print(f"\n## The simulator on the last pool run's lengths ({args.profile.name})\n")
+        print("| | pool / no pool | pool hit rate |")
+        print("|---|---|---|")
+        print(f"| real runs (medians) | {real:.2f} | measured |")
+        print(f"| simulator | {sim['measured'] / sim['none']:.2f} | {sim['measured_hit']:.2f} vs 0 |")
+
+
+def simulated(args: argparse.Namespace, run_dir: Path, work: Path) -> dict[str, float]:
+    """The simulator on this run's lengths and cluster with the profile: tok/s with the pool hit
+    rate the run measured, and with none."""
+    import sqlite3
+
+    with sqlite3.connect(f"file:{run_dir / 'state.db'}?mode=ro", uri=True) as conn:
+        rows = conn.execute("select r.group_id, r.generated_tokens, g.prompt_len from requests r "
+                            "join prompt_groups g on g.id = r.group_id").fetchall()
+        kv_tokens = min(k for (k,) in conn.execute("select kv_capacity_tokens from workers"))
+    trace = work / "trace.jsonl"
+    trace.write_text("".join(json.dumps({"group": g, "length": n, "prompt_len": p}) + "\n" for g, n, p in rows))
+    rates = {}
+    for name, pool in (("measured", ["--pool-hit-rate-from", str(run_dir)]), ("none", ["--pool-hit-rate", "0"])):
+        done = subprocess.run([sys.executable, "-m", "seerd.cli.main", "sim", "--preset", "cpu-tiny", "--profile",
+                               str(args.profile), "--kv-tokens", str(kv_tokens), "--instances", "2",
+                               "--max-num-seqs", "64", "--chunk-tokens", str(args.chunk_tokens), "--trace", str(trace),
+                               "--policies", "divided", *pool, "--json"], capture_output=True, text=True, cwd=ROOT)
+        if done.returncode != 0:
+            raise SystemExit(f"sim failed:\n{done.stderr[-2000:]}{done.stdout[-2000:]}")
+        report = json.loads(done.stdout)
+        rates[name] = report["policies"]["divided"]["throughput_tok_s"]
+        rates[f"{name}_hit"] = report["cluster"]["pool_hit_rate"]
+    return rates
 
 
 def main() -> None:
@@ -200,9 +255,16 @@ def main() -> None:
     parser.add_argument("--skip-ttft", action="store_true")
     parser.add_argument("--skip-rollout", action="store_true")
     parser.add_argument("--keep", type=Path, default=None, help="Keep the runs here (default: a temporary directory).")
+    parser.add_argument("--profile", type=Path, default=None,
+                        help="This model's engine profile (tools/profile_engine.py): the simulator runs beside "
+                             "the real rollouts with it.")
+    parser.add_argument("--write-pool-load", action="store_true",
+                        help="Write the measured pool load cost into --profile (pool_load: h + k * tokens).")
     args = parser.parse_args()
     args.model = args.model.resolve()
     args.contexts = [int(x) for x in args.contexts.split(",")]
+    if args.write_pool_load and args.profile is None:
+        parser.error("--write-pool-load needs --profile")
     with tempfile.TemporaryDirectory(prefix="bench-kvpool-") as tmp:
         work = args.keep or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)

@@ -105,3 +105,20 @@ def assert_complete_output(run_dir: Path, expected: dict[tuple[int, int], int] |
     meta = json.loads((run_dir / "rollouts.meta.json").read_text())
     assert meta["complete"] is True
     return rows
+
+
+def live_processes() -> dict[int, list[str]]:
+    """pid -> the fields of /proc/PID/stat after the command name (state, ppid, pgrp, session, ...),
+    for every process not yet reaped."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] not in ("Z", "X"):
+            found[int(entry)] = fields
+    return found

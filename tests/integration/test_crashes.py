@@ -11,7 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.integration.harness import (
-    assert_complete_output, db_rows, done_chunks, run_seerd, start_seerd, wait_for, write_token_prompts,
+    assert_complete_output, db_rows, done_chunks, live_processes, run_seerd, start_seerd, wait_for,
+    write_token_prompts,
 )
 
 pytestmark = pytest.mark.vllm
@@ -20,19 +21,7 @@ COMMON = ["--workers", "2", "--kv-cache-gib", "0.25", "--max-num-seqs", "16", "-
 
 
 def live_group_members(pgid: int) -> list[int]:
-    members = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as handle:
-                fields = handle.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        state, pgrp = fields[0], int(fields[2])
-        if pgrp == pgid and state not in ("Z", "X"):
-            members.append(int(entry))
-    return members
+    return [pid for pid, fields in live_processes().items() if int(fields[2]) == pgid]
 
 
 def chunk_table(run_dir):

@@ -20,22 +20,13 @@ from seerd.kvpool.address import POOL_FILE, read_pool_address
 from seerd.kvpool.holder import HOLDER_LOG, HolderProcess
 from seerd.kvpool.service import MASTER_LOG, METADATA_LOG, PoolService
 from seerd.kvpool.store import MiB, close_quietly, open_store
+from tests.integration.harness import live_processes, wait_for
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(120)]
 
 HOST = "127.0.0.1"
 SEGMENT = 64 * MiB
 VALUE = 1 * MiB
-
-
-def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.1):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        result = predicate()
-        if result:
-            return result
-        time.sleep(interval_s)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 def listening(pid: int) -> list[tuple[str, int]]:
@@ -70,18 +61,7 @@ def _decode_address(hex_address: str, width: int) -> str:
 
 
 def session_members(sid: int) -> list[int]:
-    members = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as handle:
-                fields = handle.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == sid and fields[0] != "Z":  # fields: state ppid pgrp session
-            members.append(int(entry))
-    return members
+    return [pid for pid, fields in live_processes().items() if int(fields[3]) == sid]
 
 
 def put_and_get(store, key: str) -> None:
