@@ -20,12 +20,15 @@ def seerd_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "seerd.cli.main", *args]
 
 
-def test_env() -> dict[str, str]:
+def test_env() -> dict[str, str]:  # not a test: the environment the tests run seerd in
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONPATH"] = f"{REPO_ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
     env["NO_COLOR"] = "1"
     return env
+
+
+test_env.__test__ = False  # modules that import it must not have pytest collect it
 
 
 def run_seerd(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
