@@ -65,7 +65,7 @@ VERSION = 1
 BATCH = 64  # blocks per store call (header slots)
 
 
-def transfer_config(*, run_dir: str, run_tag: str, model_revision: str, local_host: str) -> dict:
+def transfer_config(*, run_dir: str, run_tag: str, model_revision: str, local_host: str | None = None) -> dict:
     """The engine's `kv_transfer_config` for seerd's pool connector."""
     return {
         "kv_connector": CONNECTOR_CLASS,
@@ -117,7 +117,7 @@ class SeerdPoolConnector(KVConnectorBase_V1):
             "tp": parallel.tensor_parallel_size, "pp": parallel.pipeline_parallel_size,
             "layout": _layout_signature(kv_cache_config),
         })
-        self._client: PoolClient = pool_client(str(extra["run_dir"]), str(extra.get("local_host", "127.0.0.1")))
+        self._client: PoolClient = pool_client(str(extra["run_dir"]), extra.get("local_host"))
         # scheduler side
         self._tracked: dict[str, _Tracked] = {}
         self._pending_loads: dict[str, list[BlockTransfer]] = {}

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from seerd.kvpool.address import POOL_FILE, PoolAddress, read_pool_address
+from seerd.kvpool.address import POOL_FILE, PoolAddress, PoolAddressError, read_pool_address
+from seerd.kvpool.holder import local_address_towards
 from seerd.kvpool.store import PoolUnavailable, open_store
 
 log = logging.getLogger("vllm.seerd.kvpool")
@@ -48,7 +48,7 @@ class PoolStats:
 
 
 class PoolClient:
-    def __init__(self, run_dir: str, local_host: str) -> None:
+    def __init__(self, run_dir: str, local_host: str | None) -> None:
         self.run_dir = Path(run_dir)
         self.local_host = local_host
         self.stats = PoolStats()
@@ -98,13 +98,15 @@ class PoolClient:
             if address is None:
                 return
             self._address_mtime = os.stat(self.run_dir / POOL_FILE).st_mtime
-            store = open_store(address, local_host=self.local_host, segment_bytes=0,
+            # None: this node's address on the route to the master (what peers reach us at).
+            local_host = self.local_host or local_address_towards(address)
+            store = open_store(address, local_host=local_host, segment_bytes=0,
                                buffer_bytes=ENGINE_BUFFER_BYTES)
             for buffer in self._buffers:
                 code = store.register_buffer(buffer.ctypes.data, buffer.nbytes)
                 if code != 0:
                     raise PoolUnavailable(f"register_buffer failed with {code}", code)
-        except (PoolUnavailable, OSError, ValueError) as exc:
+        except (PoolUnavailable, PoolAddressError, OSError, ValueError) as exc:
             log.warning("KV pool unavailable (chunks recompute their context): %s", exc)
             return
         self._store, self._address, self._failures = store, address, 0
@@ -180,7 +182,7 @@ class PoolClient:
 _CLIENT: PoolClient | None = None
 
 
-def pool_client(run_dir: str, local_host: str) -> PoolClient:
+def pool_client(run_dir: str, local_host: str | None) -> PoolClient:
     """The process's client (the scheduler-side and worker-side connectors share it)."""
     global _CLIENT
     if _CLIENT is None:
@@ -192,10 +194,3 @@ def pool_stats() -> dict | None:
     """This process's pool counters, or None when no connector made a client here."""
     return None if _CLIENT is None else _CLIENT.stats.to_dict()
 
-
-def route_source_address(peer_host: str) -> str:
-    """The address this node uses to reach `peer_host` (the coordinator): what other nodes'
-    pool clients reach this one at (a UDP connect sends nothing)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((peer_host, 9))
-        return probe.getsockname()[0]

@@ -113,7 +113,7 @@ def kv_transfer_config(kv_pool: dict | None, run_dir: str | None) -> dict | None
     from seerd.kvpool.connector import transfer_config
 
     return transfer_config(run_dir=str(run_dir), run_tag=kv_pool["run_tag"], model_revision=kv_pool["model_revision"],
-                           local_host=kv_pool.get("local_host", "127.0.0.1"))
+                           local_host=kv_pool.get("local_host"))
 
 
 def engine_args(model_path: str, engine: dict, seed: int, spec: dict | None = None,

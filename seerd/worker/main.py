@@ -16,11 +16,10 @@ import socket
 import sys
 import time
 from pathlib import Path
-from urllib.parse import urlsplit
 
 from seerd.drafts.drafter import drafter_stats
 from seerd.drafts.protocol import ChunkIdentity
-from seerd.kvpool.pool import pool_stats, route_source_address
+from seerd.kvpool.pool import pool_stats
 from seerd.rundir import RunDir
 from seerd.worker.client import CoordinatorClient, CoordinatorGone, NotRegistered
 from seerd.worker.engine import EngineDead, start_engine
@@ -214,11 +213,8 @@ async def amain(run_dir: RunDir, rank: int, patience_s: float, address_timeout_s
                                                   address_timeout_s=address_timeout_s)
     settings = await client.call("GET", "config")
     started = time.monotonic()
-    kv_pool = settings.get("kv_pool")
-    if kv_pool and kv_pool.get("mode") == "mooncake":
-        kv_pool = {**kv_pool, "local_host": route_source_address(urlsplit(client.base_url).hostname)}
     engine = start_engine(settings["model_path"], settings["engine"], settings["seed"], settings.get("spec"),
-                          str(run_dir.path), kv_pool)
+                          str(run_dir.path), settings.get("kv_pool"))
     log.info("engine ready in %.1fs", time.monotonic() - started)
     worker = Worker(client, engine, rank)
     loop = asyncio.get_running_loop()
