@@ -19,7 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
+from seerd.kvpool.address import read_pool_address
 from seerd.kvpool.keys import group_pattern, request_pattern, run_pattern
+from seerd.kvpool.store import PoolUnavailable, close_quietly, open_store
 
 log = logging.getLogger("seerd.coordinator")
 
@@ -72,8 +74,6 @@ class PoolHost:
         return address
 
     def _open_cleaner(self, address) -> None:  # noqa: ANN001
-        from seerd.kvpool.store import PoolUnavailable, open_store
-
         try:
             self._store = open_store(address, local_host=self.local_host, segment_bytes=0,
                                      buffer_bytes=CLEANER_BUFFER_BYTES)
@@ -122,8 +122,6 @@ class PoolHost:
         log.warning("KV pool restarted (generation %s): workers recompute until it fills again",
                     getattr(self.service, "generation", "?"))
         self._close_cleaner()
-        from seerd.kvpool.address import read_pool_address
-
         address = read_pool_address(self.service.run_dir)
         if address is not None:
             self._open_cleaner(address)
@@ -151,7 +149,4 @@ class PoolHost:
     def _close_cleaner(self) -> None:
         store, self._store = self._store, None
         if store is not None:
-            try:
-                store.close()
-            except Exception:  # noqa: BLE001 - the master may be gone already
-                pass
+            close_quietly(store)  # the master may be gone already

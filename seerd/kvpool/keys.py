@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -53,8 +54,6 @@ def run_pattern(run_tag: str) -> str:
 
 
 def _re(text: str) -> str:
-    import re
-
     return re.escape(text)
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from seerd.kvpool.address import POOL_FILE, PoolAddress, PoolAddressError, read_pool_address
 from seerd.kvpool.holder import local_address_towards
-from seerd.kvpool.store import PoolUnavailable, open_store
+from seerd.kvpool.store import PoolUnavailable, close_quietly, open_store
 
 log = logging.getLogger("vllm.seerd.kvpool")
 
@@ -119,10 +119,7 @@ class PoolClient:
         store, self._store = self._store, None
         self._next_connect = 0.0
         if store is not None:
-            try:
-                store.close()
-            except Exception:  # noqa: BLE001 - closing a broken client must not fail the step
-                pass
+            close_quietly(store)  # closing a broken client must not fail the step
 
     def _failed(self, what: str, detail: object) -> None:
         self.stats.errors += 1
