@@ -74,9 +74,16 @@ class Engine:
         self.log.close()
 
 
-def tokens(seed: int, length: int, vocab: int = 1000) -> list[int]:
+def tokens(seed: int | str, length: int, vocab: int = 1000) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(3, vocab) for _ in range(length)]
+
+
+def context(kind: str, rep: int, length: int) -> list[int]:
+    """A fresh context per (kind, repeat, length): no engine has any of it in its prefix cache (an
+    earlier version drew the seeds of different kinds from overlapping ranges, so some repeats'
+    "pool loads" and "misses" were local prefix hits)."""
+    return tokens(f"{kind}/{rep}/{length}", length)
 
 
 def ttft(args: argparse.Namespace, work: Path) -> None:
@@ -85,7 +92,7 @@ def ttft(args: argparse.Namespace, work: Path) -> None:
     holder = HolderProcess(work, 2 << 30, log_path=work / "holder.log")
     holder.spawn()
     time.sleep(1.5)
-    rows: dict[str, dict[int, list]] = {"pool": {}, "miss": {}, "plain": {}}
+    rows: dict[str, dict[int, list]] = {"pool": {}, "miss": {}, "plain": {}, "local": {}}
     try:
         saver = Engine(work, args.model, "saver")
         loader = Engine(work, args.model, "loader")
@@ -95,7 +102,7 @@ def ttft(args: argparse.Namespace, work: Path) -> None:
         for rep in range(args.repeats):
             for length in args.contexts:
                 gid += 1
-                prompt = tokens(10_000 * rep + length, length)
+                prompt = context("pool", rep, length)
                 first = saver.chunk(f"c{gid}e0g{gid}r1p{length}", prompt, 1)
                 before = loader.chunk(f"c0e0g0r{gid}p4", tokens(gid, 4), 1)["stats"]  # counters now
                 after = loader.chunk(f"c{gid}e1g{gid}r1p{length}", prompt + first["tokens"], 1)
@@ -103,15 +110,21 @@ def ttft(args: argparse.Namespace, work: Path) -> None:
                 rows["pool"].setdefault(length, []).append(
                     (after["s"], after["cached"], stats["bytes_loaded"] - before["bytes_loaded"],
                      stats["load_s"] - before["load_s"]))
-                miss = loader.chunk(f"c{gid}e2g{gid + 500}r1p{length + 1}", tokens(20_000 * rep + length, length + 1), 1)
+                miss = loader.chunk(f"c{gid}e2g{gid + 500}r1p{length + 1}", context("miss", rep, length + 1), 1)
                 rows["miss"].setdefault(length, []).append((miss["s"], miss["cached"], 0, 0.0))
+                # The same continuation from the loader's own prefix cache: what a chunk that
+                # stays on its worker costs, the floor a pool load is measured against.
+                own = context("local", rep, length)
+                first = loader.chunk(f"c{gid}e0g{gid + 900}r1p{length}", own, 1)
+                local = loader.chunk(f"c{gid}e1g{gid + 900}r1p{length}", own + first["tokens"], 1)
+                rows["local"].setdefault(length, []).append((local["s"], local["cached"], 0, 0.0))
         saver.close()
         loader.close()
         plain = Engine(work, args.model, "plain", no_pool=True)
         plain.chunk("c0e0g0r0p8", tokens(0, 8), 1)
         for rep in range(args.repeats):
             for length in args.contexts:
-                result = plain.chunk(f"c1e0g1r1p{length + 1}", tokens(30_000 * rep + length, length + 1), 1)
+                result = plain.chunk(f"c1e0g1r1p{length + 1}", context("plain", rep, length + 1), 1)
                 rows["plain"].setdefault(length, []).append((result["s"], result["cached"], 0, 0.0))
         plain.close()
     finally:
@@ -119,8 +132,9 @@ def ttft(args: argparse.Namespace, work: Path) -> None:
         service.stop()
     fit_pool_load(args, {length: statistics.median(r[0] for r in rows["pool"][length]) for length in args.contexts})
     print(f"\n## Time to first token of a continued chunk ({args.model.name}, medians of {args.repeats})\n")
-    print("| context | recompute (no pool) | pool miss | pool load | load / recompute | cached | loaded | GB/s |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| context | recompute (no pool) | pool miss | local prefix hit | pool load | load / recompute "
+          "| load - local | cached | loaded | GB/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for length in args.contexts:
         plain_s = statistics.median(r[0] for r in rows["plain"][length])
         miss_s = statistics.median(r[0] for r in rows["miss"][length])
@@ -128,9 +142,11 @@ def ttft(args: argparse.Namespace, work: Path) -> None:
         pool_s = statistics.median(r[0] for r in pool)
         cached = statistics.median(r[1] or 0 for r in pool)
         loaded = statistics.median(r[2] for r in pool)
+        local_s = statistics.median(r[0] for r in rows["local"][length])
         rate = sum(r[2] for r in pool) / max(sum(r[3] for r in pool), 1e-9) / 1e9
-        print(f"| {length + 1} | {1e3 * plain_s:.1f} ms | {1e3 * miss_s:.1f} ms | {1e3 * pool_s:.1f} ms | "
-              f"{pool_s / plain_s:.2f}x | {cached:.0f} | {loaded / 1e6:.1f} MB | {rate:.2f} |")
+        print(f"| {length + 1} | {1e3 * plain_s:.1f} ms | {1e3 * miss_s:.1f} ms | {1e3 * local_s:.1f} ms | "
+              f"{1e3 * pool_s:.1f} ms | {pool_s / plain_s:.2f}x | {1e3 * (pool_s - local_s):+.1f} ms | {cached:.0f} | "
+              f"{loaded / 1e6:.1f} MB | {rate:.2f} |")
 
 
 def fit_pool_load(args: argparse.Namespace, medians: dict[int, float]) -> None:
@@ -166,7 +182,10 @@ def rollout_figures(run_dir: Path) -> dict:
     return {"tok_s": out / (last - first), "recomputed": float(prefill.recomputed[-1]) if len(prefill.recomputed) else 0,
             "avoided": float(prefill.avoided[-1]) if len(prefill.avoided) else 0, "moved": cache.moved.chunks,
             "hit": cache.pool_hit_rate_response, "bytes": loaded + sum(p["bytes_saved"] for p in pools),
-            "gbs": loaded / max(sum(p["load_s"] for p in pools), 1e-9) / 1e9 if pools else None}
+            "gbs": loaded / max(sum(p["load_s"] for p in pools), 1e-9) / 1e9 if pools else None,
+            # The workers' time in synchronous saves and loads, over their wall time together:
+            # what asynchronous saves could win back at most.
+            "io_share": sum(p["save_s"] + p["load_s"] for p in pools) / (len(stats) * (last - first)) if pools else None}
 
 
 def rollouts(args: argparse.Namespace, work: Path) -> None:
@@ -184,7 +203,7 @@ def rollouts(args: argparse.Namespace, work: Path) -> None:
                        str(args.model), "--run-dir", str(run_dir), "--workers", "2", "--policy", "divided",
                        "--chunk-tokens", str(args.chunk_tokens), "--n", str(args.n), "--max-tokens",
                        str(args.max_tokens), "--temperature", "0", "--dtype", "float32", "--kv-cache-gib", "0.5",
-                       "--wait-for-workers", "--no-progress", "--kv-pool", mode]
+                       "--max-num-seqs", str(args.max_num_seqs), "--wait-for-workers", "--no-progress", "--kv-pool", mode]
             done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT)
             if done.returncode != 0:
                 raise SystemExit(f"{mode} run failed:\n{done.stderr[-3000:]}")
@@ -193,11 +212,12 @@ def rollouts(args: argparse.Namespace, work: Path) -> None:
     off_rate = statistics.median(r["tok_s"] for r in results["off"])
     sim = simulated(args, work / f"mooncake-{args.rollout_repeats - 1}", work) if args.profile else None
     print(f"\n## Rollouts that migrate ({args.groups}x{args.n} requests, prompt {args.prompt_len}, "
-          f"{args.max_tokens} tokens in chunks of {args.chunk_tokens}, 2 workers, divided; medians of "
+          f"{args.max_tokens} tokens in chunks of {args.chunk_tokens}, 2 workers of {args.max_num_seqs} sequences, "
+          f"divided; medians of "
           f"{args.rollout_repeats})\n")
     print("| kv pool | tok/s | x off | prefill recomputed | prefill avoided | moved chunks | pool hit (response) "
-          "| bytes moved | load GB/s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| bytes moved | load GB/s | save+load time |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for mode, runs in results.items():
         rate = statistics.median(r["tok_s"] for r in runs)
         hit = [r["hit"] for r in runs if r["hit"] is not None]
@@ -206,7 +226,7 @@ def rollouts(args: argparse.Namespace, work: Path) -> None:
               f"{statistics.median(r['avoided'] for r in runs):,.0f} | {statistics.median(r['moved'] for r in runs):.0f} | "
               f"{f'{100 * statistics.median(hit):.0f}%' if hit else '-'} | "
               f"{statistics.median(r['bytes'] for r in runs) / 1e6:.0f} MB | "
-              f"{f'{statistics.median(gbs):.2f}' if gbs else '-'} |")
+              f"{f'{statistics.median(gbs):.2f}' if gbs else '-'} | {share(runs)} |")
     if sim is not None:
         real = statistics.median(r["tok_s"] for r in results["mooncake"]) / off_rate
         print(f"\n## The simulator on the last pool run's lengths ({args.profile.name})\n")
@@ -214,6 +234,11 @@ def rollouts(args: argparse.Namespace, work: Path) -> None:
         print("|---|---|---|")
         print(f"| real runs (medians) | {real:.2f} | measured |")
         print(f"| simulator | {sim['measured'] / sim['none']:.2f} | {sim['measured_hit']:.2f} vs 0 |")
+
+
+def share(runs: list[dict]) -> str:
+    shares = [r["io_share"] for r in runs if r["io_share"] is not None]
+    return f"{100 * statistics.median(shares):.1f}%" if shares else "-"
 
 
 def simulated(args: argparse.Namespace, run_dir: Path, work: Path) -> dict[str, float]:
@@ -231,7 +256,8 @@ def simulated(args: argparse.Namespace, run_dir: Path, work: Path) -> dict[str, 
     for name, pool in (("measured", ["--pool-hit-rate-from", str(run_dir)]), ("none", ["--pool-hit-rate", "0"])):
         done = subprocess.run([sys.executable, "-m", "seerd.cli.main", "sim", "--preset", "cpu-tiny", "--profile",
                                str(args.profile), "--kv-tokens", str(kv_tokens), "--instances", "2",
-                               "--max-num-seqs", "64", "--chunk-tokens", str(args.chunk_tokens), "--trace", str(trace),
+                               "--max-num-seqs", str(args.max_num_seqs), "--chunk-tokens", str(args.chunk_tokens),
+                               "--trace", str(trace),
                                "--policies", "divided", *pool, "--json"], capture_output=True, text=True, cwd=ROOT)
         if done.returncode != 0:
             raise SystemExit(f"sim failed:\n{done.stderr[-2000:]}{done.stdout[-2000:]}")
@@ -252,6 +278,9 @@ def main() -> None:
     parser.add_argument("--chunk-tokens", type=int, default=96)
     parser.add_argument("--max-tokens", type=int, default=384)
     parser.add_argument("--rollout-repeats", type=int, default=2)
+    parser.add_argument("--max-num-seqs", type=int, default=6,
+                        help="Sequences per worker in the rollouts: below the request count, so neither worker can "
+                             "take every request back after its chunks and chunks move whatever the timing.")
     parser.add_argument("--skip-ttft", action="store_true")
     parser.add_argument("--skip-rollout", action="store_true")
     parser.add_argument("--keep", type=Path, default=None, help="Keep the runs here (default: a temporary directory).")
