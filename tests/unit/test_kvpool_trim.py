@@ -109,12 +109,14 @@ def test_the_longest_queued_go_first_one_at_a_time_until_under_the_low_watermark
 
     assert check(host, waiting) == [None]
     # 75 - 5 - 0 - 8 = 62 blocks is not under 60; after request 14, 56 is: 15 keeps its blocks.
-    assert [pattern for pattern, _ in pool.removals] == [request_pattern("run", 1, rid) for rid in (11, 12, 13, 14)]
+    removed = [pattern for pattern, _ in pool.removals]
+    assert removed == [request_pattern("run", 1, rid) for rid in (11, 12, 13, 14)]
     assert not any(force for _, force in pool.removals)  # a block being read keeps its lease
     assert (pool.held(1, "r15"), pool.held(1, "p"), pool.held(2, "r21")) == (5, 10, 41)
     figures = host.latest
     assert figures["bytes_used"] == 56 * MiB
-    assert (figures["trimmed_requests"], figures["trimmed_blocks"], figures["trimmed_bytes"]) == (3, 19, 19 * MiB)
+    trimmed = (figures["trimmed_requests"], figures["trimmed_blocks"], figures["trimmed_bytes"])
+    assert trimmed == (3, 19, 19 * MiB)
 
     pool.hold(2, "r22", 20)  # over budget again: the next trim starts after the last one dealt with
     assert check(host, waiting[4:]) == [waiting[3]]
