@@ -21,6 +21,7 @@ import time
 from array import array
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from sqlalchemy import Connection, Engine, bindparam, insert, select, update
 from sqlalchemy.orm import Session, sessionmaker
@@ -132,6 +133,14 @@ class ChunkReport:
     logprobs: list[float]
     finish_reason: str
     cached_tokens: int | None = None
+
+
+class WaitingRequest(NamedTuple):
+    """A queued request as `LeaseBook.queued_longest` names it (for the KV pool's trimming)."""
+
+    group_id: int
+    request_id: int
+    queued_at: float
 
 
 @dataclass(frozen=True)
@@ -631,6 +640,19 @@ class LeaseBook:
             "output_tokens": self.output_tokens,
             "workers_alive": len(self.live_workers()),
         }
+
+    def queued_longest(self, limit: int, after: WaitingRequest | None = None) -> list[WaitingRequest]:
+        """Up to `limit` requests waiting in the queue, queued longest first (ties by request id),
+        those after `after` only when given. Only requests that have run on a worker: the others
+        hold no blocks of their own in the KV pool. Leased (running) requests are never queued."""
+        start = None if after is None else (after.queued_at, after.request_id)
+        waiting = []
+        for queued in self.queue.fcfs(start):
+            if len(waiting) == limit:
+                break
+            if queued.last_worker is not None:
+                waiting.append(WaitingRequest(queued.group_id, queued.request_id, queued.queued_at))
+        return waiting
 
     def is_complete(self) -> bool:
         return self.finished_requests == len(self.requests)

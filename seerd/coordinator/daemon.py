@@ -267,7 +267,7 @@ class Coordinator:
             if await run(self.book.expire, self.clock()):
                 self.control.work_queued()
             await run(self._refresh_drafts)
-            if self.pool is not None and await self.pool.check():
+            if self.pool is not None and await self.pool.check(partial(run, self.book.queued_longest)):
                 await run(self.record_event, "kv_pool_restarted", {"restarts": self.pool.restarts})
             if on_tick:
                 on_tick(await run(self.book.counts))

@@ -7,6 +7,15 @@ finished; it then removes that request's blocks (and, at the group's end, the gr
 blocks) by the key scopes of `seerd.kvpool.keys`, and at the end of a finished run every key of
 the run. A restarted master has lost every key anyway: workers recompute meanwhile and repopulate
 it, which is why `check()` only restarts and records the fact.
+
+The pool's budget: finished requests' blocks go at once; when the pool still fills past
+TRIM_ABOVE of its capacity, `check()` removes the blocks of the requests queued longest (the
+book's `queued_longest`, asked on its state thread), one request at a time, until the pool is
+under TRIM_BELOW (estimated, see `TrimBudget`). Only a request's own blocks (`r<request>`) go: its group's prompt blocks serve
+its siblings too, running ones included, and go when the group finishes. Leased requests are
+never queued, so a running request keeps its blocks. Nothing is lost: a trimmed request's next
+chunk recomputes what it does not find (the connector treats a missing block as a miss, and a
+block removed between its lookup and its load as a failed load, which vLLM recomputes).
 """
 
 from __future__ import annotations
@@ -15,10 +24,13 @@ import asyncio
 import hashlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
+from seerd.coordinator.book import WaitingRequest
 from seerd.kvpool.address import read_pool_address
 from seerd.kvpool.keys import group_pattern, request_pattern, run_pattern
 from seerd.kvpool.store import PoolUnavailable, close_quietly, open_store
@@ -27,6 +39,17 @@ log = logging.getLogger("seerd.coordinator")
 
 CHECK_EVERY_S = 2.0
 CLEANER_BUFFER_BYTES = 16 << 20
+# The budget order holds only if the coordinator frees room before Mooncake evicts in its own
+# order (from service.EVICTION_HIGH_WATERMARK, 0.8 of capacity). The gap up to 0.8 absorbs the
+# puts of one check interval; the gap between the two makes each trim free a tenth of the pool
+# rather than a request per check.
+TRIM_ABOVE = 0.7
+TRIM_BELOW = 0.6
+# Requests asked of the book per check: bounds the state thread's walk of the queue and one
+# check's removals, each a regex scan of every key on the master (measured: 17 ms at 10,000 keys).
+TRIM_REQUESTS_PER_CHECK = 64
+
+QueuedLongest = Callable[[int, WaitingRequest | None], Awaitable[list[WaitingRequest]]]
 
 
 def run_tag(run_path: Path, created_at: float) -> str:
@@ -47,6 +70,34 @@ def model_revision(model_path: str) -> str:
     return digest.hexdigest()
 
 
+@dataclass
+class TrimBudget:
+    """How far one trim must bring the pool's usage down, and how far it has brought it.
+
+    What a removal freed is estimated as blocks removed times the pool's mean block size: every
+    block of a run has one size (one model, block size and dtype), and the master's figures read
+    again would also count the engines' puts meanwhile."""
+
+    used_bytes: float
+    target_bytes: float
+    block_bytes: float
+
+    @classmethod
+    def needed(cls, figures: dict) -> TrimBudget | None:
+        """None while the pool is under TRIM_ABOVE of its capacity (or the master did not answer)."""
+        used, capacity, keys = figures.get("bytes_used"), figures.get("capacity_bytes"), figures.get("keys")
+        if not used or not capacity or not keys or used < TRIM_ABOVE * capacity:
+            return None
+        return cls(used, TRIM_BELOW * capacity, used / keys)
+
+    def removed(self, blocks: int) -> None:
+        self.used_bytes -= blocks * self.block_bytes
+
+    @property
+    def met(self) -> bool:
+        return self.used_bytes < self.target_bytes
+
+
 class PoolHost:
     def __init__(self, service, tag: str, *, local_host: str) -> None:  # noqa: ANN001
         self.service = service  # seerd.kvpool.service.PoolService
@@ -59,6 +110,13 @@ class PoolHost:
         self.removed_requests = 0
         self.removed_groups = 0
         self.remove_errors = 0
+        self.trimmed_requests = 0
+        self.trimmed_blocks = 0
+        self.trimmed_bytes = 0  # estimated, see TrimBudget
+        # The last request a trim dealt with: the next trim asks for requests queued after it.
+        # One before it that still waits has not completed a chunk since (a report queues a
+        # request anew), so it holds at most what the engine of a lease that expired saved.
+        self._trimmed_through: WaitingRequest | None = None
         self.latest: dict = {}  # pool figures as of the last check (what /v1/status serves)
 
     async def run(self, fn, *args):  # noqa: ANN001, ANN002, ANN201
@@ -88,11 +146,12 @@ class PoolHost:
     def group_finished(self, group_id: int) -> None:
         self._thread.submit(self._remove, group_pattern(self.tag, group_id), "group")
 
-    def _remove(self, pattern: str, scope: str) -> None:
+    def _remove(self, pattern: str, scope: str, *, force: bool = True) -> int:
+        """Remove the keys `pattern` matches; returns how many went (-1: the store failed)."""
         if self._store is None:
-            return
+            return 0
         try:
-            removed = self._store.remove_by_regex(pattern, force=True)
+            removed = self._store.remove_by_regex(pattern, force=force)
         except Exception as exc:  # noqa: BLE001 - a failed removal leaves blocks to the pool's eviction
             removed = -1
             log.debug("KV pool: remove %s failed: %s", pattern, exc)
@@ -102,17 +161,23 @@ class PoolHost:
             self.removed_requests += 1
         elif scope == "group":
             self.removed_groups += 1
+        return removed
 
     # ------------------------------------------------------------------ from the coordinator's watch loop
-    async def check(self) -> bool:
-        """Restart a dead master or metadata server and refresh `latest` (at most every
-        CHECK_EVERY_S); True if it restarted."""
+    async def check(self, queued_longest: QueuedLongest | None = None) -> bool:
+        """Restart a dead master or metadata server, refresh `latest` and, with `queued_longest`
+        (the book's, run on its state thread), trim a pool over its budget; at most every
+        CHECK_EVERY_S. True if it restarted."""
         now = time.monotonic()
         if now - self._checked_at < CHECK_EVERY_S:
             return False
         self._checked_at = now
         restarted = await self.run(self._check)
         self.latest = await self.run(self._figures)  # replaced whole: readers never see it half-made
+        if queued_longest is not None and TrimBudget.needed(self.latest) is not None:
+            waiting = await queued_longest(TRIM_REQUESTS_PER_CHECK, self._trimmed_through)
+            if waiting:
+                self.latest = await self.run(self._trim, waiting)
         return restarted
 
     def _check(self) -> bool:
@@ -127,9 +192,34 @@ class PoolHost:
             self._open_cleaner(address)
         return True
 
+    def _trim(self, waiting: list[WaitingRequest]) -> dict:
+        """Remove the own blocks of `waiting`'s requests, in its order, until the pool is under
+        TRIM_BELOW of its capacity (estimated); returns the pool's figures after."""
+        budget = TrimBudget.needed(self.service.stats())
+        if budget is None or self._store is None:
+            return self._figures()
+        for request in waiting:
+            if budget.met:
+                break
+            # Unforced: if the request was leased since the book named it, a block an engine is
+            # reading right now keeps its read lease and stays.
+            removed = self._remove(request_pattern(self.tag, request.group_id, request.request_id),
+                                   "trim", force=False)
+            if removed < 0:
+                break  # the master is gone or failing: the next check restarts it
+            self._trimmed_through = request
+            if removed:
+                self.trimmed_requests += 1
+                self.trimmed_blocks += removed
+                self.trimmed_bytes += round(removed * budget.block_bytes)
+                budget.removed(removed)
+        return self._figures()
+
     def _figures(self) -> dict:
         return {**self.service.stats(), "restarts": self.restarts, "removed_requests": self.removed_requests,
-                "removed_groups": self.removed_groups, "remove_errors": self.remove_errors}
+                "removed_groups": self.removed_groups, "remove_errors": self.remove_errors,
+                "trimmed_requests": self.trimmed_requests, "trimmed_blocks": self.trimmed_blocks,
+                "trimmed_bytes": self.trimmed_bytes}
 
     def close(self, *, run_finished: bool) -> dict:
         """Remove a finished run's keys, stop the pool; returns its last figures (after the

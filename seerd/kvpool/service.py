@@ -22,7 +22,8 @@ Master flags (measured with mooncake-transfer-engine-non-cuda 0.3.13.post1, see 
   a holder starved of CPU by engines must not lose its segment for a late heartbeat.
 - `--metrics_host/--metrics_port`: Prometheus text at /metrics (`master_allocated_bytes`,
   `master_total_capacity_bytes`, `master_key_count`, `master_active_clients`,
-  `master_evicted_key_count`, `master_put_start_alloc_failures_total`, ...), JSON at /health.
+  `master_evicted_key_count`, `master_evicted_size_bytes`, `master_put_start_alloc_failures_total`,
+  ...), JSON at /health.
   The same port serves admin reads (/get_all_keys, /query_key, /get_all_segments).
 - `--enable_metric_reporting=false`: stops a ~1.6 KB summary line every ~10 s in the log; the
   /metrics endpoint is served either way.
@@ -64,10 +65,12 @@ MASTER_BINARY = "mooncake_master"
 METADATA_BINARY = "mooncake_http_metadata_server"
 MASTER_LOG = "kvpool-master.log"
 METADATA_LOG = "kvpool-metadata.log"
+# Mooncake evicts, in its own order, once the pool is this full (the coordinator trims below it).
+EVICTION_HIGH_WATERMARK = 0.8
 MASTER_FLAGS = (
     "--enable_http_metadata_server=false",
     "--default_kv_lease_ttl=1000",
-    "--eviction_high_watermark_ratio=0.8",
+    f"--eviction_high_watermark_ratio={EVICTION_HIGH_WATERMARK}",
     "--eviction_ratio=0.1",
     "--client_ttl=5",
     "--enable_metric_reporting=false",
@@ -86,6 +89,7 @@ STAT_METRICS = {
     "master_key_count": "keys",
     "master_active_clients": "clients",
     "master_evicted_key_count": "evicted_keys",
+    "master_evicted_size_bytes": "evicted_bytes",
     "master_put_start_alloc_failures_total": "put_no_space_failures",
 }
 

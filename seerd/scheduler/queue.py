@@ -8,8 +8,9 @@ every put and remove, so a lease call costs O(log n + k) rather than a sort of e
 
 from __future__ import annotations
 
-from bisect import bisect_left, insort
+from bisect import bisect_left, bisect_right, insort
 from collections.abc import Callable, Iterable, Iterator
+from itertools import islice
 from typing import Any
 
 from seerd.scheduler.base import QueuedRequest
@@ -60,9 +61,11 @@ class RequestQueue:
     def get(self, request_id: int) -> QueuedRequest:
         return self._items[request_id]
 
-    def fcfs(self) -> Iterator[QueuedRequest]:
-        """Oldest first; ties by request id."""
-        for _, request_id in self._fcfs:
+    def fcfs(self, after: tuple[float, int] | None = None) -> Iterator[QueuedRequest]:
+        """Oldest first; ties by request id. With `after` (a queued_at and request id), only the
+        requests queued after it in that order."""
+        start = 0 if after is None else bisect_right(self._fcfs, after)
+        for _, request_id in islice(self._fcfs, start, None):
             yield self._items[request_id]
 
     def __iter__(self) -> Iterator[QueuedRequest]:

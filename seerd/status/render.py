@@ -125,6 +125,10 @@ def pool_line(s: dict) -> Text | None:
         return None
     used, capacity = pool.get("bytes_used"), pool.get("capacity_bytes")
     parts = [f"KV pool {size(used)} of {size(capacity)}", f"{pool.get('keys', '-')} blocks"]
+    if pool.get("trimmed_requests"):  # over budget: the requests queued longest lost their blocks
+        parts.append(f"trimmed {pool['trimmed_requests']} queued ({size(pool.get('trimmed_bytes'))})")
+    if pool.get("evicted_keys"):  # Mooncake's own eviction, in its order, not ours
+        parts.append(f"evicted {pool['evicted_keys']} blocks")
     if pool.get("restarts"):
         parts.append(f"restarted {pool['restarts']}x")
     return Text("   ".join(parts), style="dim")

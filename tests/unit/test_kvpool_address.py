@@ -95,12 +95,13 @@ master_total_capacity_bytes 67108864
 master_key_count 1
 master_active_clients 2
 master_evicted_key_count nonsense
+master_evicted_size_bytes 2097152
 master_put_start_alloc_failures_total 0
 master_ping_requests_total 7
 garbage
 """
     assert parse_master_metrics(text) == {"bytes_used": MiB, "capacity_bytes": 64 * MiB, "keys": 1,
-                                          "clients": 2, "put_no_space_failures": 0}
+                                          "clients": 2, "evicted_bytes": 2 * MiB, "put_no_space_failures": 0}
     assert parse_master_metrics("") == {}
 
 

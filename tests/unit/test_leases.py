@@ -185,3 +185,22 @@ def test_chunk_seeds_differ_per_request_and_chunk_but_repeat_per_run(tmp_path):
     other = make_book(tmp_path, prompt_rows=rows(groups=2, n=2), db_name="other.db")
     w2 = register(other)
     assert [g.sampling["seed"] for g in other.lease(w2, wanted=8, now=1000.0)] == seeds
+
+
+def test_queued_longest_names_requests_that_ran_oldest_first(tmp_path):
+    book = make_book(tmp_path, prompt_rows=rows(groups=3, n=2))  # 6 requests
+    w = register(book)
+    grants = book.lease(w, wanted=4, now=1000.0)  # two never run: they hold no pool blocks
+    for t, grant in zip((1003.0, 1001.0, 1002.0), grants[:3]):
+        assert book.report(w, full_report(grant), now=t).accepted  # back in the queue at t
+    running = grants[3].request_id
+    oldest_first = [grants[1].request_id, grants[2].request_id, grants[0].request_id]
+
+    waiting = book.queued_longest(10)
+    assert [v.request_id for v in waiting] == oldest_first
+    assert running not in {v.request_id for v in waiting}
+    assert [v.queued_at for v in waiting] == [1001.0, 1002.0, 1003.0]
+    assert all(v.group_id == book.requests[v.request_id].group_id for v in waiting)
+    assert [v.request_id for v in book.queued_longest(2)] == oldest_first[:2]
+    assert [v.request_id for v in book.queued_longest(10, after=waiting[0])] == oldest_first[1:]
+    assert book.queued_longest(10, after=waiting[-1]) == []

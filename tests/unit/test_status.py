@@ -22,7 +22,7 @@ from seerd.cli.main import cli
 from seerd.coordinator.book import ChunkReport
 from seerd.db import RolloutStatus
 from seerd.status.locate import record_slurm_job, resolve_run
-from seerd.status.render import render
+from seerd.status.render import pool_line, render
 from seerd.status.snapshot import UnknownRun, read_snapshot
 from seerd.worker.engine import EngineLive
 from seerd.worker.stats import WorkerStats
@@ -275,12 +275,15 @@ def test_kv_pool_figures_show_per_worker_and_for_the_pool(monkeypatch):
     snapshot = hand_made_snapshot()
     snapshot["workers"][0]["kv_pool"] = part
     snapshot["coordinator"]["kv_pool"] = {"bytes_used": 1_200_000_000, "capacity_bytes": 4_000_000_000,
-                                          "keys": 2345, "restarts": 1}
+                                          "keys": 2345, "restarts": 1, "trimmed_requests": 3,
+                                          "trimmed_bytes": 21_000_000, "evicted_keys": 0}
     buffer = StringIO()
     Console(file=buffer, width=140).print(render(snapshot))
     text = buffer.getvalue()
     assert "pool hit" in text and "75%" in text and "30/55 (1 bad)" in text and "42.5 MB" in text
-    assert "KV pool 1.2 GB of 4.0 GB   2345 blocks   restarted 1x" in text
+    assert "KV pool 1.2 GB of 4.0 GB   2345 blocks   trimmed 3 queued (21.0 MB)   restarted 1x" in text
     worker_line = next(line for line in text.splitlines() if "w1-gpu02" in line and "stale" not in line
                        and "ago" in line)
     assert worker_line.split()[-3:] == ["-", "-", "-"]  # no pool figures from that worker yet
+    snapshot["coordinator"]["kv_pool"]["evicted_keys"] = 6
+    assert "trimmed 3 queued (21.0 MB)   evicted 6 blocks   restarted 1x" in str(pool_line(snapshot))
