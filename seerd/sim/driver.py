@@ -84,6 +84,7 @@ class SimResult:
     kv_capacity: int
     peak_kv: list[int]
     mean_batch: float  # sequences per decode step, over all steps of all instances
+    moved_chunks: int = 0  # continued chunks that ran on another instance than the one before
 
     @property
     def throughput_tok_s(self) -> float:
@@ -342,4 +343,5 @@ class Simulation:
             chunks=self._next_chunk, plan_calls=self.plan_calls, wall_s=time.perf_counter() - started,
             timelines=[inst.timeline for inst in self.instances], kv_capacity=self.kv_capacity,
             peak_kv=[s.peak_kv for s in stats],
-            mean_batch=sum(s.decoded_tokens for s in stats) / max(1, sum(s.decode_steps for s in stats)))
+            mean_batch=sum(s.decoded_tokens for s in stats) / max(1, sum(s.decode_steps for s in stats)),
+            moved_chunks=sum(s.moved_continuations for s in stats))
