@@ -4,7 +4,8 @@ The simulator plays the coordinator's part with the same objects the lease book 
 `RequestQueue` of `QueuedRequest`s, `Snapshot`s with `WorkerLoad`s, a `Policy.plan()` call when a
 worker asks for work, and the same estimate rule (`updated_estimate`). Workers ask as the daemon's
 do: after their chunks finish, and, while they have free slots, whenever new work is queued (the
-daemon wakes its long-polling workers then). Only the engines are modelled (`SimInstance`).
+daemon wakes its long-polling workers then, the longest waiting first). Only the engines are
+modelled (`SimInstance`).
 The lengths are known to the engines alone, as a model's EOS is; policies never see them, except
 the simulation-only oracles, which are given them at construction.
 Deterministic for a seed: events are ordered by (time, sequence number) and all randomness
@@ -14,10 +15,12 @@ comes from one seeded generator.
 from __future__ import annotations
 
 import heapq
+import math
 import random
 import time
 from dataclasses import dataclass, field
 
+from seerd.coordinator.api import LONG_POLL_MAX_S
 from seerd.scheduler import make_sim_policy
 from seerd.scheduler.base import Policy, QueuedRequest, Snapshot, WorkerLoad, kv_need, updated_estimate
 from seerd.scheduler.forecast import GrowthTable
@@ -26,8 +29,11 @@ from seerd.sim.costs import InstanceCosts
 from seerd.sim.engine import WATERMARK_FRACTION, SimInstance, SimSeq
 from seerd.sim.workload import Workload
 from seerd.tail import tail_start
+from seerd.worker.main import LEASE_LONG_POLL_S
 
 
+# A worker's lease call waits this long for work (the coordinator caps what it asks for).
+LONG_POLL_S = min(LEASE_LONG_POLL_S, LONG_POLL_MAX_S)
 REPORT_EVENT = -1  # the version field of an event that delivers a report, not a segment end
 
 
@@ -84,6 +90,7 @@ class SimResult:
     kv_capacity: int
     peak_kv: list[int]
     mean_batch: float  # sequences per decode step, over all steps of all instances
+    moved_chunks: int = 0  # continued chunks that ran on another instance than the one before
 
     @property
     def throughput_tok_s(self) -> float:
@@ -131,6 +138,10 @@ class Simulation:
         self.max_chunks = max_num_seqs
         self.worker_ids = [f"sim-{i}" for i in range(instances)]
         self.running_chunks = [0] * instances
+        # When each worker's pending long-poll lease call began, as (time, order of the calls);
+        # None while it has no free slot (it waits for a chunk to end, not for work).
+        self.waiting_since: list[tuple[float, int] | None] = [None] * instances
+        self._asks = 0
         self._loads_cache: tuple[WorkerLoad, ...] | None = None
         self.reserved_kv = [0] * instances
         self.groups: dict[int, SimGroupState] = {}
@@ -280,19 +291,39 @@ class Simulation:
         self._reports[self._event_seq] = finished
         heapq.heappush(self._events, (clock + self.chunk_gap_s, self._event_seq, i, REPORT_EVENT))
 
-    def _hand_out(self, first: int, now: float, *, wake_all: bool) -> None:
-        """Worker `first` asks for work (its chunks just ended); with `wake_all` (work was
-        queued) every other worker with free slots asks too, as the daemon wakes its
-        long-polling workers. A worker that got something asks again at once (it still has free
-        slots), in rounds until a round hands out nothing."""
-        touched = {first}
-        order = [first] + ([j for j in range(len(self.instances)) if j != first] if wake_all else [])
+    def _hand_out(self, now: float, reporter: int | None, *, wake: bool) -> None:
+        """Lease calls answered at `now`, in the daemon's order, after `reporter`'s chunks ended
+        (None: the start, when every worker makes its first call, in index order).
+
+        With `wake` (a report re-queued work) the coordinator wakes every long-polling call,
+        oldest wait first. Then come the calls made now: the reporter's, unless it was already
+        waiting (a full worker asks once its report is answered, after the woken calls). A worker
+        that got chunks calls again at once (it still has free slots), in rounds until a round
+        hands out nothing."""
+        woken = self._waiting_oldest_first(now) if wake else []
+        was_woken = set(woken)
+        if reporter is None:
+            calling = list(range(len(self.instances)))
+            touched = set(calling)
+        else:
+            # A waiting reporter that was not woken would see new room at its poll's renewal;
+            # asking now spares modelling poll timeouts.
+            calling = [] if reporter in was_woken else [reporter]
+            touched = {reporter}  # engines already at `now`: they get rescheduled below
+        turned_away = []  # woken calls answered empty: the worker asks again after the reply's retry pause
+        order = woken + calling
+        first_round = True
         while order:
             again = []
             for j in order:
                 seqs = self._ask(j, now)
                 if not seqs:
+                    if first_round and j in was_woken:
+                        turned_away.append(j)
+                    elif self.waiting_since[j] is None:
+                        self._start_waiting(j, now)  # a call that finds nothing long-polls
                     continue
+                self.waiting_since[j] = None  # its call returned
                 again.append(j)
                 instance = self.instances[j]
                 if j not in touched:
@@ -300,22 +331,36 @@ class Simulation:
                     self._engine_finished(j, instance.sync(now))
                 for seq in seqs:
                     instance.submit(seq)
-            order = again
+            order, first_round = again, False
+        for j in turned_away:
+            self._start_waiting(j, now)
         for j in touched:
             self._reschedule(j)
 
+    def _start_waiting(self, i: int, now: float) -> None:
+        """Worker i's lease call starts long-polling now, if it has a free slot to ask for."""
+        self._asks += 1
+        self.waiting_since[i] = (now, self._asks) if self.running_chunks[i] < self.max_chunks else None
+
+    def _waiting_oldest_first(self, now: float) -> list[int]:
+        """The long-polling workers in the order the coordinator wakes them: by when their current
+        poll began. A poll times out after LONG_POLL_S and the worker asks again (a new wait)."""
+        def current_poll(i: int) -> tuple[float, int]:
+            began, ask = self.waiting_since[i]
+            return began + LONG_POLL_S * math.floor((now - began) / LONG_POLL_S), ask
+
+        return sorted((i for i, since in enumerate(self.waiting_since) if since is not None), key=current_poll)
+
     def run(self) -> SimResult:
         started = time.perf_counter()
-        self._hand_out(0, 0.0, wake_all=True)
-        for i in range(1, len(self.instances)):
-            self._reschedule(i)
+        self._hand_out(0.0, None, wake=False)
         while self._events:
             t, event_id, i, version = heapq.heappop(self._events)
             instance = self.instances[i]
             if version == REPORT_EVENT:  # a report reaches the coordinator after the gap
                 self._engine_finished(i, instance.sync(t))  # the engine to a step boundary first
                 requeued = self._complete(i, self._reports.pop(event_id), t)
-                self._hand_out(i, t, wake_all=requeued)
+                self._hand_out(t, i, wake=requeued)
                 continue
             if version != instance.version:
                 continue
@@ -325,7 +370,7 @@ class Simulation:
                 self._reschedule(i)  # the engine goes on with its other sequences meanwhile
                 continue
             requeued = self._complete(i, finished, instance.clock)
-            self._hand_out(i, instance.clock, wake_all=requeued)
+            self._hand_out(instance.clock, i, wake=requeued)
         if self.finished != len(self.requests):
             stuck = len(self.requests) - self.finished
             raise RuntimeError(f"policy {self.policy.name} left {stuck} requests unfinished "
@@ -342,4 +387,5 @@ class Simulation:
             chunks=self._next_chunk, plan_calls=self.plan_calls, wall_s=time.perf_counter() - started,
             timelines=[inst.timeline for inst in self.instances], kv_capacity=self.kv_capacity,
             peak_kv=[s.peak_kv for s in stats],
-            mean_batch=sum(s.decoded_tokens for s in stats) / max(1, sum(s.decode_steps for s in stats)))
+            mean_batch=sum(s.decoded_tokens for s in stats) / max(1, sum(s.decode_steps for s in stats)),
+            moved_chunks=sum(s.moved_continuations for s in stats))

@@ -67,6 +67,7 @@ class InstanceStats:
     pool_loads: int = 0
     pool_loaded_tokens: int = 0
     local_continuations: int = 0
+    moved_continuations: int = 0  # later chunks run on another instance than the previous one
 
 
 class SimInstance:
@@ -197,6 +198,7 @@ class SimInstance:
             if seq.previous_instance == self.index:
                 self.stats.local_continuations += 1
                 return 0.0
+            self.stats.moved_continuations += 1
             if self.pool_hit_rate > 0 and self.rng.random() < self.pool_hit_rate:
                 self.stats.pool_loads += 1
                 self.stats.pool_loaded_tokens += context

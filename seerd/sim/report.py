@@ -109,6 +109,9 @@ def summarize(results: dict[str, list[SimResult]]) -> dict[str, dict]:
             "idle_fraction": _median([r.idle_fraction for r in runs]),
             "recomputed_tokens": _median([r.recomputed_tokens for r in runs]),
             "chunks": _median([r.chunks for r in runs]),
+            "moved_chunks": _median([r.moved_chunks for r in runs]),
+            "local_continuations": _median([r.local_continuations for r in runs]),
+            "pool_loads": _median([r.pool_loads for r in runs]),
             "mean_batch": _median([r.mean_batch for r in runs]),
             "sim_wall_s": _median([r.wall_s for r in runs]),
         }

@@ -199,6 +199,50 @@ def test_pool_hit_rate_trades_recompute_for_loads() -> None:
     assert without.pool_loads == 0 and without.recomputed_tokens > 0
 
 
+# ----------------------------------------------------------------- the order of lease calls
+# 8 requests of 300 tokens in chunks of 100 (16 continued chunks), 2 instances, KV to spare: at the
+# start instance 0 asks first and takes every request, instance 1 finds nothing and waits.
+EIGHT_REQUESTS = small_workload([[300] * 2 for _ in range(4)])
+
+
+def test_an_instance_waiting_longer_takes_the_chunks_requeued_by_one_with_free_slots() -> None:
+    """Instance 0 (8 of 16 slots) waits from its second call, after instance 1's first, so the
+    first continuations go to instance 1, which then re-asks first and keeps the rest."""
+    sim, result = simulate(EIGHT_REQUESTS, "divided", max_num_seqs=16, chunk=100, kv=100_000)
+    first, second = (instance.stats for instance in sim.instances)
+    assert first.moved_continuations == first.local_continuations == 0
+    assert second.moved_continuations == 8 and second.local_continuations == 8
+    assert result.moved_chunks == 8 and result.local_continuations == 8
+
+
+def test_a_full_reporter_asks_after_the_waiting_instance_so_every_continuation_moves() -> None:
+    """With 8 slots the instance holding every request is full: it asks only once its report is
+    answered, after the other instance's waiting call has taken the requeued chunks."""
+    _, result = simulate(EIGHT_REQUESTS, "divided", max_num_seqs=8, chunk=100, kv=100_000)
+    assert result.moved_chunks == 16 and result.local_continuations == 0
+
+
+def test_moved_chunks_make_the_pool_hit_rate_count_under_divided() -> None:
+    results = {hit: simulate(EIGHT_REQUESTS, "divided", max_num_seqs=16, chunk=100, kv=100_000,
+                             pool_hit_rate=hit)[1] for hit in (1.0, 0.0)}
+    assert results[1.0].pool_loads == results[0.0].moved_chunks > 0
+    assert results[0.0].recomputed_tokens == 8 * 100  # each moved chunk rebuilds its 100 generated tokens
+    assert results[1.0].throughput_tok_s > results[0.0].throughput_tok_s  # a load is cheaper than a prefill
+
+
+def test_waiting_order_follows_long_poll_renewals() -> None:
+    """Polls time out after LONG_POLL_S and are renewed: the wait that counts is the current poll's."""
+    from seerd.sim.driver import LONG_POLL_S
+
+    sim = Simulation(EIGHT_REQUESTS, "divided", QWEN.costs(), instances=3, chunk_tokens=100, max_num_seqs=16,
+                     seed=0, kv_capacity=100_000)
+    sim.waiting_since = [(0.0, 1), None, (0.5 * LONG_POLL_S, 2)]
+    assert sim._waiting_oldest_first(0.9 * LONG_POLL_S) == [0, 2]
+    assert sim._waiting_oldest_first(1.2 * LONG_POLL_S) == [2, 0]  # instance 0 renewed at LONG_POLL_S
+    sim.waiting_since[1] = (0.0, 3)  # began at the same time as instance 0, after it: renews after it
+    assert sim._waiting_oldest_first(2.2 * LONG_POLL_S) == [2, 0, 1]
+
+
 def test_preset_scale_simulates_every_policy() -> None:
     """A tenth of the qwen preset on 2 instances (so KV binds) through every policy."""
     config = SimSettings(QWEN.with_changes(instances=2), chunk_tokens=4096, requests=960, record_timeline=False)
