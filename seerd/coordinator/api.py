@@ -27,9 +27,9 @@ from seerd.coordinator.book import BadReport, ChunkReport, LeaseBook
 from seerd.coordinator.drafts import DraftHost, append_items, fetch_changes
 from seerd.drafts.server import DraftError
 from seerd.coordinator.metrics import RolloutCollector, metrics_registry
+from seerd.polling import LONG_POLL_MAX_S
 
 API_PREFIX = "/v1"
-LONG_POLL_MAX_S = 5.0
 
 
 class RegisterBody(msgspec.Struct, forbid_unknown_fields=True):

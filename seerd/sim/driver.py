@@ -20,7 +20,7 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from seerd.coordinator.api import LONG_POLL_MAX_S
+from seerd.polling import LEASE_LONG_POLL_S, LONG_POLL_MAX_S
 from seerd.scheduler import make_sim_policy
 from seerd.scheduler.base import Policy, QueuedRequest, Snapshot, WorkerLoad, kv_need, updated_estimate
 from seerd.scheduler.forecast import GrowthTable
@@ -29,7 +29,6 @@ from seerd.sim.costs import InstanceCosts
 from seerd.sim.engine import WATERMARK_FRACTION, SimInstance, SimSeq
 from seerd.sim.workload import Workload
 from seerd.tail import tail_start
-from seerd.worker.main import LEASE_LONG_POLL_S
 
 
 # A worker's lease call waits this long for work (the coordinator caps what it asks for).

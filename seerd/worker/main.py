@@ -20,6 +20,7 @@ from pathlib import Path
 from seerd.drafts.drafter import drafter_stats
 from seerd.drafts.protocol import ChunkIdentity
 from seerd.kvpool.pool import pool_stats
+from seerd.polling import LEASE_LONG_POLL_S
 from seerd.rundir import RunDir
 from seerd.worker.client import CoordinatorClient, CoordinatorGone, NotRegistered
 from seerd.worker.engine import EngineDead, start_engine
@@ -27,7 +28,6 @@ from seerd.worker.stats import WorkerStats
 
 log = logging.getLogger("seerd.worker")
 
-LEASE_LONG_POLL_S = 1.0  # short enough that a freed slot is noticed soon, long enough to idle cheaply
 
 
 def generation_budget(grant: dict) -> int:
