@@ -38,6 +38,9 @@ def main() -> None:
     parser.add_argument("--batches", default="1,4,8,16,32")
     parser.add_argument("--prompts", default="32,256,768")
     parser.add_argument("--decode", type=int, default=48, help="decode steps per measurement")
+    parser.add_argument("--dtype", default="auto",
+                        help="the dtype the profiled runs use (`seerd run --dtype`): vLLM-CPU's auto turns a float32 "
+                             "model into bfloat16, ~5x slower to prefill here than float32")
     args = parser.parse_args()
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -56,7 +59,8 @@ def main() -> None:
 
     batches = [int(x) for x in args.batches.split(",")]
     prompts = [int(x) for x in args.prompts.split(",")]
-    engine = engine_args(str(model), {"kv_cache_gib": 0.25, "max_num_seqs": max(batches), "max_model_len": 1024},
+    engine = engine_args(str(model), {"kv_cache_gib": 0.25, "max_num_seqs": max(batches), "max_model_len": 1024,
+                                      "dtype": args.dtype},
                          seed=0)
     llm = LLMEngine.from_engine_args(EngineArgs(**engine))
     decode_rows, prefill_rows = [], []
@@ -94,7 +98,7 @@ def main() -> None:
     (f, g), *_ = np.linalg.lstsq(px, py, rcond=None)
     profile = {
         "name": args.out.stem,
-        "engine": "vLLM LLMEngine (stepped), OMP_NUM_THREADS=1, " + engine["dtype"],
+        "engine": "vLLM LLMEngine (stepped), OMP_NUM_THREADS=1, dtype " + engine["dtype"],
         "model": str(model.name if args.model is None else model),
         "measured": time.strftime("%Y-%m-%d"),
         "decode": {"a": float(a), "b": float(b), "c": float(c),
