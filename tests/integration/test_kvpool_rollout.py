@@ -123,3 +123,21 @@ def test_a_master_killed_mid_rollout_is_restarted_and_nothing_is_lost(prompts, w
     assert db_rows(run_dir, "select count(*) from events where kind = 'kv_pool_restarted'")[0][0] >= 1
     assert json.loads((run_dir / "kvpool.json").read_text())["generation"] >= 2
     assert not _pool_processes(run_dir)
+
+
+def test_a_pool_smaller_than_the_rollouts_kv_trims_and_every_response_completes(prompts, without_pool, tmp_path):
+    # Six responses per group (~200 blocks of ~0.5 MB over the run) on the smallest pool (64 MiB):
+    # the pool passes its budget, the coordinator trims queued requests' blocks, chunks miss and
+    # recompute. Greedy, so every response of a group equals the group's in the run without the pool.
+    run_dir = tmp_path / "run"
+    common = [("6" if arg == "2" and COMMON[i - 1] == "--n" else arg) for i, arg in enumerate(COMMON)]
+    result = run_seerd("run", "--input", str(prompts), "--run-dir", str(run_dir), *common,
+                       "--kv-pool", "mooncake", "--kv-pool-size", "64MiB")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = assert_complete_output(run_dir, 48)
+    assert all(r["token_ids"] == without_pool[(r["group_index"], 0)] for r in rows)
+    ((stopped,),) = db_rows(run_dir, "select data_json from events where kind = 'kv_pool_stopped'")
+    stopped = json.loads(stopped)
+    assert stopped["capacity_bytes"] == 64 << 20, stopped
+    assert stopped["trimmed_requests"] > 0 and stopped["trimmed_blocks"] > 0, stopped
+    assert stopped["remove_errors"] == 0 and stopped["keys"] == 0, stopped

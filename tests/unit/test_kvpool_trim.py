@@ -8,7 +8,9 @@ import re
 import pytest
 
 from seerd.coordinator.book import ChunkReport, WaitingRequest
-from seerd.coordinator.kvpool import TRIM_ABOVE, TRIM_BELOW, PoolHost, TrimBudget
+from seerd.coordinator.kvpool import (
+    CHECK_EVERY_S, CHECK_NEAR_BUDGET_S, TRIM_ABOVE, TRIM_BELOW, PoolHost, TrimBudget,
+)
 from seerd.kvpool.keys import request_pattern
 from seerd.kvpool.service import EVICTION_HIGH_WATERMARK
 from seerd.kvpool.store import MiB
@@ -161,3 +163,19 @@ def test_a_failing_store_stops_the_trim():
     assert host.latest["remove_errors"] == 1 and host.latest["trimmed_requests"] == 0
     pool.failing = False
     assert check(host, [WaitingRequest(1, 1, 1.0)]) == [None]  # not passed over: tried again
+
+
+@pytest.mark.parametrize(("held_blocks", "next_check_after_s"), [(30, CHECK_EVERY_S), (65, CHECK_NEAR_BUDGET_S)])
+def test_the_pool_is_read_more_often_once_past_the_low_watermark(monkeypatch, held_blocks, next_check_after_s):
+    pool = FakePool()
+    pool.hold(1, "r11", held_blocks)
+    host = pool_host(pool)
+    now = [1000.0]
+    monkeypatch.setattr("seerd.coordinator.kvpool.time.monotonic", lambda: now[0])
+    calls = []
+    pool.check = lambda: calls.append(now[0]) or False
+    asyncio.run(host.check())
+    for waited in (next_check_after_s - 0.01, next_check_after_s):
+        now[0] = 1000.0 + waited
+        asyncio.run(host.check())
+    assert calls == [1000.0, 1000.0 + next_check_after_s]
