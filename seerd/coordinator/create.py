@@ -12,6 +12,7 @@ from sqlalchemy.orm import Session
 from seerd.config import RunConfig
 from seerd.coordinator.prior import PriorLengths, seed_from_prior
 from seerd.db import Group, Request, RequestStatus, RequestTarget, Rollout, RolloutStatus, add_event
+from seerd.db.transitions import insert_many_with_status, insert_with_status
 from seerd.io.codec import pack_ints
 from seerd.io.prompts import PromptRow
 
@@ -40,14 +41,14 @@ def create_rollout(session: Session, config: RunConfig, rows: Sequence[PromptRow
 
     With `prior` (lengths of an earlier run, `--prior`), matched groups start from its estimate.
     """
-    rollout = Rollout(status=RolloutStatus.CREATED, policy=config.policy, seed=config.seed,
-                      model_path=config.model_path, input_path=config.input_path,
-                      input_sha256=input_sha256, config_json=config.to_json(), created_at=now)
-    session.add(rollout)
-    session.flush()
+    conn = session.connection()
+    rollout_id = insert_with_status(conn, Rollout.__table__, RolloutStatus.CREATED, {
+        "policy": config.policy, "seed": config.seed, "model_path": config.model_path,
+        "input_path": config.input_path, "input_sha256": input_sha256, "config_json": config.to_json(),
+        "created_at": now})
     session.execute(insert(Group), [
         {
-            "rollout_id": rollout.id, "group_index": index, "prompt_id": row.prompt_id,
+            "rollout_id": rollout_id, "group_index": index, "prompt_id": row.prompt_id,
             "prompt_token_ids": pack_ints(row.prompt_token_ids), "prompt_len": len(row.prompt_token_ids),
             "prompt_hash": prompt_hash(row.prompt_token_ids), "n": row.n, "max_tokens": row.max_tokens,
             "sampling_json": json.dumps(group_sampling(config, row)),
@@ -57,28 +58,27 @@ def create_rollout(session: Session, config: RunConfig, rows: Sequence[PromptRow
         for index, row in enumerate(rows)
     ])
     group_ids = session.execute(
-        select(Group.group_index, Group.id).where(Group.rollout_id == rollout.id)
+        select(Group.group_index, Group.id).where(Group.rollout_id == rollout_id)
     ).all()
     id_of = dict(group_ids)
-    session.execute(insert(Request), [
+    insert_many_with_status(conn, Request.__table__, RequestStatus.QUEUED, [
         {
-            "rollout_id": rollout.id, "group_id": id_of[index], "response_index": k,
-            "status": RequestStatus.QUEUED, "is_probe": k == 0, "generated_tokens": 0,
-            "num_chunks": 0, "queued_at": now,
+            "rollout_id": rollout_id, "group_id": id_of[index], "response_index": k,
+            "is_probe": k == 0, "generated_tokens": 0, "num_chunks": 0, "queued_at": now,
         }
         for index, row in enumerate(rows) for k in range(row.n)
     ])
     probes = session.execute(
-        select(Request.group_id, Request.id).where(Request.rollout_id == rollout.id, Request.is_probe)
+        select(Request.group_id, Request.id).where(Request.rollout_id == rollout_id, Request.is_probe)
     ).all()
     session.execute(update(Group), [{"id": gid, "probe_request_id": rid} for gid, rid in probes])
-    _insert_targets(session, rollout.id, rows, id_of)
-    seeded = 0 if prior is None else seed_from_prior(session, rollout.id, prior, model_path=config.model_path,
+    _insert_targets(session, rollout_id, rows, id_of)
+    seeded = 0 if prior is None else seed_from_prior(session, rollout_id, prior, model_path=config.model_path,
                                                      now=now)
-    add_event(session, rollout.id, now, "rollout_created",
+    add_event(session, rollout_id, now, "rollout_created",
               data={"groups": len(rows), "requests": sum(r.n for r in rows), "policy": config.policy,
                     "groups_seeded_from_prior": seeded})
-    return rollout.id
+    return rollout_id
 
 
 def _insert_targets(session: Session, rollout_id: int, rows: Sequence[PromptRow], group_id_of: dict[int, int]) -> None:

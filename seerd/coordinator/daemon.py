@@ -157,7 +157,7 @@ class Coordinator:
             self._drain_reason = reason
             self.control.accepting = False
             log.warning("draining (%s): no new leases; waiting up to %.0fs for %d in flight", reason,
-                        self.drain_grace_s, len(self.book.leases))
+                        self.drain_grace_s, len(self.book.state.leases))
 
     def _signal_actions(self) -> dict[signal.Signals, Callable[[], None]]:
         """Every signal the coordinator handles, in one place."""
@@ -185,7 +185,7 @@ class Coordinator:
         if history:
             try:
                 seeded = history_sequences(RunDir(Path(history)).db_path, self.run_dir.db_path,
-                                           list(self.book.unfinished_groups))
+                                           list(self.book.state.unfinished_groups))
             except sqlite3.Error as exc:  # drafting from history is an accelerator: say so, go on
                 log.warning("--spec-history %s unreadable, drafting without it: %s", history, exc)
                 seeded = {}
@@ -197,7 +197,7 @@ class Coordinator:
     def _refresh_drafts(self) -> None:
         if self.drafts is not None and self.clock() - self._drafts_refreshed_at >= REFRESH_S:
             self._drafts_refreshed_at = self.clock()
-            self.drafts.register(list(self.book.unfinished_groups))
+            self.drafts.register(list(self.book.state.unfinished_groups))
 
     async def serve(self, on_tick: Callable[[dict], None] | None = None,
                     on_ready: Callable[[str, int], None] | None = None) -> CoordinatorResult:
@@ -274,7 +274,7 @@ class Coordinator:
             if self.book.is_complete():
                 return await self._finish()
             if self._drain_deadline is not None and self._stop_reason is None:
-                in_flight = await run(lambda: len(self.book.leases))
+                in_flight = await run(lambda: len(self.book.state.leases))
                 if not self.drain_recorded:
                     self.drain_recorded = True
                     await run(self.record_event, "rollout_draining", {"reason": self._drain_reason, "in_flight": in_flight})

@@ -85,20 +85,9 @@ class DraftHost:
 
 def book_sequences(book) -> dict[int, dict[int, list[int]]]:  # noqa: ANN001
     """On the state thread: every unfinished group's requests and their tokens so far."""
-    from seerd.db import RequestStatus
-
-    out: dict[int, dict[int, list[int]]] = {}
     with book.engine.connect() as conn:
-        for gid in book.unfinished_groups:
-            group = book.groups[gid]
-            requests = out.setdefault(gid, {})
-            for rid in group.request_ids:
-                request = book.requests[rid]
-                if request.status == RequestStatus.FINISHED or request.tokens is None:
-                    requests[rid] = list(book._read_tokens(conn, rid))
-                else:
-                    requests[rid] = list(request.tokens)
-    return out
+        return {gid: {rid: book.response_tokens(conn, rid) for rid in book.state.groups[gid].request_ids}
+                for gid in book.state.unfinished_groups}
 
 
 def history_sequences(history_db: Path, this_db: Path, groups: Sequence[int]) -> dict[int, dict[int, list[int]]]:

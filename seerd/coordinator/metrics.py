@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from seerd.coordinator.book import LeaseBook
-from seerd.db.status import RequestStatus
+from seerd.db.status import RequestStatus, WorkerStatus
 from seerd.tail import finishes_before_tail
 
 
@@ -27,27 +27,27 @@ class RolloutCollector:
         self.clock = clock
 
     def collect(self) -> Iterator[Metric]:
-        book, now = self.book, self.clock()
+        state, now = self.book.state, self.clock()
         requests = GaugeMetricFamily("seerd_requests", "Requests of the rollout by state.", labels=["state"])
-        by_state = {state: 0 for state in RequestStatus}
-        for request in book.requests.values():
-            by_state[request.status] += 1
-        for state, count in by_state.items():
-            requests.add_metric([state.value], count)
+        # A request is queued, running (one chunk leased) or finished: the scheduler state knows which.
+        by_state = {RequestStatus.QUEUED: len(state.queue), RequestStatus.RUNNING: len(state.leases),
+                    RequestStatus.FINISHED: state.finished_requests}
+        for status, count in by_state.items():
+            requests.add_metric([status.value], count)
         yield requests
         queue = GaugeMetricFamily("seerd_queue_depth", "Requests waiting for their next chunk.", labels=["kind"])
-        probes = sum(1 for r in book.queue if r.is_probe)
+        probes = sum(1 for r in state.queue if r.is_probe)
         queue.add_metric(["probe"], probes)
-        queue.add_metric(["other"], len(book.queue) - probes)
+        queue.add_metric(["other"], len(state.queue) - probes)
         yield queue
-        yield GaugeMetricFamily("seerd_leases_in_flight", "Chunks leased to workers now.", value=len(book.leases))
+        yield GaugeMetricFamily("seerd_leases_in_flight", "Chunks leased to workers now.", value=len(state.leases))
         groups = GaugeMetricFamily("seerd_groups", "Prompt groups by state.", labels=["state"])
-        groups.add_metric(["unfinished"], len(book.unfinished_groups))
-        groups.add_metric(["finished"], len(book.groups) - len(book.unfinished_groups))
+        groups.add_metric(["unfinished"], len(state.unfinished_groups))
+        groups.add_metric(["finished"], len(state.groups) - len(state.unfinished_groups))
         yield groups
         yield CounterMetricFamily("seerd_output_tokens", "Output tokens committed (finished chunks).",
-                                  value=book.output_tokens)
-        total, done = len(book.requests), book.finished_requests
+                                  value=state.output_tokens)
+        total, done = len(state.requests), state.finished_requests
         in_tail = total > 0 and done >= finishes_before_tail(total)
         yield GaugeMetricFamily("seerd_tail_requests",
                                 "Unfinished requests once 90% have finished (the tail), else 0.",
@@ -71,16 +71,18 @@ class RolloutCollector:
                                  labels=labels)
         total_rate = 0.0
         for worker in self.book.workers.values():
+            load = self.book.state.workers[worker.id]
             label = [worker.id]
-            alive.add_metric(label, 1 if worker.status.value == "alive" else 0)
-            running.add_metric(label, len(worker.leases))
-            reserved.add_metric(label, worker.kv_reserved)
-            capacity.add_metric(label, worker.kv_capacity_tokens)
+            is_alive = worker.status == WorkerStatus.ALIVE
+            alive.add_metric(label, 1 if is_alive else 0)
+            running.add_metric(label, len(load.chunks))
+            reserved.add_metric(label, load.kv_reserved)
+            capacity.add_metric(label, load.kv_capacity_tokens)
             heartbeat.add_metric(label, max(0.0, now - worker.last_heartbeat))
             stats = self.worker_stats.get(worker.id) or {}
             if stats.get("kv_usage") is not None:
                 usage.add_metric(label, float(stats["kv_usage"]))
-            if stats.get("tokens_per_s_recent") is not None and worker.status.value == "alive":
+            if stats.get("tokens_per_s_recent") is not None and is_alive:
                 rate.add_metric(label, float(stats["tokens_per_s_recent"]))
                 total_rate += float(stats["tokens_per_s_recent"])
         yield from (alive, running, reserved, capacity, heartbeat, usage, rate)

@@ -35,3 +35,10 @@ def add_event(session, rollout_id: int, ts: float, kind: str, **fields) -> None:
             **fields,
         )
     )
+
+
+def event_row(rollout_id: int, ts: float, kind: str, worker_id: str | None = None, request_id: int | None = None,
+              chunk_id: int | None = None, data: dict | None = None) -> dict:
+    """An event as a row for a Core `insert(Event.__table__)` (hot paths write many at once)."""
+    return {"rollout_id": rollout_id, "ts": ts, "kind": kind, "worker_id": worker_id, "request_id": request_id,
+            "chunk_id": chunk_id, "data_json": json.dumps(data, separators=(",", ":")) if data else None}

@@ -1,8 +1,8 @@
 """Status enums and the one table of allowed transitions for each (vLLM's habit).
 
-Every status change in the code base goes through `check_transition`, so an impossible change
-(a finished chunk leased again, a finished request re-queued) fails loudly instead of corrupting
-the run.
+Every status write in the code base goes through `seerd/db/transitions.py`, which checks this
+table (and the row's current status in the database), so an impossible change (a finished chunk
+leased again, a finished request re-queued) fails loudly instead of corrupting the run.
 """
 
 from __future__ import annotations
@@ -62,6 +62,15 @@ ALLOWED_TRANSITIONS: dict[type[enum.Enum], dict[enum.Enum, frozenset[enum.Enum]]
         WorkerStatus.STALE: frozenset({WorkerStatus.ALIVE, WorkerStatus.GONE}),
         WorkerStatus.GONE: frozenset(),
     },
+}
+
+
+# The statuses a new row may start in: a chunk row is created when its first lease is granted.
+ALLOWED_INITIAL: dict[type[enum.Enum], frozenset[enum.Enum]] = {
+    RolloutStatus: frozenset({RolloutStatus.CREATED}),
+    RequestStatus: frozenset({RequestStatus.QUEUED}),
+    ChunkStatus: frozenset({ChunkStatus.LEASED}),
+    WorkerStatus: frozenset({WorkerStatus.ALIVE}),
 }
 
 

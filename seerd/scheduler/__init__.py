@@ -1,6 +1,6 @@
 """Scheduling policies behind one interface (`Policy.plan(snapshot) -> Plan`)."""
 
-from seerd.scheduler.base import Assignment, Plan, Policy, QueuedRequest, Snapshot, WorkerLoad
+from seerd.scheduler.views import Assignment, Plan, Policy, QueuedRequest, Snapshot, WorkerLoad
 from seerd.scheduler.divided import DividedPolicy
 from seerd.scheduler.group import GroupPolicy
 from seerd.scheduler.queue import RequestQueue

@@ -1,94 +1,14 @@
-"""The scheduler interface: a policy is a pure function from a snapshot to a plan.
+"""The rules every chunking policy shares: chunk budgets, KV admission, load balance, estimates.
 
-The coordinator builds a `Snapshot` when a worker asks for work and applies the returned `Plan`;
-the simulator (`seerd sim`) drives the very same policies with a simulated clock.
+A policy is a pure function from a snapshot to a plan (`views.py`); the coordinator's lease book
+and the simulator drive the very same policies over one `SchedulerState` (`state.py`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
-from functools import cached_property
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable, Iterable
 
-from seerd.scheduler.forecast import NO_GROWTH, GrowthRatios
-
-if TYPE_CHECKING:
-    from seerd.scheduler.queue import RequestQueue
-
-
-@dataclass(frozen=True)
-class QueuedRequest:
-    """A request waiting in the buffer for its next chunk."""
-
-    request_id: int
-    group_id: int
-    group_index: int
-    response_index: int
-    prompt_len: int
-    generated: int  # tokens committed so far
-    max_tokens: int  # the request's original budget
-    is_probe: bool
-    group_estimate: int  # the paper's L_g: the group's longest finished response (else its start value)
-    last_worker: str | None
-    queued_at: float
-    # What the group's forecast (`forecast.group_forecast`) is made of besides the estimate.
-    group_size: int = 1
-    group_finished: int = 0  # responses of the group that have finished
-    group_longest_unfinished: int = 0  # most tokens so far of any unfinished response of the group
-
-    @property
-    def remaining(self) -> int:
-        return self.max_tokens - self.generated
-
-
-@dataclass(frozen=True)
-class WorkerLoad:
-    worker_id: str
-    rank: int
-    running_chunks: int
-    reserved_kv_tokens: int  # sum over its leases of context + chunk budget
-    max_chunks: int
-    kv_capacity_tokens: int
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    now: float
-    worker_id: str  # the worker asking for work; plans assign to it only
-    wanted: int  # free sequence slots the worker reports
-    workers: tuple[WorkerLoad, ...]  # every live worker, the asking one included
-    queued: RequestQueue  # read-only for policies
-    group_binding: Mapping[int, str]  # group_id -> worker_id (group policy)
-    group_indices: Mapping[int, int]  # group_id -> group_index, for every unfinished group
-    chunk_tokens: int
-    growth: GrowthRatios = NO_GROWTH  # learned from this rollout's completed groups (seer)
-
-    @cached_property
-    def loads_by_id(self) -> dict[str, WorkerLoad]:
-        return {load.worker_id: load for load in self.workers}
-
-    def worker(self, worker_id: str) -> WorkerLoad:
-        return self.loads_by_id[worker_id]
-
-
-@dataclass(frozen=True)
-class Assignment:
-    request_id: int
-    worker_id: str
-    max_tokens: int  # this chunk's budget
-
-
-@dataclass(frozen=True)
-class Plan:
-    assignments: tuple[Assignment, ...] = ()
-    new_bindings: Mapping[int, str] = field(default_factory=dict)  # group_id -> worker_id
-
-
-class Policy(Protocol):
-    name: str
-
-    def plan(self, snapshot: Snapshot) -> Plan: ...
+from seerd.scheduler.views import Assignment, Plan, QueuedRequest, Snapshot
 
 
 def updated_estimate(finished_before: int, estimate: int, length: int) -> int:

@@ -8,7 +8,8 @@ while it stays within 32 chunks in flight of the least loaded worker with room (
 
 from __future__ import annotations
 
-from seerd.scheduler.base import DEFAULT_BALANCE_SPREAD, Plan, Snapshot, admit, balanced_slots
+from seerd.scheduler.base import DEFAULT_BALANCE_SPREAD, admit, balanced_slots
+from seerd.scheduler.views import Plan, Snapshot
 
 
 class DividedPolicy:

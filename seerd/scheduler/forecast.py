@@ -31,10 +31,7 @@ from __future__ import annotations
 from bisect import insort
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from seerd.scheduler.base import QueuedRequest
+from typing import Protocol
 
 DEFAULT_QUANTILE = 0.9
 MIN_COMPLETED_GROUPS = 3  # with so few, the 0.9 quantile is their largest ratio: conservative
@@ -90,11 +87,11 @@ class GrowthTable:
         self._refreshed_at = self.completed_groups
 
 
-def replay_growth(finishes: Iterable[tuple[int, int]],
-                  group_sizes: Mapping[int, int]) -> tuple[GrowthTable, dict[int, list[int]]]:
-    """The table as it was learned live, rebuilt from (group id, length) in finish order; with
-    each group's finished lengths in that order (a restarted coordinator, `seerd status`)."""
-    table = GrowthTable()
+def replay_growth(finishes: Iterable[tuple[int, int]], group_sizes: Mapping[int, int],
+                  table: GrowthTable | None = None) -> tuple[GrowthTable, dict[int, list[int]]]:
+    """The table as it was learned live, rebuilt from (group id, length) in finish order (into
+    `table`, a new default one if None); with each group's finished lengths in that order."""
+    table = GrowthTable() if table is None else table
     lengths: dict[int, list[int]] = {}
     completed: list[int] = []
     for group_id, length in finishes:
@@ -107,7 +104,21 @@ def replay_growth(finishes: Iterable[tuple[int, int]],
     return table, lengths
 
 
-def group_forecast(request: QueuedRequest, growth: GrowthRatios) -> int:
+class GroupProgress(Protocol):
+    """What a forecast reads of a group (a queued request's view carries it for its group)."""
+
+    group_size: int
+    group_finished: int
+    group_estimate: int
+    group_longest_unfinished: int
+    max_tokens: int
+
+
+class RequestProgress(GroupProgress, Protocol):
+    generated: int
+
+
+def group_forecast(request: GroupProgress, growth: GrowthRatios) -> int:
     """The expected length of the longest response of `request`'s group (module docstring)."""
     n, k = request.group_size, request.group_finished
     known = request.group_estimate if k == 0 else request.group_estimate * growth.ratio(n, k)
@@ -115,6 +126,6 @@ def group_forecast(request: QueuedRequest, growth: GrowthRatios) -> int:
     return min(request.max_tokens, round(max(known, running)))
 
 
-def expected_remaining(request: QueuedRequest, growth: GrowthRatios) -> int:
+def expected_remaining(request: RequestProgress, growth: GrowthRatios) -> int:
     """Tokens the request is expected still to generate: its group's forecast less what it has."""
     return max(group_forecast(request, growth), request.generated) - request.generated

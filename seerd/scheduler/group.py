@@ -9,7 +9,7 @@ a group whose worker is gone is bound again the same way over the live workers.
 
 from __future__ import annotations
 
-from seerd.scheduler.base import Assignment, Plan, Snapshot
+from seerd.scheduler.views import Assignment, Plan, Snapshot
 
 
 class GroupPolicy:

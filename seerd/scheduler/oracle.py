@@ -24,8 +24,9 @@ import math
 import random
 from collections.abc import Iterator, Mapping
 
-from seerd.scheduler.base import Assignment, Plan, QueuedRequest, Snapshot, admit, balanced_slots, free_slots
+from seerd.scheduler.base import admit, balanced_slots, free_slots
 from seerd.scheduler.seer import SeerPolicy
+from seerd.scheduler.views import Assignment, Plan, QueuedRequest, Snapshot
 
 
 class OraclePolicy:

@@ -13,7 +13,11 @@ from collections.abc import Callable, Iterable, Iterator
 from itertools import islice
 from typing import Any
 
-from seerd.scheduler.base import QueuedRequest
+from seerd.scheduler.views import QueuedRequest
+
+
+class StaleSnapshot(RuntimeError):
+    """A snapshot's queue was read after the scheduler state changed: plan on a fresh snapshot."""
 
 
 class RequestQueue:
@@ -76,3 +80,49 @@ class RequestQueue:
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._items
+
+
+class QueueView:
+    """A read-only view of a `RequestQueue` as it is at one state version: what a `Snapshot`
+    holds. It has no way to change the queue, and reading it after the state has moved on
+    raises `StaleSnapshot` (`current_version` is the state's mutation counter)."""
+
+    __slots__ = ("_queue", "_version", "_current_version")
+
+    def __init__(self, queue: RequestQueue, current_version: Callable[[], int]) -> None:
+        self._queue = queue
+        self._current_version = current_version
+        self._version = current_version()
+
+    def _check(self) -> None:
+        if self._current_version() != self._version:
+            raise StaleSnapshot("the scheduler state changed after this snapshot was taken")
+
+    def _checked(self, requests: Iterator[QueuedRequest]) -> Iterator[QueuedRequest]:
+        for request in requests:
+            self._check()
+            yield request
+
+    def fcfs(self, after: tuple[float, int] | None = None) -> Iterator[QueuedRequest]:
+        self._check()
+        return self._checked(self._queue.fcfs(after))
+
+    def ordered(self, name: str, key: Callable[[QueuedRequest], Any], version: Any = None) -> Iterator[QueuedRequest]:
+        self._check()
+        return self._checked(self._queue.ordered(name, key, version))
+
+    def get(self, request_id: int) -> QueuedRequest:
+        self._check()
+        return self._queue.get(request_id)
+
+    def __iter__(self) -> Iterator[QueuedRequest]:
+        self._check()
+        return self._checked(iter(self._queue))
+
+    def __len__(self) -> int:
+        self._check()
+        return len(self._queue)
+
+    def __contains__(self, request_id: object) -> bool:
+        self._check()
+        return request_id in self._queue

@@ -39,10 +39,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from seerd.scheduler.base import (
-    DEFAULT_BALANCE_SPREAD, Plan, QueuedRequest, Snapshot, admit, balanced_slots, chunk_budget, kv_need,
-)
+from seerd.scheduler.base import DEFAULT_BALANCE_SPREAD, admit, balanced_slots, chunk_budget, kv_need
 from seerd.scheduler.forecast import GrowthRatios, expected_remaining
+from seerd.scheduler.views import Plan, QueuedRequest, Snapshot
 
 DEFAULT_STARVATION_S = 1800.0
 DEFAULT_AFFINITY_SPREAD = DEFAULT_BALANCE_SPREAD

@@ -1,11 +1,11 @@
-"""The discrete-event simulator: the daemon's scheduler code driven by a simulated clock.
+"""The discrete-event simulator: the daemon's scheduler driven by a simulated clock.
 
-The simulator plays the coordinator's part with the same objects the lease book uses: a
-`RequestQueue` of `QueuedRequest`s, `Snapshot`s with `WorkerLoad`s, a `Policy.plan()` call when a
-worker asks for work, and the same estimate rule (`updated_estimate`). Workers ask as the daemon's
-do: after their chunks finish, and, while they have free slots, whenever new work is queued (the
-daemon wakes its long-polling workers then, the longest waiting first). Only the engines are
-modelled (`SimInstance`).
+The simulator plays the coordinator's part over the very `SchedulerState` the lease book wraps
+(`seerd/scheduler/state.py`): a `snapshot()` and a `Policy.plan()` call when a worker asks for
+work, `apply_leases` for the plan, `update_from_results` when chunks end. Workers ask as the
+daemon's do: after their chunks finish, and, while they have free slots, whenever new work is
+queued (the daemon wakes its long-polling workers then, the longest waiting first). Only the
+engines are modelled (`SimInstance`).
 The lengths are known to the engines alone, as a model's EOS is; policies never see them, except
 the simulation-only oracles, which are given them at construction.
 Deterministic for a seed: events are ordered by (time, sequence number) and all randomness
@@ -18,13 +18,13 @@ import heapq
 import math
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from seerd.polling import LEASE_LONG_POLL_S, LONG_POLL_MAX_S
 from seerd.scheduler import make_sim_policy
-from seerd.scheduler.base import Policy, QueuedRequest, Snapshot, WorkerLoad, kv_need, updated_estimate
 from seerd.scheduler.forecast import GrowthTable
-from seerd.scheduler.queue import RequestQueue
+from seerd.scheduler.state import ChunkResult, GroupRecord, RequestRecord, SchedulerState
+from seerd.scheduler.views import Policy
 from seerd.sim.costs import InstanceCosts
 from seerd.sim.engine import WATERMARK_FRACTION, SimInstance, SimSeq
 from seerd.sim.workload import Workload
@@ -38,36 +38,15 @@ REPORT_EVENT = -1  # the version field of an event that delivers a report, not a
 
 @dataclass
 class SimRequest:
+    """What the simulation knows of a request besides the scheduler's state (its true length)."""
+
     request_id: int
     group_index: int
     response_index: int
     true_length: int
-    max_tokens: int
-    is_probe: bool
-    generated: int = 0
-    last_instance: int | None = None
-    queued_at: float = 0.0
     finished_at: float | None = None
     first_leased_at: float | None = None
     chunks: int = 0
-
-
-@dataclass
-class SimGroupState:
-    index: int
-    prompt_len: int
-    n: int
-    estimate: int
-    request_ids: list[int] = field(default_factory=list)
-    finished: int = 0
-    finished_lengths: list[int] = field(default_factory=list)  # in the order they finished
-
-
-@dataclass
-class Lease:
-    request_id: int
-    instance: int
-    kv_reserved: int
 
 
 @dataclass
@@ -124,7 +103,6 @@ class Simulation:
         self._reports: dict[int, list[SimSeq]] = {}
         if not 0.0 <= pool_hit_rate <= 1.0:
             raise ValueError(f"pool_hit_rate must be in [0, 1], got {pool_hit_rate}")
-        self.chunk_tokens = chunk_tokens
         self.rng = random.Random(seed)
         capacity = kv_capacity if kv_capacity is not None else costs.kv_capacity_tokens()
         self.kv_capacity = capacity
@@ -136,40 +114,33 @@ class Simulation:
         self.worker_kv = int(capacity * (1.0 - WATERMARK_FRACTION))
         self.max_chunks = max_num_seqs
         self.worker_ids = [f"sim-{i}" for i in range(instances)]
-        self.running_chunks = [0] * instances
+        self.instance_of = {wid: i for i, wid in enumerate(self.worker_ids)}
         # When each worker's pending long-poll lease call began, as (time, order of the calls);
         # None while it has no free slot (it waits for a chunk to end, not for work).
         self.waiting_since: list[tuple[float, int] | None] = [None] * instances
         self._asks = 0
-        self._loads_cache: tuple[WorkerLoad, ...] | None = None
-        self.reserved_kv = [0] * instances
-        self.groups: dict[int, SimGroupState] = {}
+        self.state = SchedulerState(chunk_tokens=chunk_tokens,
+                                    growth=None if growth_quantile is None else GrowthTable(growth_quantile))
         self.requests: dict[int, SimRequest] = {}
-        self.queue = RequestQueue()
-        # The lease book keeps the same table, from the same finishes.
-        self.growth = GrowthTable() if growth_quantile is None else GrowthTable(growth_quantile)
-        self.unfinished_groups: dict[int, int] = {}
-        self.bindings: dict[int, str] = {}
-        self.leases: dict[int, Lease] = {}
         self._next_chunk = 0
         self._events: list[tuple[float, int, int, int]] = []
         self._event_seq = 0
         self.plan_calls = 0
-        self.finished = 0
         priors = priors or {}
+        groups, requests = [], []
         for g in workload.groups:
             if any(length > g.max_tokens for length in g.lengths):
                 raise ValueError(f"group {g.index} has a length above its max_tokens {g.max_tokens}")
             # Like `seerd run --prior`: the prior is the starting estimate, replaced at the first finish.
             estimate = min(g.max_tokens, priors.get(g.index, g.max_tokens))
-            state = SimGroupState(g.index, g.prompt_len, len(g.lengths), estimate)
-            self.groups[g.index] = state
-            self.unfinished_groups[g.index] = g.index
+            groups.append(GroupRecord(g.index, g.index, g.prompt_len, len(g.lengths), g.max_tokens, estimate))
             for k, length in enumerate(g.lengths):
                 rid = len(self.requests)
-                self.requests[rid] = SimRequest(rid, g.index, k, length, g.max_tokens, is_probe=k == 0)
-                state.request_ids.append(rid)
-                self.queue.put(self._view(self.requests[rid]))
+                self.requests[rid] = SimRequest(rid, g.index, k, length)
+                requests.append(RequestRecord(rid, g.index, k, k == 0, g.max_tokens))
+        self.state.load(groups, requests)
+        for i, wid in enumerate(self.worker_ids):
+            self.state.add_worker(wid, rank=i, max_chunks=max_num_seqs, kv_capacity_tokens=self.worker_kv)
         # A name builds the policy here: the simulation-only oracles need the true lengths.
         self.policy = (make_sim_policy(policy, self.true_lengths(), {rid: r.group_index for rid, r in self.requests.items()})
                        if isinstance(policy, str) else policy)
@@ -179,95 +150,44 @@ class Simulation:
         return {rid: r.true_length for rid, r in self.requests.items()}
 
     # ------------------------------------------------------------- the coordinator's part
-    def _view(self, r: SimRequest, longest_unfinished: int | None = None) -> QueuedRequest:
-        g = self.groups[r.group_index]
-        last = self.worker_ids[r.last_instance] if r.last_instance is not None else None
-        if longest_unfinished is None:
-            longest_unfinished = self._longest_unfinished(g)
-        return QueuedRequest(r.request_id, r.group_index, r.group_index, r.response_index, g.prompt_len,
-                             r.generated, r.max_tokens, r.is_probe, g.estimate, last, r.queued_at,
-                             g.n, g.finished, longest_unfinished)
-
-    def _longest_unfinished(self, g: SimGroupState) -> int:
-        return max((self.requests[rid].generated for rid in g.request_ids
-                    if self.requests[rid].finished_at is None), default=0)
-
-    def _loads(self) -> tuple[WorkerLoad, ...]:
-        if self._loads_cache is None:  # rebuilt only after a lease or a report changed a load
-            self._loads_cache = tuple(
-                WorkerLoad(wid, i, self.running_chunks[i], self.reserved_kv[i], self.max_chunks, self.worker_kv)
-                for i, wid in enumerate(self.worker_ids))
-        return self._loads_cache
+    def running_chunks(self, i: int) -> int:
+        return len(self.state.workers[self.worker_ids[i]].chunks)
 
     def _ask(self, i: int, now: float) -> list[SimSeq]:
         """Worker i asks for work; returns the chunks it was leased."""
-        wanted = self.max_chunks - self.running_chunks[i]
-        if wanted <= 0 or not len(self.queue):
+        wanted = self.max_chunks - self.running_chunks(i)
+        if wanted <= 0 or not len(self.state.queue):
             return []
         self.plan_calls += 1
-        snapshot = Snapshot(now, self.worker_ids[i], wanted, self._loads(), self.queue, self.bindings,
-                            self.unfinished_groups, self.chunk_tokens, self.growth.current)
-        plan = self.policy.plan(snapshot)
-        self.bindings.update(plan.new_bindings)
+        worker_id = self.worker_ids[i]
+        plan = self.policy.plan(self.state.snapshot(worker_id, wanted, now))
+        self.state.check_plan(plan, worker_id)
+        chunk_ids = range(self._next_chunk, self._next_chunk + len(plan.assignments))
+        self._next_chunk += len(plan.assignments)
         seqs = []
-        for a in plan.assignments:
-            if a.worker_id != self.worker_ids[i]:
-                raise RuntimeError(f"policy {self.policy.name} assigned to another worker")
-            view = self.queue.remove(a.request_id)
-            r = self.requests[a.request_id]
-            if not 1 <= a.max_tokens <= r.max_tokens - r.generated:
-                raise RuntimeError(f"policy gave request {r.request_id} an impossible budget {a.max_tokens}")
-            reserve = kv_need(view, a.max_tokens)
-            self.running_chunks[i] += 1
-            self.reserved_kv[i] += reserve
-            self._loads_cache = None
-            chunk_id = self._next_chunk
-            self._next_chunk += 1
-            self.leases[chunk_id] = Lease(r.request_id, i, reserve)
+        for lease in self.state.apply_leases(worker_id, plan, chunk_ids):
+            r, request = self.requests[lease.request_id], self.state.requests[lease.request_id]
             r.chunks += 1
             if r.first_leased_at is None:
                 r.first_leased_at = now
-            seqs.append(SimSeq(chunk_id, r.request_id, r.group_index, self.groups[r.group_index].prompt_len,
-                               r.generated, min(a.max_tokens, r.true_length - r.generated), r.last_instance))
+            previous = None if lease.previous_worker is None else self.instance_of[lease.previous_worker]
+            generated = request.generated
+            seqs.append(SimSeq(lease.chunk_id, r.request_id, r.group_index, self.state.groups[r.group_index].prompt_len,
+                               generated, min(lease.max_tokens, r.true_length - generated), previous))
         return seqs
 
     def _complete(self, i: int, finished: list[SimSeq], now: float) -> bool:
         """Chunks reported by instance i; returns whether any request went back to the queue."""
-        back: list[SimRequest] = []
-        touched_groups: set[int] = set()
+        results = []
         for seq in finished:
-            lease = self.leases.pop(seq.chunk_id)
-            self.running_chunks[i] -= 1
-            self.reserved_kv[i] -= lease.kv_reserved
-            self._loads_cache = None
-            r = self.requests[lease.request_id]
-            r.generated += seq.target
-            r.last_instance = i
-            touched_groups.add(r.group_index)
-            if r.generated >= r.true_length or r.generated >= r.max_tokens:
-                r.finished_at = now
-                self.finished += 1
-                g = self.groups[r.group_index]
-                g.estimate = updated_estimate(g.finished, g.estimate, r.generated)
-                g.finished += 1
-                g.finished_lengths.append(r.generated)
-                if g.finished == g.n:
-                    del self.unfinished_groups[g.index]
-                    self.growth.observe_completed(g.finished_lengths)
-            else:
-                r.queued_at = now
-                back.append(r)
-        for gid in touched_groups:  # queued views carry the group's progress: refresh those that changed
-            g = self.groups[gid]
-            longest = self._longest_unfinished(g)
-            for rid in g.request_ids:
-                if rid in self.queue:
-                    fresh = self._view(self.requests[rid], longest)
-                    if fresh != self.queue.get(rid):
-                        self.queue.put(fresh)
-        for r in back:
-            self.queue.put(self._view(r))
-        return bool(back)
+            r, request = self.requests[seq.request_id], self.state.requests[seq.request_id]
+            total = request.generated + seq.target
+            results.append(ChunkResult(seq.chunk_id, seq.target, total >= r.true_length or total >= request.max_tokens))
+        applied = self.state.update_from_results(results, now)
+        for outcome in applied.requests:
+            if outcome.finished:
+                self.requests[outcome.request_id].finished_at = now
+        return not all(outcome.finished for outcome in applied.requests)
 
     # ------------------------------------------------------------- the event loop
     def _reschedule(self, i: int) -> None:
@@ -339,7 +259,7 @@ class Simulation:
     def _start_waiting(self, i: int, now: float) -> None:
         """Worker i's lease call starts long-polling now, if it has a free slot to ask for."""
         self._asks += 1
-        self.waiting_since[i] = (now, self._asks) if self.running_chunks[i] < self.max_chunks else None
+        self.waiting_since[i] = (now, self._asks) if self.running_chunks(i) < self.max_chunks else None
 
     def _waiting_oldest_first(self, now: float) -> list[int]:
         """The long-polling workers in the order the coordinator wakes them: by when their current
@@ -370,10 +290,10 @@ class Simulation:
                 continue
             requeued = self._complete(i, finished, instance.clock)
             self._hand_out(instance.clock, i, wake=requeued)
-        if self.finished != len(self.requests):
-            stuck = len(self.requests) - self.finished
+        if not self.state.is_complete():
+            stuck = len(self.requests) - self.state.finished_requests
             raise RuntimeError(f"policy {self.policy.name} left {stuck} requests unfinished "
-                               f"({len(self.queue)} queued, {len(self.leases)} leased)")
+                               f"({len(self.state.queue)} queued, {len(self.state.leases)} leased)")
         finish_times = [r.finished_at for r in self.requests.values()]
         total = max(finish_times)
         stats = [inst.stats for inst in self.instances]

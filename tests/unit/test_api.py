@@ -83,7 +83,7 @@ def test_metrics_follow_the_book(client):
     assert during[("seerd_leases_in_flight", ())] == 1
     assert during[("seerd_requests", (("state", "running"),))] == 1
     assert during[("seerd_worker_running_chunks", (("worker", worker),))] == 1
-    assert during[("seerd_worker_kv_reserved_tokens", (("worker", worker),))] == client.book.workers[worker].kv_reserved
+    assert during[("seerd_worker_kv_reserved_tokens", (("worker", worker),))] == client.book.state.workers[worker].kv_reserved
     assert during[("seerd_worker_tokens_per_second", (("worker", worker),))] == 42.0
     assert during[("seerd_output_tokens_per_second", ())] == 42.0
     report = {"chunk_id": grant["chunk_id"], "epoch": grant["epoch"], "token_ids": [5] * 3, "logprobs": [-0.1] * 3,
@@ -151,7 +151,7 @@ def drafts_client(tmp_path):
     book = make_book(tmp_path, prompt_rows=rows(groups=2, n=2, max_tokens=20), now=clock())
     host = DraftHost()
     app = create_app(book, SECRET, CoordinatorControl(), clock, host)
-    host.register(list(book.groups))
+    host.register(list(book.state.groups))
     with TestClient(app) as test_client:
         test_client.book = book
         yield test_client
@@ -168,7 +168,7 @@ def test_draft_server_endpoints_need_the_token(drafts_client, path, body):
 
 def test_draft_server_append_and_fetch_over_http(drafts_client):
     auth = {"Authorization": f"Bearer {SECRET}"}
-    group = min(drafts_client.book.groups)
+    group = min(drafts_client.book.state.groups)
     items = [{"group": group, "request": 7, "prev_count": 0, "tokens": [1, 2, 3]},
              {"group": group, "request": 7, "prev_count": 0, "tokens": [1, 2, 3]},  # a retry: no-op
              {"group": 999, "request": 1, "prev_count": 0, "tokens": [4]}]

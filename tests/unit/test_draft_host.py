@@ -14,7 +14,7 @@ def wired(tmp_path, name: str = "state.db"):  # noqa: ANN001, ANN201
     host = DraftHost()
     book.on_committed_tokens = host.committed
     book.on_group_finished = host.group_finished
-    host.register(list(book.unfinished_groups))
+    host.register(list(book.state.unfinished_groups))
     book.register(rank=0, address="x", max_chunks=8, kv_capacity_tokens=10_000, worker_id="w", now=1000.0)
     return book, host
 
@@ -45,8 +45,8 @@ def held(host: DraftHost, group: int, request: int) -> list[int] | None:
 
 def test_committed_chunks_reach_the_server_and_finished_groups_leave(tmp_path):
     book, host = wired(tmp_path)
-    group = min(book.groups)
-    request = book.groups[group].request_ids[0]
+    group = min(book.state.groups)
+    request = book.state.groups[group].request_ids[0]
     book.report_many("w", [ChunkReport(g.chunk_id, g.epoch, [5, 6, 7, 8], [-1.0] * 4, "length")
                            for g in book.lease("w", 8, 1001.0)], 1001.0)
     assert held(host, group, request) == [5, 6, 7, 8]
@@ -57,15 +57,15 @@ def test_committed_chunks_reach_the_server_and_finished_groups_leave(tmp_path):
 
 def test_a_resumed_run_seeds_every_unfinished_group_with_its_tokens_so_far(tmp_path):
     book, host = wired(tmp_path)
-    group = min(book.groups)
-    request = book.groups[group].request_ids[0]
+    group = min(book.state.groups)
+    request = book.state.groups[group].request_ids[0]
     book.report_many("w", [ChunkReport(g.chunk_id, g.epoch, [1, 2, 3, 4], [-1.0] * 4, "length")
                            for g in book.lease("w", 8, 1001.0)], 1001.0)
     host.close()
     again = reopen(book, 1002.0)
     sequences = book_sequences(again)
     assert sequences[group][request] == [1, 2, 3, 4]
-    assert set(sequences) == set(again.unfinished_groups)
+    assert set(sequences) == set(again.state.unfinished_groups)
     fresh = DraftHost()
     fresh.seed(sequences)
     assert held(fresh, group, request) == [1, 2, 3, 4]
@@ -77,13 +77,13 @@ def test_history_seeds_groups_of_the_same_prompt_with_the_earlier_responses(tmp_
     produced = run_all(earlier)
     host.close()
     later = make_book(tmp_path, prompt_rows=rows(groups=3, n=2, max_tokens=8), db_name="later.db")
-    seeded = history_sequences(tmp_path / "earlier.db", tmp_path / "later.db", list(later.groups))
+    seeded = history_sequences(tmp_path / "earlier.db", tmp_path / "later.db", list(later.state.groups))
     # Prompts p0 and p1 were in the earlier run; p2 was not.
-    by_index = {later.groups[gid].index: gid for gid in later.groups}
+    by_index = {later.state.groups[gid].index: gid for gid in later.state.groups}
     assert set(seeded) == {by_index[0], by_index[1]}
-    earlier_by_index = {earlier.groups[gid].index: gid for gid in earlier.groups}
+    earlier_by_index = {earlier.state.groups[gid].index: gid for gid in earlier.state.groups}
     for index in (0, 1):
-        expected = [produced[rid] for rid in earlier.groups[earlier_by_index[index]].request_ids]
+        expected = [produced[rid] for rid in earlier.state.groups[earlier_by_index[index]].request_ids]
         got = seeded[by_index[index]]
         assert all(key < 0 for key in got)  # never a real request id
         assert sorted(got.values()) == sorted(expected)

@@ -92,7 +92,7 @@ def test_the_lease_book_learns_from_completed_groups_and_a_restart_rebuilds_the_
     grants = book.lease(worker, wanted=64, now=1000.0)
     by_group: dict[int, list] = {}
     for grant in grants:
-        by_group.setdefault(book.requests[grant.request_id].group_id, []).append(grant)
+        by_group.setdefault(book.state.requests[grant.request_id].group_id, []).append(grant)
     now = 1001.0
     for i, (gid, pair) in enumerate(sorted(by_group.items())):
         first, second = sorted(pair, key=lambda g: g.request_id)
@@ -100,12 +100,12 @@ def test_the_lease_book_learns_from_completed_groups_and_a_restart_rebuilds_the_
         if i < 12:  # twelve groups complete, the last two keep one response running
             _finish(book, worker, second, 10 + 3 * i, now + 0.5)
         now += 1.0
-    assert book.growth.completed_groups == 12
-    learned = book.growth.current
+    assert book.state.growth.completed_groups == 12
+    learned = book.state.growth.current
     assert learned.version >= 1 and learned.ratio(2, 1) == 4.0  # refreshed at 12: quantile 0.9 of 1.0 .. 4.3
     restarted = reopen(book, now=now)
-    assert restarted.growth.current == learned
+    assert restarted.state.growth.current == learned
     # Queued views carry what the forecast needs: size, finishes, longest unfinished so far.
-    (queued,) = [r for r in restarted.queue if r.group_finished == 1][:1]
+    (queued,) = [r for r in restarted.state.queue if r.group_finished == 1][:1]
     assert (queued.group_size, queued.group_finished) == (2, 1)
     assert group_forecast(queued, learned) == 40

@@ -134,7 +134,7 @@ def test_a_running_request_keeps_its_blocks_whatever_the_budget(tmp_path):
         n = grant.max_tokens
         assert book.report(worker, ChunkReport(grant.chunk_id, grant.epoch, [7] * n, [-1.0] * n, "length"),
                            now=t).accepted
-    group_id = book.requests[grants[0].request_id].group_id
+    group_id = book.state.requests[grants[0].request_id].group_id
     pool = FakePool()
     pool.hold(group_id, "p", 2)
     for grant, blocks in zip(grants, (4, 4, 80)):

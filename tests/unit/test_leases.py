@@ -64,7 +64,7 @@ def test_expired_lease_requeues_and_fences_the_stale_report(tmp_path):
     outcome = book.report(slow, full_report(grant, token=1), now=1012.0)
     assert not outcome.accepted and "stale" in outcome.reason
     assert book.report(fast, full_report(regrant, token=2), now=1012.0).accepted
-    assert book.output_tokens == 16
+    assert book.state.output_tokens == 16
     with book.sessions.begin() as s:
         chunk = s.get(Chunk, grant.chunk_id)
         assert chunk.status == ChunkStatus.DONE and chunk.attempt == 2 and chunk.lease_holder == "fast"
@@ -78,7 +78,7 @@ def test_report_after_expiry_but_before_release_is_rejected(tmp_path):
     (grant,) = book.lease(w, wanted=1, now=1000.0)
     book.expire(now=1020.0)
     assert not book.report(w, full_report(grant), now=1021.0).accepted
-    assert book.output_tokens == 0
+    assert book.state.output_tokens == 0
 
 
 def test_heartbeat_extends_only_leases_the_worker_still_runs(tmp_path):
@@ -88,7 +88,7 @@ def test_heartbeat_extends_only_leases_the_worker_still_runs(tmp_path):
     abort = book.heartbeat(w, running=[a.chunk_id, 999], now=1008.0)
     assert abort == [999]  # unknown to the coordinator: the worker must drop it
     assert book.expire(now=1012.0) == 1  # b was not extended
-    assert set(book.leases) == {a.chunk_id}
+    assert set(book.state.leases) == {a.chunk_id}
 
 
 def test_duplicate_report_is_idempotent(tmp_path):
@@ -99,7 +99,7 @@ def test_duplicate_report_is_idempotent(tmp_path):
     second = book.report(w, full_report(grant), now=1002.0)
     assert first.accepted and not first.duplicate
     assert second.accepted and second.duplicate
-    assert book.output_tokens == 16
+    assert book.state.output_tokens == 16
     with book.sessions.begin() as s:
         assert s.get(Request, grant.request_id).generated_tokens == 16
         assert s.scalar(select(func.count()).select_from(Chunk)) == 1
@@ -124,7 +124,7 @@ def test_bad_reports_raise_and_change_nothing(tmp_path):
     ):
         with pytest.raises(BadReport):
             book.report(w, bad, now=1001.0)
-    assert grant.chunk_id in book.leases and book.output_tokens == 0
+    assert grant.chunk_id in book.state.leases and book.state.output_tokens == 0
 
 
 def test_stop_finishes_the_request_and_updates_the_group_estimate(tmp_path):
@@ -156,7 +156,7 @@ def test_restart_requeues_leases_and_fences_the_old_coordinators_workers(tmp_pat
     a, b = book.lease(w, wanted=2, now=1000.0)
     book.report(w, full_report(a), now=1001.0)
     restarted = reopen(book, now=1002.0)
-    assert restarted.leases == {} and restarted.output_tokens == 16
+    assert restarted.state.leases == {} and restarted.state.output_tokens == 16
     with pytest.raises(UnknownWorker):  # workers of the dead coordinator must register again
         restarted.report(w, full_report(b), now=1003.0)
     w2 = register(restarted, "w0", now=1003.0)
@@ -200,7 +200,7 @@ def test_queued_longest_names_requests_that_ran_oldest_first(tmp_path):
     assert [v.request_id for v in waiting] == oldest_first
     assert running not in {v.request_id for v in waiting}
     assert [v.queued_at for v in waiting] == [1001.0, 1002.0, 1003.0]
-    assert all(v.group_id == book.requests[v.request_id].group_id for v in waiting)
+    assert all(v.group_id == book.state.requests[v.request_id].group_id for v in waiting)
     assert [v.request_id for v in book.queued_longest(2)] == oldest_first[:2]
     assert [v.request_id for v in book.queued_longest(10, after=waiting[0])] == oldest_first[1:]
     assert book.queued_longest(10, after=waiting[-1]) == []

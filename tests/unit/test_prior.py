@@ -28,7 +28,7 @@ def finish_run(book: LeaseBook, lengths: dict[str, list[int]]) -> LeaseBook:
     book.set_rollout_status(RolloutStatus.RUNNING, 1000.0)
     while not book.is_complete():
         for grant in book.lease("w", wanted=64, now=1001.0):
-            request = book.requests[grant.request_id]
+            request = book.state.requests[grant.request_id]
             left = lengths[prompt_ids[request.group_id]][request.response_index] - request.generated
             n = min(left, grant.max_tokens)
             book.report("w", ChunkReport(grant.chunk_id, grant.epoch, [7] * n, [-1.0] * n,
@@ -43,7 +43,7 @@ def _prompt_ids(book: LeaseBook) -> dict[int, str]:
 
 
 def estimates(book: LeaseBook) -> dict[str, int]:
-    return {_prompt_ids(book)[gid]: g.estimate for gid, g in book.groups.items()}
+    return {_prompt_ids(book)[gid]: g.estimate for gid, g in book.state.groups.items()}
 
 
 def history(book: LeaseBook) -> list[tuple[str, int, int]]:
@@ -111,12 +111,12 @@ def test_the_first_finish_replaces_the_seed_and_later_ones_only_raise_it(tmp_pat
     prior = PriorLengths("earlier", "model", {prompt_hash(PROMPT_A): [(1, 30)]})
     book = make_book(tmp_path, prompt_rows=[row("a", PROMPT_A, n=3)], prior=prior)
     book.register(rank=0, address="t", max_chunks=8, kv_capacity_tokens=10**6, worker_id="w", now=1000.0)
-    assert {r.group_estimate for r in book.queue} == {30}  # the scheduler sees the seed
+    assert {r.group_estimate for r in book.state.queue} == {30}  # the scheduler sees the seed
     grants = book.lease("w", wanted=8, now=1000.0)
     seen = []
     for grant, length in zip(grants, (3, 2, 7)):
         book.report("w", ChunkReport(grant.chunk_id, grant.epoch, [7] * length, [-1.0] * length, "stop"), 1001.0)
-        seen.append(next(iter(book.groups.values())).estimate)
+        seen.append(next(iter(book.state.groups.values())).estimate)
     assert seen == [3, 3, 7]
 
 

@@ -79,8 +79,8 @@ class SyntheticEngine:
         self.held = {w: [] for w in self.workers}
 
     def _report(self, grant) -> ChunkReport:  # noqa: ANN001
-        request = self.book.requests[grant.request_id]
-        target = self.lengths[(self.book.groups[request.group_id].index, request.response_index)]
+        request = self.book.state.requests[grant.request_id]
+        target = self.lengths[(self.book.state.groups[request.group_id].index, request.response_index)]
         n = min(grant.max_tokens, target - request.generated)
         return ChunkReport(grant.chunk_id, grant.epoch, [7] * n, [-0.5] * n,
                            "stop" if request.generated + n == target else "length")
@@ -101,19 +101,19 @@ class SyntheticEngine:
             if grants:
                 outcomes = self.book.report_many(worker, [self._report(g) for g in grants], self.clock.now)
                 assert all(o.accepted for o in outcomes)
-            running = [c for c in self.book.workers[worker].leases
-                       if (c, self.book.leases[c].epoch) not in self.hung]
+            running = [c for c in self.book.state.workers[worker].chunks
+                       if (c, self.book.terms[c].epoch) not in self.hung]
             self.book.heartbeat(worker, running, self.clock.now)
             self.book.expire(self.clock.now)
-            state = self.book.workers[worker]
-            self.held[worker] = self.book.lease(worker, self.max_chunks - len(state.leases), self.clock.now)
-            self.samples.append((self.clock.now, worker, state.kv_reserved, len(state.leases)))
+            state = self.book.state.workers[worker]
+            self.held[worker] = self.book.lease(worker, self.max_chunks - len(state.chunks), self.clock.now)
+            self.samples.append((self.clock.now, worker, state.kv_reserved, len(state.chunks)))
             self.clock.advance(TICK_S)
 
     def run(self, *, until_finished: int | None = None, max_ticks: int = 400) -> None:
-        goal = len(self.book.requests) if until_finished is None else until_finished
+        goal = len(self.book.state.requests) if until_finished is None else until_finished
         for _ in range(max_ticks):
-            if self.book.finished_requests >= goal:
+            if self.book.state.finished_requests >= goal:
                 return
             self.tick()
         raise AssertionError("the synthetic run did not get there")
@@ -280,13 +280,13 @@ def test_synthetic_engine_interrupted_run_still_gets_a_report(tmp_path) -> None:
     summary = (out / "summary.md").read_text()
     assert "The run is **interrupted**" in summary and "| tail time | - (not reached" in summary
     leases = metrics.lease_intervals(written.run)
-    assert (leases.outcome == "open").sum() == len(engine.book.leases) > 0
+    assert (leases.outcome == "open").sum() == len(engine.book.state.leases) > 0
 
 
 def test_synthetic_engine_resumed_run_counts_orphans_and_leaves_out_the_downtime(tmp_path) -> None:
     engine = start_run(tmp_path)
     engine.run(until_finished=20)
-    held = len(engine.book.leases)
+    held = len(engine.book.state.leases)
     stopped = engine.clock.now
     engine.book.set_rollout_status(RolloutStatus.INTERRUPTED, stopped, "synthetic stop")
     engine.clock.advance(100.0)  # the coordinator is down
@@ -328,8 +328,8 @@ def test_synthetic_engine_report_reads_a_live_wal_database(tmp_path) -> None:
     wal = tmp_path / "state.db-wal"
     assert wal.exists() and wal.stat().st_size > 0
     live = load_run(tmp_path / "state.db")
-    assert int(live.requests.finished.sum()) == engine.book.finished_requests
-    assert int(live.requests.generated.sum()) == engine.book.output_tokens
+    assert int(live.requests.finished.sum()) == engine.book.state.finished_requests
+    assert int(live.requests.generated.sum()) == engine.book.state.output_tokens
     engine.book.engine.dispose()
     assert not wal.exists() and not (tmp_path / "state.db-shm").exists()
     closed = load_run(tmp_path / "state.db")
@@ -369,7 +369,7 @@ def test_synthetic_engine_report_reads_a_run_in_a_read_only_directory(tmp_path) 
     With a WAL left by a killed coordinator it must read the WAL (immutable would skip it)."""
     engine = start_run(tmp_path / "live")
     engine.run(until_finished=12)
-    finished, events = engine.book.finished_requests, len(load_run(tmp_path / "live" / "state.db").events)
+    finished, events = engine.book.state.finished_requests, len(load_run(tmp_path / "live" / "state.db").events)
     crashed = tmp_path / "crashed"  # what a killed coordinator leaves: db, -wal with rows, -shm
     crashed.mkdir()
     for suffix in ("", "-wal", "-shm"):

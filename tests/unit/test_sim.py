@@ -124,8 +124,8 @@ def test_every_request_completes_exactly_once_and_only_group_preempts(groups, po
                      pool_hit_rate=0.5, kv_capacity=1500, chunk_gap_s=gap)
     result = sim.run()
     assert result.requests == sum(len(g) for g in groups)
-    assert all(r.finished_at is not None and r.generated == r.true_length for r in sim.requests.values())
-    assert len(result.finish_times) == result.requests and not sim.leases and not len(sim.queue)
+    assert all(r.finished_at is not None and sim.state.requests[r.request_id].generated == r.true_length for r in sim.requests.values())
+    assert len(result.finish_times) == result.requests and not sim.state.leases and not len(sim.state.queue)
     assert result.output_tokens == sum(map(sum, groups))
     assert all(peak <= result.kv_capacity for peak in result.peak_kv)
     oversized = any(sum(32 + length for length in g) > 1500 * 0.99 or len(g) > 6 for g in groups)
@@ -167,8 +167,8 @@ def test_seer_learns_growth_ratios_from_completed_groups_in_the_simulator() -> N
     # Every group: one short response and three 4x longer: the table learns it, the forecast uses it.
     workload = small_workload([[25, 100, 100, 100]] * 12)
     sim, _ = simulate(workload, "seer", instances=1, kv=100_000, max_num_seqs=4, chunk=64)
-    assert sim.growth.completed_groups == 12
-    assert sim.growth.current.ratio(4, 1) == 4.0
+    assert sim.state.growth.completed_groups == 12
+    assert sim.state.growth.current.ratio(4, 1) == 4.0
 
 
 def test_seer_revealed_is_told_each_groups_longest_at_its_first_finish() -> None:
@@ -327,7 +327,7 @@ def test_a_control_plane_gap_per_chunk_slows_chunked_policies_only() -> None:
         sim = Simulation(workload, "divided", QWEN.costs(), instances=2, chunk_tokens=32, max_num_seqs=16, seed=0,
                          kv_capacity=4000, chunk_gap_s=gap)
         results[gap] = sim.run()
-        assert all(r.generated == r.true_length for r in sim.requests.values())
+        assert all(sim.state.requests[r.request_id].generated == r.true_length for r in sim.requests.values())
     # 10 chunks per response, each boundary 0.5 s: at least 4.5 s more on the critical path.
     assert results[0.5].total_time_s > results[0.0].total_time_s + 4.5
     group = simulate(workload, "group", chunk=32, kv=4000)[1]

@@ -69,7 +69,7 @@ def synthetic_run(tmp_path):
 def test_snapshot_counts_progress_tail_and_workers_synthetic_engine(tmp_path):
     book, a, b, running = synthetic_run(tmp_path)
     # Worker a says how far its running chunks are (what heartbeats carry); b has been silent.
-    held_by_a = [g for g in running if g.chunk_id in book.workers[a].leases]
+    held_by_a = [g for g in running if g.chunk_id in book.state.workers[a].chunks]
     live = {str(g.chunk_id): {"tokens": 3 + i, "changed_at": 1008.0} for i, g in enumerate(held_by_a)}
     book.heartbeat(a, [g.chunk_id for g in held_by_a], now=1009.0,
                    stats={"tokens_per_s_recent": 12.5, "kv_usage": 0.25, "running": live, "chunks_done": 4,
@@ -79,7 +79,7 @@ def test_snapshot_counts_progress_tail_and_workers_synthetic_engine(tmp_path):
         assert isinstance(snap[key], kind), key
     assert (snap["state"], snap["requests_total"], snap["requests_done"]) == ("running", 6, 2)
     assert (snap["groups_total"], snap["groups_done"]) == (3, 1)
-    committed = sum(r.generated for r in book.requests.values())
+    committed = sum(r.generated for r in book.state.requests.values())
     in_flight = sum(e["tokens"] for e in live.values())
     assert snap["output_tokens_committed"] == committed
     assert snap["output_tokens"] == committed + in_flight
@@ -90,14 +90,14 @@ def test_snapshot_counts_progress_tail_and_workers_synthetic_engine(tmp_path):
         chunk = next(g for g in running if g.request_id == t["request_id"])
         extra = live.get(str(chunk.chunk_id), {}).get("tokens", 0)
         assert t["tokens"] == 16 + extra and t["chunks"] == 2
-        assert t["worker"] == (a if chunk.chunk_id in book.workers[a].leases else b)
+        assert t["worker"] == (a if chunk.chunk_id in book.state.workers[a].chunks else b)
         assert t["since_progress_s"] == pytest.approx(2.0 if extra else 5.0)  # live change, else lease
     workers = {w["worker_id"]: w for w in snap["workers"]}
     assert workers[a]["tokens_per_s"] == 12.5 and workers[a]["kv_usage"] == 0.25
     assert workers[b]["tokens_per_s"] is None
     for wid in (a, b):
-        assert workers[wid]["kv_reserved_tokens"] == book.workers[wid].kv_reserved
-        assert workers[wid]["running_chunks"] == len(book.workers[wid].leases)
+        assert workers[wid]["kv_reserved_tokens"] == book.state.workers[wid].kv_reserved
+        assert workers[wid]["running_chunks"] == len(book.state.workers[wid].chunks)
     # b's last heartbeat was its registration at 1000: 10 s > 3 heartbeat intervals (2 s each).
     assert not workers[a]["stale"] and workers[b]["stale"]
     assert snap["tokens_per_s_now"] == 12.5  # the live workers' own rates

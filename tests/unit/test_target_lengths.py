@@ -7,11 +7,12 @@ import dataclasses
 import pytest
 from sqlalchemy import select
 
-from seerd.coordinator.book import BadReport, ChunkGrant, ChunkReport, RequestState
+from seerd.coordinator.book import BadReport, ChunkGrant, ChunkReport
 from seerd.db import Group, Request, RequestTarget
 from seerd.io.export import collect_rows
 from seerd.io.prompts import PromptRow
 from seerd.scheduler import Plan, QueuedRequest, Snapshot, WorkerLoad, make_policy
+from seerd.scheduler.state import GroupRecord, LeaseRecord, RequestRecord, WorkerRecord
 from seerd.worker.main import generation_budget, reported_finish_reason
 from tests.unit.helpers import make_book
 
@@ -57,7 +58,7 @@ def test_targets_are_stored_apart_and_reach_only_the_grant(tmp_path):
         (g, k): t for g, ts in TARGETS.items() for k, t in enumerate(ts)}
     assert {r["finish_reason"] for r in rows} == {"length_target"}
     # A target equal to max_tokens still ends with "length_target"; the estimate is the observed length.
-    assert book.groups[book.requests[next(iter(book.requests))].group_id].estimate == 40
+    assert book.state.groups[book.state.requests[next(iter(book.state.requests))].group_id].estimate == 40
 
 
 def test_eos_before_the_target_stays_stop(tmp_path):
@@ -89,7 +90,7 @@ def test_reports_that_contradict_the_target_are_refused(tmp_path, tokens, reason
     grant = next(g for g in book.lease(w, wanted=16, now=1001.0) if g.target_remaining == 5)
     with pytest.raises(BadReport, match=message):
         book.report(w, ChunkReport(grant.chunk_id, grant.epoch, [7] * tokens, [-1.0] * tokens, reason), now=1002.0)
-    assert grant.chunk_id in book.leases
+    assert grant.chunk_id in book.state.leases
 
 
 def test_length_target_without_a_target_is_refused(tmp_path):
@@ -102,7 +103,7 @@ def test_length_target_without_a_target_is_refused(tmp_path):
 
 
 def test_no_scheduler_type_has_a_place_for_targets():
-    for cls in (QueuedRequest, Snapshot, WorkerLoad, RequestState):
+    for cls in (QueuedRequest, Snapshot, WorkerLoad, GroupRecord, RequestRecord, WorkerRecord, LeaseRecord):
         assert not [f.name for f in dataclasses.fields(cls) if "target" in f.name], cls
 
 
@@ -132,8 +133,8 @@ def test_the_scheduler_sees_the_same_rollout_with_and_without_targets(tmp_path, 
         book = make_book(tmp_path / str(with_targets), policy=policy, chunk_tokens=16,
                          prompt_rows=target_rows(with_targets))
         book.policy = RecordingPolicy(policy)
-        natural_length = {rid: TARGETS[book.groups[r.group_id].index][r.response_index]
-                          for rid, r in book.requests.items()}
+        natural_length = {rid: TARGETS[book.state.groups[r.group_id].index][r.response_index]
+                          for rid, r in book.state.requests.items()}
         workers = [register(book, "w0", 0, max_chunks=2), register(book, "w1", 1, max_chunks=3)]
         now, grants = 1001.0, []
         while not book.is_complete():
@@ -143,7 +144,7 @@ def test_the_scheduler_sees_the_same_rollout_with_and_without_targets(tmp_path, 
                     if with_targets:
                         report = obey_target(grant)
                     else:  # the model "emits EOS" where the target would have ended it
-                        left = natural_length[grant.request_id] - (book.requests[grant.request_id].generated)
+                        left = natural_length[grant.request_id] - (book.state.requests[grant.request_id].generated)
                         n = min(left, grant.max_tokens)
                         report = ChunkReport(grant.chunk_id, grant.epoch, [7] * n, [-0.5] * n,
                                              "stop" if n == left else "length")

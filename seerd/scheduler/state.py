@@ -1,0 +1,370 @@
+"""The scheduler's state: what a policy plans over, kept once for the daemon and the simulator.
+
+vLLM v1's scheduler contract in two halves:
+- `snapshot(worker, wanted, now)`: what `plan()` sees, read-only (views.py);
+- the updates: `apply_leases` (a plan was carried out), `prepare_results` then `apply_results`
+  (chunks finished), `return_leases` (leases expired, released or orphaned: back to the queue).
+
+The lease book wraps it with persistence and liveness: it checks a plan, prepares the update,
+writes both to SQLite and applies them here only after the commit. The simulator wraps it with
+modelled engines and applies at once. Nothing here knows of SQL, HTTP or a clock (`now` is passed
+in), so one recorded stream of events gives the same state on both sides
+(tests/unit/test_one_scheduler_state.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import NamedTuple
+
+from seerd.scheduler.base import kv_need, updated_estimate
+from seerd.scheduler.forecast import GrowthTable, group_forecast, replay_growth
+from seerd.scheduler.queue import QueueView, RequestQueue
+from seerd.scheduler.views import Plan, QueuedRequest, Snapshot, WorkerLoad
+
+
+class PlanError(RuntimeError):
+    """A policy returned a plan that cannot be carried out (a bug in the policy)."""
+
+
+@dataclass
+class GroupRecord:
+    id: int
+    index: int
+    prompt_len: int
+    n: int
+    max_tokens: int
+    estimate: int  # the paper's L_g (its start value, max_tokens or a prior, until a response finishes)
+    finished: int = 0
+    request_ids: list[int] = field(default_factory=list)
+    finished_lengths: list[int] = field(default_factory=list)  # in the order the responses finished
+
+
+@dataclass
+class RequestRecord:
+    id: int
+    group_id: int
+    response_index: int
+    is_probe: bool
+    max_tokens: int
+    generated: int = 0  # committed tokens
+    last_worker: str | None = None  # the worker of its latest lease
+    queued_at: float = 0.0  # when it began to wait for its next chunk
+    finished: bool = False
+
+
+@dataclass
+class WorkerRecord:
+    id: str
+    rank: int
+    max_chunks: int
+    kv_capacity_tokens: int
+    live: bool = True  # only live workers are offered to policies
+    chunks: set[int] = field(default_factory=set)  # its leases' chunk ids
+    kv_reserved: int = 0  # sum over its leases of context + budget
+
+
+@dataclass(frozen=True)
+class LeaseRecord:
+    chunk_id: int
+    request_id: int
+    worker_id: str
+    max_tokens: int
+    kv_reserved: int
+    previous_worker: str | None  # where the request's previous chunk ran (None: its first chunk)
+
+
+@dataclass(frozen=True)
+class ChunkResult:
+    chunk_id: int
+    tokens: int  # tokens the chunk generated
+    finished: bool  # the request is complete with them (the driver's judgement: EOS, budget, target)
+
+
+@dataclass(frozen=True)
+class RequestOutcome:
+    request_id: int
+    generated: int  # committed tokens once the chunk is applied
+    finished: bool
+    group_estimate: int | None = None  # the group's estimate right after this finish (None: not finished)
+
+
+@dataclass(frozen=True)
+class GroupOutcome:
+    group_id: int
+    finished: int  # finished responses once applied
+    estimate: int
+    complete: bool  # every response of the group has finished
+
+
+@dataclass(frozen=True)
+class ResultsUpdate:
+    """Finished chunks worked out against the state but not applied yet (the book writes it first)."""
+
+    now: float
+    results: tuple[ChunkResult, ...]
+    requests: tuple[RequestOutcome, ...]  # one per result, in the same order
+    groups: tuple[GroupOutcome, ...]  # the groups with a finished response, in order of their first
+
+
+class _ForecastInputs(NamedTuple):
+    group_size: int
+    group_finished: int
+    group_estimate: int
+    group_longest_unfinished: int
+    max_tokens: int
+
+
+class SchedulerState:
+    def __init__(self, *, chunk_tokens: int, growth: GrowthTable | None = None) -> None:
+        self.chunk_tokens = chunk_tokens
+        self.groups: dict[int, GroupRecord] = {}
+        self.requests: dict[int, RequestRecord] = {}
+        self.workers: dict[str, WorkerRecord] = {}
+        self.leases: dict[int, LeaseRecord] = {}
+        self.queue = RequestQueue()
+        self.growth = growth if growth is not None else GrowthTable()  # seer's forecast ratios
+        self.unfinished_groups: dict[int, int] = {}  # group id -> group index
+        self.bindings: dict[int, str] = {}  # group id -> worker id (policies that bind whole groups)
+        self.finished_requests = 0
+        self.output_tokens = 0  # committed
+        self._version = 0  # every change bumps it: a snapshot is good for one version
+        self._loads: tuple[WorkerLoad, ...] | None = None
+        self._bindings_view = MappingProxyType(self.bindings)
+        self._groups_view = MappingProxyType(self.unfinished_groups)
+        self._forecast_dirty: set[int] = set()
+        self._forecast_growth_version = 0
+        self._forecasts_taken: dict[int, int] = {}
+
+    # ------------------------------------------------------------- building
+    def load(self, groups: Iterable[GroupRecord], requests: Iterable[RequestRecord],
+             finish_order: Sequence[int] = (), bindings: dict[int, str] | None = None) -> None:
+        """The state at the start of a run or a restarted coordinator's: every unfinished request
+        queued; finished lengths and the growth table replayed from `finish_order`, the finished
+        requests' ids in the order they finished."""
+        if self.groups:
+            raise RuntimeError("the scheduler state is loaded once")
+        for group in groups:
+            self.groups[group.id] = group
+            group.request_ids.clear()
+            group.finished_lengths.clear()
+        for request in requests:
+            self.requests[request.id] = request
+            self.groups[request.group_id].request_ids.append(request.id)
+            self.output_tokens += request.generated
+            self.finished_requests += request.finished
+        self.growth, lengths = replay_growth(
+            ((self.requests[rid].group_id, self.requests[rid].generated) for rid in finish_order),
+            {gid: group.n for gid, group in self.groups.items()}, self.growth)
+        for group in self.groups.values():
+            group.finished_lengths.extend(lengths.get(group.id, ()))
+            if group.finished != len(group.finished_lengths):
+                raise ValueError(f"group {group.id}: {group.finished} finished responses, "
+                                 f"{len(group.finished_lengths)} in the finish order")
+            if group.finished < group.n:
+                self.unfinished_groups[group.id] = group.index
+        self.bindings.update(bindings or {})
+        for request in self.requests.values():
+            if not request.finished:
+                self.queue.put(self._view(request))
+        self._changed()
+
+    # ------------------------------------------------------------- workers
+    def add_worker(self, worker_id: str, *, rank: int, max_chunks: int, kv_capacity_tokens: int) -> WorkerRecord:
+        if worker_id in self.workers:
+            raise ValueError(f"worker {worker_id} is already known")
+        worker = self.workers[worker_id] = WorkerRecord(worker_id, rank, max_chunks, kv_capacity_tokens)
+        self._changed()
+        return worker
+
+    def set_live(self, worker_id: str, live: bool) -> None:
+        """A worker that misses heartbeats is no longer offered to policies (its leases stay)."""
+        worker = self.workers[worker_id]
+        if worker.live != live:
+            worker.live = live
+            self._changed()
+
+    # ------------------------------------------------------------- the policy's side
+    def snapshot(self, worker_id: str, wanted: int, now: float) -> Snapshot:
+        return Snapshot(now, worker_id, wanted, self.worker_loads(), QueueView(self.queue, self.version),
+                        self._bindings_view, self._groups_view, self.chunk_tokens, self.growth.current)
+
+    def worker_loads(self) -> tuple[WorkerLoad, ...]:
+        """Every live worker's load, in the order they joined."""
+        if self._loads is None:  # rebuilt only after a change
+            self._loads = tuple(WorkerLoad(w.id, w.rank, len(w.chunks), w.kv_reserved, w.max_chunks,
+                                           w.kv_capacity_tokens) for w in self.workers.values() if w.live)
+        return self._loads
+
+    def version(self) -> int:
+        return self._version
+
+    def check_plan(self, plan: Plan, worker_id: str) -> None:
+        """Raise `PlanError` unless every assignment is to the asking worker, of a queued request,
+        with a budget of at least one token and at most what the request has left."""
+        seen = set()
+        for a in plan.assignments:
+            if a.worker_id != worker_id:
+                raise PlanError(f"a plan for worker {worker_id} assigned request {a.request_id} to {a.worker_id}")
+            if a.request_id not in self.queue or a.request_id in seen:
+                raise PlanError(f"a plan assigned request {a.request_id}, which is not queued (or twice)")
+            request = self.requests[a.request_id]
+            if not 1 <= a.max_tokens <= request.max_tokens - request.generated:
+                raise PlanError(f"a plan gave request {a.request_id} an impossible budget {a.max_tokens}")
+            seen.add(a.request_id)
+
+    # ------------------------------------------------------------- updates
+    def apply_leases(self, worker_id: str, plan: Plan, chunk_ids: Sequence[int]) -> list[LeaseRecord]:
+        """A checked plan was carried out: assignment i runs as chunk `chunk_ids[i]`."""
+        if len(chunk_ids) != len(plan.assignments):
+            raise ValueError(f"{len(plan.assignments)} assignments but {len(chunk_ids)} chunk ids")
+        self.bindings.update(plan.new_bindings)
+        worker = self.workers[worker_id]
+        leases = []
+        for assignment, chunk_id in zip(plan.assignments, chunk_ids):
+            view = self.queue.remove(assignment.request_id)
+            request = self.requests[assignment.request_id]
+            lease = LeaseRecord(chunk_id, request.id, worker_id, assignment.max_tokens,
+                                kv_need(view, assignment.max_tokens), request.last_worker)
+            request.last_worker = worker_id
+            self.leases[chunk_id] = lease
+            worker.chunks.add(chunk_id)
+            worker.kv_reserved += lease.kv_reserved
+            leases.append(lease)
+        self._changed()
+        return leases
+
+    def prepare_results(self, results: Sequence[ChunkResult], now: float) -> ResultsUpdate:
+        """What `results` will change, without changing anything (the book persists it first)."""
+        requests, groups = [], {}
+        seen = set()
+        for result in results:
+            lease = self.leases.get(result.chunk_id)
+            if lease is None or result.chunk_id in seen:
+                raise KeyError(f"chunk {result.chunk_id} is not leased (or reported twice)")
+            if not 0 <= result.tokens <= lease.max_tokens:
+                raise ValueError(f"chunk {result.chunk_id}: {result.tokens} tokens, budget {lease.max_tokens}")
+            seen.add(result.chunk_id)
+            request = self.requests[lease.request_id]
+            generated = request.generated + result.tokens
+            if result.finished:
+                group = self.groups[request.group_id]
+                finished, estimate = groups.get(group.id, (group.finished, group.estimate))
+                estimate = updated_estimate(finished, estimate, generated)
+                groups[group.id] = (finished + 1, estimate)
+                requests.append(RequestOutcome(request.id, generated, True, estimate))
+            else:
+                requests.append(RequestOutcome(request.id, generated, False))
+        return ResultsUpdate(now, tuple(results), tuple(requests), tuple(
+            GroupOutcome(gid, finished, estimate, finished >= self.groups[gid].n)
+            for gid, (finished, estimate) in groups.items()))
+
+    def apply_results(self, update: ResultsUpdate) -> None:
+        """Apply a prepared update: leases end, tokens count, finished requests update their
+        group's estimate (a completed group teaches the growth table), the rest wait again."""
+        touched: dict[int, None] = {}  # groups whose queued views change, in order
+        for result, outcome in zip(update.results, update.requests):
+            lease = self.leases.pop(result.chunk_id)
+            worker = self.workers[lease.worker_id]
+            worker.chunks.discard(result.chunk_id)
+            worker.kv_reserved -= lease.kv_reserved
+            request = self.requests[lease.request_id]
+            request.generated = outcome.generated
+            self.output_tokens += result.tokens
+            touched[request.group_id] = None
+            if outcome.finished:
+                request.finished = True
+                self.finished_requests += 1
+                group = self.groups[request.group_id]
+                group.estimate = updated_estimate(group.finished, group.estimate, request.generated)
+                group.finished += 1
+                group.finished_lengths.append(request.generated)
+                if group.finished == group.n:
+                    del self.unfinished_groups[group.id]
+                    self.growth.observe_completed(group.finished_lengths)
+            else:
+                request.queued_at = update.now
+        for gid in touched:  # queued views carry their group's progress: refresh those that changed
+            self._refresh_views(self.groups[gid])
+        for result, outcome in zip(update.results, update.requests):
+            request = self.requests[outcome.request_id]
+            if not outcome.finished:
+                self.queue.put(self._view(request))
+        self._forecast_dirty.update(touched)
+        self._changed()
+
+    def update_from_results(self, results: Sequence[ChunkResult], now: float) -> ResultsUpdate:
+        """Prepare and apply at once (the simulator: nothing to persist in between)."""
+        update = self.prepare_results(results, now)
+        self.apply_results(update)
+        return update
+
+    def return_leases(self, chunk_ids: Iterable[int]) -> list[LeaseRecord]:
+        """Leases that ended without a result (expired, released, orphaned): their requests wait
+        again, keeping their place (queued_at is when they first waited for this chunk)."""
+        returned = []
+        for chunk_id in chunk_ids:
+            lease = self.leases.pop(chunk_id)
+            worker = self.workers[lease.worker_id]
+            worker.chunks.discard(chunk_id)
+            worker.kv_reserved -= lease.kv_reserved
+            self.queue.put(self._view(self.requests[lease.request_id]))
+            returned.append(lease)
+        if returned:
+            self._changed()
+        return returned
+
+    # ------------------------------------------------------------- reads
+    def is_queued(self, request_id: int) -> bool:
+        return request_id in self.queue
+
+    def is_complete(self) -> bool:
+        return self.finished_requests == len(self.requests)
+
+    def forecast(self, group_id: int) -> int:
+        """The expected length of the group's longest response, as seer's order uses it."""
+        group = self.groups[group_id]
+        return group_forecast(_ForecastInputs(group.n, group.finished, group.estimate,
+                                              self._longest_unfinished(group), group.max_tokens),
+                              self.growth.current)
+
+    def take_forecasts(self) -> dict[int, int]:
+        """The groups whose forecast changed since the last call, with the new value (for the book
+        to persist, so that `seerd status` reads the coordinator's own figure)."""
+        if self.growth.current.version != self._forecast_growth_version:
+            self._forecast_growth_version = self.growth.current.version
+            self._forecast_dirty.update(self.unfinished_groups)
+        changed = {}
+        for gid in self._forecast_dirty:
+            value = self.forecast(gid)
+            if self._forecasts_taken.get(gid) != value:
+                changed[gid] = self._forecasts_taken[gid] = value
+        self._forecast_dirty.clear()
+        return changed
+
+    # ------------------------------------------------------------- internals
+    def _changed(self) -> None:
+        self._version += 1
+        self._loads = None
+
+    def _longest_unfinished(self, group: GroupRecord) -> int:
+        return max((self.requests[rid].generated for rid in group.request_ids
+                    if not self.requests[rid].finished), default=0)
+
+    def _view(self, request: RequestRecord, longest_unfinished: int | None = None) -> QueuedRequest:
+        group = self.groups[request.group_id]
+        if longest_unfinished is None:
+            longest_unfinished = self._longest_unfinished(group)
+        return QueuedRequest(request.id, request.group_id, group.index, request.response_index, group.prompt_len,
+                             request.generated, request.max_tokens, request.is_probe, group.estimate,
+                             request.last_worker, request.queued_at, group.n, group.finished, longest_unfinished)
+
+    def _refresh_views(self, group: GroupRecord) -> None:
+        longest = self._longest_unfinished(group)
+        for rid in group.request_ids:
+            if rid in self.queue:
+                fresh = self._view(self.requests[rid], longest)
+                if fresh != self.queue.get(rid):
+                    self.queue.put(fresh)

@@ -1,0 +1,106 @@
+"""What a policy sees and what it returns: the data of `Policy.plan(snapshot) -> Plan`.
+
+Frozen values only. `SchedulerState.snapshot()` builds a `Snapshot` whose queue is a read-only
+view that refuses to be read once the state has changed (`StaleSnapshot`), so a policy can
+neither change the state it plans over nor plan over a state that is gone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Protocol
+
+from seerd.scheduler.forecast import NO_GROWTH, GrowthRatios
+
+
+@dataclass(frozen=True)
+class QueuedRequest:
+    """A request waiting in the buffer for its next chunk."""
+
+    request_id: int
+    group_id: int
+    group_index: int
+    response_index: int
+    prompt_len: int
+    generated: int  # tokens committed so far
+    max_tokens: int  # the request's original budget
+    is_probe: bool
+    group_estimate: int  # the paper's L_g: the group's longest finished response (else its start value)
+    last_worker: str | None
+    queued_at: float
+    # What the group's forecast (`forecast.group_forecast`) is made of besides the estimate.
+    group_size: int = 1
+    group_finished: int = 0  # responses of the group that have finished
+    group_longest_unfinished: int = 0  # most tokens so far of any unfinished response of the group
+
+    @property
+    def remaining(self) -> int:
+        return self.max_tokens - self.generated
+
+
+class QueueReader(Protocol):
+    """The request buffer as a policy may read it (`queue.RequestQueue` and its read-only view)."""
+
+    def fcfs(self, after: tuple[float, int] | None = None) -> Iterator[QueuedRequest]: ...
+
+    def ordered(self, name: str, key: Callable[[QueuedRequest], Any], version: Any = None
+                ) -> Iterator[QueuedRequest]: ...
+
+    def get(self, request_id: int) -> QueuedRequest: ...
+
+    def __iter__(self) -> Iterator[QueuedRequest]: ...
+
+    def __len__(self) -> int: ...
+
+    def __contains__(self, request_id: object) -> bool: ...
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    worker_id: str
+    rank: int
+    running_chunks: int
+    reserved_kv_tokens: int  # sum over its leases of context + chunk budget
+    max_chunks: int
+    kv_capacity_tokens: int
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    now: float
+    worker_id: str  # the worker asking for work; plans assign to it only
+    wanted: int  # free sequence slots the worker reports
+    workers: tuple[WorkerLoad, ...]  # every live worker, the asking one included
+    queued: QueueReader
+    group_binding: Mapping[int, str]  # group_id -> worker_id (policies that bind groups)
+    group_indices: Mapping[int, int]  # group_id -> group_index, for every unfinished group
+    chunk_tokens: int
+    growth: GrowthRatios = NO_GROWTH  # learned from this rollout's completed groups (seer)
+
+    @cached_property
+    def loads_by_id(self) -> dict[str, WorkerLoad]:
+        return {load.worker_id: load for load in self.workers}
+
+    def worker(self, worker_id: str) -> WorkerLoad:
+        return self.loads_by_id[worker_id]
+
+
+@dataclass(frozen=True)
+class Assignment:
+    request_id: int
+    worker_id: str
+    max_tokens: int  # this chunk's budget
+
+
+@dataclass(frozen=True)
+class Plan:
+    assignments: tuple[Assignment, ...] = ()
+    new_bindings: Mapping[int, str] = field(default_factory=dict)  # group_id -> worker_id
+
+
+class Policy(Protocol):
+    name: str
+
+    def plan(self, snapshot: Snapshot) -> Plan: ...
