@@ -84,8 +84,10 @@ class RequestQueue:
 
 class QueueView:
     """A read-only view of a `RequestQueue` as it is at one state version: what a `Snapshot`
-    holds. It has no way to change the queue, and reading it after the state has moved on
-    raises `StaleSnapshot` (`current_version` is the state's mutation counter)."""
+    holds. It has no way to change the queue, and a read that starts after the state has moved
+    on raises `StaleSnapshot` (`current_version` is the state's mutation counter). Reads are
+    checked when they start, not per item: a policy runs start to end between two changes, and
+    a per-item check cost a fifth of a simulation's time."""
 
     __slots__ = ("_queue", "_version", "_current_version")
 
@@ -98,18 +100,13 @@ class QueueView:
         if self._current_version() != self._version:
             raise StaleSnapshot("the scheduler state changed after this snapshot was taken")
 
-    def _checked(self, requests: Iterator[QueuedRequest]) -> Iterator[QueuedRequest]:
-        for request in requests:
-            self._check()
-            yield request
-
     def fcfs(self, after: tuple[float, int] | None = None) -> Iterator[QueuedRequest]:
         self._check()
-        return self._checked(self._queue.fcfs(after))
+        return self._queue.fcfs(after)
 
     def ordered(self, name: str, key: Callable[[QueuedRequest], Any], version: Any = None) -> Iterator[QueuedRequest]:
         self._check()
-        return self._checked(self._queue.ordered(name, key, version))
+        return self._queue.ordered(name, key, version)
 
     def get(self, request_id: int) -> QueuedRequest:
         self._check()
@@ -117,7 +114,7 @@ class QueueView:
 
     def __iter__(self) -> Iterator[QueuedRequest]:
         self._check()
-        return self._checked(iter(self._queue))
+        return iter(self._queue)
 
     def __len__(self) -> int:
         self._check()

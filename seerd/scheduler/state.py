@@ -220,6 +220,8 @@ class SchedulerState:
         """A checked plan was carried out: assignment i runs as chunk `chunk_ids[i]`."""
         if len(chunk_ids) != len(plan.assignments):
             raise ValueError(f"{len(plan.assignments)} assignments but {len(chunk_ids)} chunk ids")
+        if not plan.assignments and not plan.new_bindings:
+            return []  # nothing changed: snapshots (and the loads they hold) stay good
         self.bindings.update(plan.new_bindings)
         worker = self.workers[worker_id]
         leases = []
@@ -233,7 +235,7 @@ class SchedulerState:
             worker.chunks.add(chunk_id)
             worker.kv_reserved += lease.kv_reserved
             leases.append(lease)
-        self._changed()
+        self._changed(loads=bool(leases))
         return leases
 
     def prepare_results(self, results: Sequence[ChunkResult], now: float) -> ResultsUpdate:
@@ -345,9 +347,10 @@ class SchedulerState:
         return changed
 
     # ------------------------------------------------------------- internals
-    def _changed(self) -> None:
+    def _changed(self, *, loads: bool = True) -> None:
         self._version += 1
-        self._loads = None
+        if loads:
+            self._loads = None
 
     def _longest_unfinished(self, group: GroupRecord) -> int:
         return max((self.requests[rid].generated for rid in group.request_ids
