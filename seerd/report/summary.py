@@ -96,9 +96,9 @@ def _listed(names: Sequence[str]) -> str:
 def preemption_note(run: RunData) -> str:
     admitting = daemon_policies_where(lambda traits: traits.respects_kv_admission)
     note = ("Preemptions: the run's database holds none; the workers do not record vLLM's. "
-            f"{_listed(admitting)} admit a chunk only when the worker's KV has room for its whole context and budget, "
-            "so by design the engine never needs to preempt them. What the run does record is chunks that "
-            "ran again: a lease that expired, was released by its worker, or was orphaned when the "
+            f"{_listed(admitting)} admit a chunk only when the worker's KV has room for its whole context and "
+            "budget, so by design the engine never needs to preempt them. What the run does record is chunks "
+            "that ran again: a lease that expired, was released by its worker, or was orphaned when the "
             "coordinator stopped goes back to the queue and is leased again (counted above).")
     policy = DAEMON_POLICIES.get(run.rollout.policy)
     if policy is not None and not policy.traits.respects_kv_admission:

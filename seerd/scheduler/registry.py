@@ -36,8 +36,8 @@ class PolicyTraits:
 
 
 # seer, divided and the length oracle: chunks re-queued after each lease, KV admission, any worker.
-CHUNKED = PolicyTraits(binds_groups_up_front=False, waits_for_every_worker=False, moves_requests=True,
-                       respects_kv_admission=True)
+CHUNKED_TRAITS = PolicyTraits(binds_groups_up_front=False, waits_for_every_worker=False, moves_requests=True,
+                              respects_kv_admission=True)
 
 
 @dataclass(frozen=True)
@@ -54,8 +54,8 @@ def _by_name(*entries: PolicyEntry) -> Mapping[str, PolicyEntry]:
 
 # What `seerd run --policy` offers, its default first.
 DAEMON_POLICIES = _by_name(
-    PolicyEntry("seer", SeerPolicy, CHUNKED, "context-aware (probes first, then longest estimate)"),
-    PolicyEntry("divided", DividedPolicy, CHUNKED, "chunked FCFS"),
+    PolicyEntry("seer", SeerPolicy, CHUNKED_TRAITS, "context-aware (probes first, then longest estimate)"),
+    PolicyEntry("divided", DividedPolicy, CHUNKED_TRAITS, "chunked FCFS"),
     PolicyEntry("group", GroupPolicy, PolicyTraits(binds_groups_up_front=True, waits_for_every_worker=True,
                                                    moves_requests=False, respects_kv_admission=False),
                 "veRL baseline"),
@@ -65,13 +65,13 @@ REVEALED_SEER = "seer-revealed"  # takes ":SIGMA", the noise on what is revealed
 
 # The simulator's comparisons, which know the true lengths (the daemon has none).
 SIM_ONLY_POLICIES = _by_name(
-    PolicyEntry("oracle", OraclePolicy, CHUNKED, "divided, longest true length first"),
+    PolicyEntry("oracle", OraclePolicy, CHUNKED_TRAITS, "divided, longest true length first"),
     PolicyEntry("streamrl-oracle", StreamRLOraclePolicy,
                 # Group-atomic but bound as workers ask, each group only when all of it fits.
                 PolicyTraits(binds_groups_up_front=False, waits_for_every_worker=False, moves_requests=False,
                              respects_kv_admission=True),
                 "whole groups, longest true length bucket first"),
-    PolicyEntry(REVEALED_SEER, RevealedSeerPolicy, CHUNKED,
+    PolicyEntry(REVEALED_SEER, RevealedSeerPolicy, CHUNKED_TRAITS,
                 "seer told each group's true longest at its first finish (a diagnostic)"),
 )
 
@@ -98,10 +98,9 @@ def daemon_policies_where(test: Callable[[PolicyTraits], bool]) -> tuple[str, ..
 
 
 def make_policy(name: str) -> Policy:
-    try:
-        return DAEMON_POLICIES[name].policy_class()
-    except KeyError:
-        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(sorted(DAEMON_POLICIES))}") from None
+    if name not in DAEMON_POLICIES:
+        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(sorted(DAEMON_POLICIES))}")
+    return DAEMON_POLICIES[name].policy_class()
 
 
 def make_sim_policy(name: str, true_lengths: dict[int, int], group_of: dict[int, int] | None = None) -> Policy:

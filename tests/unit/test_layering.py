@@ -46,7 +46,8 @@ def module_files() -> dict[str, Path]:
 
 def imports_in(module: str, path: Path, modules: Iterable[str]) -> Iterator[Import]:
     """The seerd modules `module` imports. `from a import b` imports a.b when that is a module,
-    else a (b is a name in it); a package's own submodules count only when named."""
+    else a (b is a name in it). Importing a.b counts as importing a.b only, not its package a
+    (which Python runs first): else every package whose __init__ imports its modules were a cycle."""
     known = set(modules)
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     for node, where in _import_statements([ast.parse(path.read_text(), str(path))]):
@@ -106,8 +107,9 @@ def fail_if_any(found: list[Import], what: str) -> None:
 
 
 def cycles(edges: Iterable[Import]) -> list[list[Import]]:
-    """Per strongly connected group of modules (Tarjan): every import inside the group, the
-    shortest cycle first (any of them is an import to cut)."""
+    """Per strongly connected group of modules (Tarjan): every import inside the group, those of
+    its shortest cycle first."""
+    edges = list(edges)
     graph: dict[str, dict[str, Import]] = defaultdict(dict)
     for edge in edges:
         graph[edge.importer].setdefault(edge.imported, edge)
@@ -126,10 +128,9 @@ def cycles(edges: Iterable[Import]) -> list[list[Import]]:
             elif nxt in stack:
                 low[node] = min(low[node], order[nxt])
         if low[node] == order[node]:
-            group = set()
-            while not group or member != node:
-                member = stack.pop()
-                group.add(member)
+            group = {stack.pop()}
+            while node not in group:
+                group.add(stack.pop())
             groups.append(group)
 
     for node in sorted(graph):
@@ -141,7 +142,8 @@ def cycles(edges: Iterable[Import]) -> list[list[Import]]:
         if len(group) == 1 and start not in graph.get(start, {}):
             continue
         cycle = _shortest_cycle(graph, start, group)
-        inside = [edge for edge in edges if edge.importer in group and edge.imported in group and edge not in cycle]
+        inside = [edge for edge in edges
+                  if edge.importer in group and edge.imported in group and edge not in cycle]
         found.append(cycle + inside)
     return sorted(found, key=lambda group_edges: group_edges[0].importer)
 
