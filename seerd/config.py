@@ -1,11 +1,19 @@
-"""The run's configuration: what `seerd run` was asked to do, persisted so `resume` can repeat it."""
+"""The run's configuration: what `seerd run` was asked to do, persisted so `resume` can repeat it.
+
+Also the rollout options' defaults and `build_config`, which turns those options into a RunConfig
+for the CLI (cli/options.py declares the flags) and for `seerd.submit()` alike.
+"""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from types import MappingProxyType
+
+from seerd.scheduler.registry import DAEMON_POLICIES
 
 DEFAULT_CHUNK_TOKENS = 8192
 # Slurm: after the warning signal, seconds in-flight chunks may still report before the requeue.
@@ -112,11 +120,14 @@ class KVPoolConfig:
     @staticmethod
     def resolve_mode(mode: str, *, workers: int, policy: str, gpus_per_worker: int = 0) -> str:
         """`auto`: the pool when chunks can move between workers (more than one worker, a policy
-        that chunks); the `group` baseline (veRL) never moves a request, so it runs without. GPU
-        workers run without it for now: seerd's connector copies CPU KV caches only."""
+        that moves requests); the `group` baseline (veRL) binds each group to one worker, so it
+        runs without (as does an unknown policy, which `validate` reports). GPU workers run
+        without it for now: seerd's connector copies CPU KV caches only."""
         if mode != "auto":
             return mode
-        return "mooncake" if workers > 1 and policy != "group" and not gpus_per_worker else "off"
+        entry = DAEMON_POLICIES.get(policy)
+        moves_requests = entry is not None and entry.traits.moves_requests
+        return "mooncake" if workers > 1 and moves_requests and not gpus_per_worker else "off"
 
 
 @dataclass(frozen=True)
@@ -144,6 +155,8 @@ class RunConfig:
 
     def validate(self) -> None:
         problems = []
+        if self.policy not in DAEMON_POLICIES:
+            problems.append(f"--policy must be one of {', '.join(DAEMON_POLICIES)} (got {self.policy!r})")
         if self.workers < 1:
             problems.append(f"--workers must be >= 1 (got {self.workers})")
         if self.chunk_tokens < 1:
@@ -187,3 +200,80 @@ class RunConfig:
     @property
     def model_dir(self) -> Path:
         return Path(self.model_path)
+
+
+# The options that describe a rollout, by parameter name, with their defaults: `seerd run`,
+# `slurm-run` and `submit` take them as flags (cli/options.py), `seerd.submit()` as keywords.
+# Where an option is one field of the config, its default is that field's.
+ROLLOUT_DEFAULTS: Mapping[str, object] = MappingProxyType({
+    "policy": RunConfig.policy,
+    "chunk_tokens": RunConfig.chunk_tokens,
+    "n": RunConfig.n,
+    "max_tokens": RunConfig.max_tokens,
+    "temperature": SamplingDefaults.temperature,
+    "top_p": SamplingDefaults.top_p,
+    "top_k": SamplingDefaults.top_k,
+    "seed": RunConfig.seed,
+    "kv_cache_gib": EngineConfig.kv_cache_gib,
+    "max_num_seqs": EngineConfig.max_num_seqs,
+    "max_model_len": EngineConfig.max_model_len,
+    "dtype": EngineConfig.dtype,
+    "engine_api": EngineConfig.api,
+    "lease_ttl": RunConfig.lease_ttl_s,
+    "wait_for_workers": RunConfig.wait_for_workers,
+    "spec_mode": SpecConfig.mode,
+    "spec_depth": SpecConfig.gamma_max,
+    "spec_probe_weight": SpecConfig.probe_weight,
+    "spec_fixed_depth": not SpecConfig.adaptive,
+    "spec_profile": None,
+    "spec_history_dir": None,
+    "kv_pool_mode": "auto",  # resolved by KVPoolConfig.resolve_mode before the config is stored
+    "kv_pool_size": None,  # text such as "8GiB"; None: from the node's free RAM at start
+    "kv_pool_protocol": KVPoolConfig.protocol,
+    "kv_pool_devices": KVPoolConfig.devices,
+    "prior_dir": None,
+})
+
+
+def build_config(*, workers: int, input_path: Path, model_path: Path, policy: str, chunk_tokens: int, n: int,
+                 max_tokens: int, temperature: float, top_p: float, top_k: int, seed: int, kv_cache_gib: float,
+                 max_num_seqs: int, max_model_len: int | None, dtype: str, engine_api: str, lease_ttl: float,
+                 wait_for_workers: bool, prior_dir: Path | None, spec_mode: str, spec_depth: int,
+                 spec_probe_weight: float, spec_fixed_depth: bool, spec_profile: Path | None,
+                 spec_history_dir: Path | None, kv_pool_mode: str, kv_pool_size: str | int | None,
+                 kv_pool_protocol: str, kv_pool_devices: str, engine_args: dict | None = None,
+                 gpus_per_worker: int = 0, **_launcher_options: object) -> RunConfig:
+    """The RunConfig the rollout options describe (not yet validated; ConfigError for a size that
+    does not parse). Every option is given: the CLI passes all of its flags (and its launcher's,
+    such as run_dir, which are no part of the config), `seerd.submit()` fills in ROLLOUT_DEFAULTS."""
+    return RunConfig(
+        input_path=str(input_path.resolve()), model_path=str(model_path.resolve()), policy=policy,
+        workers=workers, chunk_tokens=chunk_tokens, n=n, max_tokens=max_tokens, seed=seed,
+        sampling=SamplingDefaults(temperature=temperature, top_p=top_p, top_k=top_k),
+        engine=EngineConfig(kv_cache_gib=kv_cache_gib, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                            dtype=dtype, api=engine_api, extra_args=dict(engine_args or {})),
+        lease_ttl_s=lease_ttl, wait_for_workers=wait_for_workers,
+        prior_run_dir=_absolute(prior_dir),
+        spec=SpecConfig(mode=spec_mode, gamma_max=spec_depth, probe_weight=spec_probe_weight,
+                        adaptive=not spec_fixed_depth,
+                        profile_path=_absolute(spec_profile), history_run_dir=_absolute(spec_history_dir)),
+        kv_pool=KVPoolConfig(mode=KVPoolConfig.resolve_mode(kv_pool_mode, workers=workers, policy=policy,
+                                                            gpus_per_worker=gpus_per_worker),
+                             protocol=kv_pool_protocol, devices=kv_pool_devices,
+                             segment_bytes=_pool_size(kv_pool_size), gpu_workers=bool(gpus_per_worker)),
+    )
+
+
+def _absolute(path: str | Path | None) -> str | None:
+    return str(Path(path).resolve()) if path else None
+
+
+def _pool_size(text: str | int | None) -> int | None:
+    from seerd.kvpool.store import parse_size  # not at the top: it loads urllib, which config users need not
+
+    if text is None:
+        return None
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise ConfigError(f"--kv-pool-size: {exc}") from None

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from seerd.cli import ui
-from seerd.cli.options import build_config
+from seerd.config import ConfigError, build_config
 from seerd.db import RolloutStatus
 from seerd.launch.prepare import BadRun, PreparedRun, prepare_run
 from seerd.rundir import RunDir
@@ -24,10 +24,10 @@ def prepare_or_exit(options: dict, *, workers: int, where: str) -> PreparedRun:
     """Create the run the options describe, or find the one to resume; tell the user which (exit 2
     for bad input, with nothing created). `where` says where its workers run."""
     rundir = RunDir(options["run_dir"].resolve())
-    config = build_config(workers=workers, **options)
     try:
+        config = build_config(workers=workers, **options)
         prepared = prepare_run(rundir, config, options["input_path"], options["prior_dir"])
-    except BadRun as exc:
+    except (BadRun, ConfigError) as exc:
         ui.error(str(exc))
         raise SystemExit(EXIT_BAD_INPUT) from None
     for note in prepared.notes:

@@ -12,8 +12,8 @@ import click
 
 from seerd.cli import ui
 from seerd.cli.launching import EXIT_BAD_INPUT, EXIT_INCOMPLETE, prepare_or_exit, report_result
-from seerd.cli.options import ENGINE_ARG_OPTION, build_config, parse_engine_args, rollout_options
-from seerd.config import DEFAULT_DRAIN_GRACE_S
+from seerd.cli.options import ENGINE_ARG_OPTION, parse_engine_args, rollout_options
+from seerd.config import DEFAULT_DRAIN_GRACE_S, ConfigError, build_config
 from seerd.launch.prepare import BadRun
 
 
@@ -123,7 +123,7 @@ def submit(nodes: int, workers_per_node: int | None, gpus_per_worker: int, gpus_
                               engine_args=_engine_args(engine_args, gpus_per_worker), **options)
         handle = submit_rollout(RunDir(options["run_dir"].resolve()), config, options["input_path"], resources,
                                 prior_dir=options["prior_dir"], cluster=None if cluster == "auto" else cluster)
-    except (BadRun, click.BadParameter) as exc:
+    except (BadRun, ConfigError, click.BadParameter) as exc:
         ui.error(str(exc))
         raise SystemExit(EXIT_BAD_INPUT) from None
     if handle.job is None:

@@ -31,6 +31,7 @@ from seerd.db.migrate import upgrade
 from seerd.io.export import ExportResult, export_run
 from seerd.rundir import RunDir
 from seerd.scheduler import make_policy
+from seerd.scheduler.registry import policy_traits
 
 log = logging.getLogger("seerd.coordinator")
 
@@ -130,9 +131,9 @@ class Coordinator:
                               log_dir=run_dir.logs)
         return PoolHost(service, run_tag(run_dir.path, rollout.created_at), local_host=self.host)
 
-    # The group policy binds every group once, so it waits for the expected workers (or a timeout).
+    # A policy that binds every group once waits for the expected workers (or a timeout).
     def _gate(self) -> bool:
-        if self.config.policy != "group" and not self.config.wait_for_workers:
+        if not policy_traits(self.config.policy).waits_for_every_worker and not self.config.wait_for_workers:
             return True
         # list() copies in one step: the state thread may be registering a worker right now.
         alive = [w for w in list(self.book.workers.values()) if w.status == WorkerStatus.ALIVE]

@@ -10,7 +10,7 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Engine
 
-import migrations
+from seerd import migrations  # the top-level migrations/, installed under seerd (see pyproject.toml)
 
 
 def alembic_config(engine: Engine | None = None) -> Config:

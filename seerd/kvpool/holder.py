@@ -32,7 +32,7 @@ from seerd.kvpool.address import PoolAddress, PoolAddressError, read_pool_addres
 from seerd.kvpool.store import (
     MiB, PoolUnavailable, close_quietly, default_segment_bytes, open_store, parse_size,
 )
-from seerd.launch.parent_death import die_with_parent
+from seerd.parent_death import die_with_parent
 
 log = logging.getLogger("seerd.kvpool.holder")
 

@@ -57,7 +57,7 @@ import urllib.request
 from pathlib import Path
 
 from seerd.kvpool.address import PoolAddress, PoolAddressError, read_pool_address, write_pool_address
-from seerd.launch.parent_death import die_with_parent
+from seerd.parent_death import die_with_parent
 
 log = logging.getLogger("seerd.kvpool")
 

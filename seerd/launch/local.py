@@ -19,7 +19,7 @@ from pathlib import Path
 from seerd.config import KVPoolConfig
 from seerd.coordinator.daemon import Coordinator, CoordinatorResult, run_event_loop
 from seerd.db import RolloutStatus
-from seerd.launch.parent_death import die_with_parent as _die_with_parent
+from seerd.parent_death import die_with_parent as _die_with_parent
 from seerd.rundir import RunDir
 
 log = logging.getLogger("seerd.local")

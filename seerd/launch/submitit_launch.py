@@ -25,7 +25,7 @@ from pathlib import Path
 
 import submitit
 
-from seerd.config import DEFAULT_DRAIN_GRACE_S
+from seerd.config import DEFAULT_DRAIN_GRACE_S, ROLLOUT_DEFAULTS, ConfigError, build_config
 from seerd.db import RolloutStatus
 from seerd.launch.prepare import BadRun, prepare_run, read_rollout
 from seerd.rundir import RunDir
@@ -254,24 +254,23 @@ def submit_rollout(rundir: RunDir, config, input_path: Path, resources: SlurmRes
 def submit(input: str | Path, model: str | Path, run_dir: str | Path, *,  # noqa: A002
            cluster: str | None = None, folder: str | Path | None = None, **options: object) -> RolloutHandle:
     """Submit a rollout; see `seerd.submit`."""
-    from seerd.cli.options import build_config, rollout_defaults
-
     resource_names = {f.name for f in fields(SlurmResources)}
     resources = SlurmResources(**{k: v for k, v in options.items() if k in resource_names})
     rollout = {k: v for k, v in options.items() if k not in resource_names}
     if "prior" in rollout:  # the CLI's --prior
         rollout["prior_dir"] = rollout.pop("prior")
-    defaults = rollout_defaults()
-    unknown = sorted(set(rollout) - set(defaults) - {"engine_args"})
+    unknown = sorted(set(rollout) - set(ROLLOUT_DEFAULTS) - {"engine_args"})
     if unknown:
-        raise TypeError(f"unknown options {unknown}; rollout options: {sorted(defaults)}, engine_args; "
+        raise TypeError(f"unknown options {unknown}; rollout options: {sorted(ROLLOUT_DEFAULTS)}, engine_args; "
                         f"Slurm resources: {sorted(resource_names)}")
-    merged = {**defaults, **rollout}
+    merged = {**ROLLOUT_DEFAULTS, **rollout}
     prior = merged.pop("prior_dir")
     prior_dir = Path(prior) if prior is not None else None
     resources.validate()
-    config = build_config(workers=resources.nodes * resources.workers, gpus_per_worker=resources.gpus_per_worker,
-                          input_path=Path(input),
-                          model_path=Path(model), prior_dir=prior_dir, **merged)
+    try:
+        config = build_config(workers=resources.nodes * resources.workers, gpus_per_worker=resources.gpus_per_worker,
+                              input_path=Path(input), model_path=Path(model), prior_dir=prior_dir, **merged)
+    except ConfigError as exc:
+        raise BadRun(str(exc)) from None
     return submit_rollout(RunDir(Path(run_dir).resolve()), config, Path(input), resources, prior_dir=prior_dir,
                           cluster=cluster, folder=Path(folder) if folder is not None else None)

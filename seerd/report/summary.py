@@ -11,6 +11,7 @@ import numpy as np
 
 from seerd.report.metrics import CacheFigures, ContinuationCache, EstimateTracking, LeaseCounts, Timing
 from seerd.report.source import RunData
+from seerd.scheduler.registry import DAEMON_POLICIES, daemon_policies_where
 
 # Rows of the estimate table: every k-th sample, so that it stays short.
 ESTIMATE_TABLE_ROWS = 10
@@ -86,15 +87,23 @@ def figures_table(run: RunData, timing: Timing, counts: LeaseCounts) -> list[str
     ]
 
 
+def _listed(names: Sequence[str]) -> str:
+    """`a`, `b` and `c`."""
+    quoted = [f"`{name}`" for name in names]
+    return " and ".join([", ".join(quoted[:-1]), quoted[-1]] if len(quoted) > 1 else quoted)
+
+
 def preemption_note(run: RunData) -> str:
-    note = ("Preemptions: the run's database holds none; the workers do not record vLLM's. `seer` and "
-            "`divided` admit a chunk only when the worker's KV has room for its whole context and budget, "
-            "so by design the engine never needs to preempt them. What the run does record is chunks that "
-            "ran again: a lease that expired, was released by its worker, or was orphaned when the "
+    admitting = daemon_policies_where(lambda traits: traits.respects_kv_admission)
+    note = ("Preemptions: the run's database holds none; the workers do not record vLLM's. "
+            f"{_listed(admitting)} admit a chunk only when the worker's KV has room for its whole context and "
+            "budget, so by design the engine never needs to preempt them. What the run does record is chunks "
+            "that ran again: a lease that expired, was released by its worker, or was orphaned when the "
             "coordinator stopped goes back to the queue and is leased again (counted above).")
-    if run.rollout.policy == "group":
-        note += (" This run used `group`, which ignores the workers' free slots and KV on purpose and leaves "
-                 "queuing and preemption to vLLM: its reserved KV can pass 100% in the plot, and its "
+    policy = DAEMON_POLICIES.get(run.rollout.policy)
+    if policy is not None and not policy.traits.respects_kv_admission:
+        note += (f" This run used `{policy.name}`, which ignores the workers' free slots and KV on purpose and "
+                 "leaves queuing and preemption to vLLM: its reserved KV can pass 100% in the plot, and its "
                  "preemptions happened inside the engines, unrecorded.")
     return note
 

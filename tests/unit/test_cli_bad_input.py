@@ -87,6 +87,7 @@ def test_unusable_model_directory(model, tmp_path):
     (["--spec", "grouped", "--spec-profile", "/no/such/profile.json"], "--spec-profile"),
     (["--spec", "off", "--spec-history", "."], "--spec-history"),
     (["--spec", "grouped", "--spec-history", "/no/such/run"], "no run there"),
+    (["--kv-pool-size", "lots"], "--kv-pool-size"), (["--kv-pool-size", "1MiB"], "--kv-pool-size"),
     pytest.param(["--spec", "suffix"], "arctic-inference", marks=pytest.mark.skipif(
         importlib.util.find_spec("arctic_inference") is not None, reason="arctic-inference is installed here")),
 ])

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import fnmatch
 import sqlite3
+import tomllib
+from pathlib import Path
 
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import inspect
 
+import seerd.migrations
 from seerd.db import Base, make_engine
 from seerd.db.migrate import current_revision, head_revisions, upgrade
 from tests.unit.helpers import make_book
@@ -91,3 +95,11 @@ def test_rows_of_a_0001_database_survive_the_upgrade_to_head(tmp_path):
                              "values (1, 'h', 1, 12)")
         conn.exec_driver_sql("delete from rollouts where id = 1")  # history goes with its rollout
         assert conn.exec_driver_sql("select count(*) from prompt_length_history").scalar() == 0
+
+
+def test_migrations_are_the_top_level_directory_installed_under_seerd():
+    repo = Path(__file__).resolve().parents[2]
+    assert Path(seerd.migrations.__file__).resolve().parent == repo / "migrations"
+    packaging = tomllib.loads((repo / "pyproject.toml").read_text())["tool"]["setuptools"]
+    patterns = packaging["packages"]["find"]["include"]
+    assert not any(fnmatch.fnmatch("migrations", pattern) for pattern in patterns), patterns  # no top-level package

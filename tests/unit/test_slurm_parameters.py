@@ -148,6 +148,12 @@ def test_submit_with_bad_input_fails_before_submitting(tmp_path, tiny_model_dir)
     assert not (tmp_path / "run").exists()
     with pytest.raises(TypeError, match="unknown options"):
         seerd.submit(tmp_path / "p.jsonl", tiny_model_dir, tmp_path / "run", max_tokenz=5)
+    (tmp_path / "p.jsonl").write_text('{"id": "a", "prompt_token_ids": [5, 6]}\n')
+    for options, words in [({"kv_pool_size": "lots"}, "--kv-pool-size"), ({"policy": "fastest"}, "--policy")]:
+        with pytest.raises(BadRun, match=words):
+            seerd.submit(tmp_path / "p.jsonl", tiny_model_dir, tmp_path / "run", gpus_per_worker=0,
+                         cluster="local", **options)
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_worker_without_a_coordinator_gives_up_with_a_clear_message(tmp_path):

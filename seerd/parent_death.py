@@ -1,5 +1,6 @@
-"""A parent-death signal for child processes, kept free of heavy imports (the KV pool holder
-and the pool service use it without loading the coordinator)."""
+"""A parent-death signal for child processes, beside the packages that start children (the local
+worker pool in launch/, the KV pool holder and pool service in kvpool/) so that none of them
+imports another for it; kept free of heavy imports (no coordinator, no vLLM)."""
 
 from __future__ import annotations
 
