@@ -10,15 +10,12 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING
 
 from seerd.scheduler.divided import DividedPolicy
 from seerd.scheduler.group import GroupPolicy
 from seerd.scheduler.oracle import OraclePolicy, RevealedSeerPolicy, StreamRLOraclePolicy
 from seerd.scheduler.seer import SeerPolicy
-
-if TYPE_CHECKING:
-    from seerd.scheduler.base import Policy
+from seerd.scheduler.views import Policy
 
 
 @dataclass(frozen=True)
