@@ -240,6 +240,9 @@ def test_status_command_once_json_and_unknown_runs_synthetic_engine(tmp_path, mo
     empty.mkdir()
     with pytest.raises(UnknownRun, match="no seerd run"):
         read_snapshot(empty)
+    (empty / "state.db").write_bytes(b"not a database" * 100)
+    unreadable = runner.invoke(cli, ["status", str(empty), "--json"])
+    assert unreadable.exit_code == 3 and "cannot read" in unreadable.output
 
 
 def test_a_slurm_job_id_finds_its_run_directory(tmp_path, monkeypatch):
