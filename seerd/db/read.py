@@ -15,8 +15,7 @@ a database in WAL mode needs the `-wal` and `-shm` files beside it (the WAL inde
     non-empty `-wal`: `immutable` ignores the WAL and would silently miss committed rows.
 
 The queries take a connection of `open_read_only`'s engine and never commit: the caller runs
-them in one read transaction (`engine.begin()`), so a run that is still going is seen at one
-instant. Statuses are the enums of `seerd.db.status`, never spelled here as strings. A column a
+them in one read transaction (`reading`), so a run that is still going is seen at one instant. Statuses are the enums of `seerd.db.status`, never spelled here as strings. A column a
 reader can do without is looked up first, so that a run made by an older seerd reads as it is,
 without `seerd db upgrade` (a write).
 """
@@ -25,7 +24,8 @@ from __future__ import annotations
 
 import sqlite3
 import urllib.parse
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from sqlalchemy import Connection, Engine, Row, case, create_engine, event, func, null, select
@@ -43,7 +43,7 @@ from seerd.db.worker import Worker
 
 
 class UnreadableDatabase(RuntimeError):
-    """The database cannot be opened for reading (missing, not SQLite, a WAL we may not use)."""
+    """The database cannot be read (missing, not SQLite, a WAL we may not use, locked too long)."""
 
 
 # ------------------------------------------------------------------ opening
@@ -96,6 +96,20 @@ def open_read_only(db_path: Path, *, busy_timeout_ms: int = BUSY_TIMEOUT_MS) -> 
         engine.dispose()
         raise UnreadableDatabase(f"cannot read {db_path}: {exc.orig}") from exc
     return engine
+
+
+@contextmanager
+def reading(db_path: Path, *, busy_timeout_ms: int = BUSY_TIMEOUT_MS) -> Iterator[Connection]:
+    """One read transaction on `db_path`, opened with `open_read_only` and closed after; a
+    database error inside it becomes UnreadableDatabase."""
+    engine = open_read_only(db_path, busy_timeout_ms=busy_timeout_ms)
+    try:
+        with engine.begin() as conn:
+            yield conn
+    except DBAPIError as exc:
+        raise UnreadableDatabase(f"cannot read {db_path}: {exc.orig}") from exc
+    finally:
+        engine.dispose()
 
 
 # ------------------------------------------------------------------ schema

@@ -137,15 +137,11 @@ def _check_schema(conn: Connection, db_path: Path) -> None:
 def load_run(db_path: Path) -> RunData:
     """Everything the report needs from the run at `db_path`, read in one transaction."""
     try:
-        engine = read.open_read_only(db_path)
-    except UnreadableDatabase as exc:
-        raise ReportError(str(exc)) from exc
-    try:
-        with engine.begin() as conn:
+        with read.reading(db_path) as conn:
             _check_schema(conn, db_path)
             return _read(conn, db_path)
-    finally:
-        engine.dispose()
+    except UnreadableDatabase as exc:
+        raise ReportError(str(exc)) from exc
 
 
 def _read(conn: Connection, db_path: Path) -> RunData:

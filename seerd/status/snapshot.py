@@ -21,11 +21,9 @@ import time
 from pathlib import Path
 
 from sqlalchemy import Connection, Row
-from sqlalchemy.exc import DBAPIError
 
 from seerd.config import heartbeat_interval
 from seerd.db import RequestStatus, RolloutStatus, WorkerStatus, read
-from seerd.db.read import UnreadableDatabase
 from seerd.rundir import RunDir
 from seerd.tail import finishes_before_tail
 
@@ -43,21 +41,15 @@ def read_snapshot(run_dir: Path, *, tail_rows: int = 50, now: float | None = Non
                   coordinator: dict | None = None) -> dict:
     """The run's state now. `coordinator` is the status endpoint's answer, or None if unreachable.
 
-    Raises UnknownRun (no run there) or UnreadableDatabase (a database that cannot be read)."""
+    Raises UnknownRun (no run there) or seerd.db.read.UnreadableDatabase."""
     now = time.time() if now is None else now
     db_path = RunDir(run_dir).db_path
     if not db_path.is_file():
         raise UnknownRun(f"no seerd run at {db_path.parent} (no {db_path.name})")
-    engine = read.open_read_only(db_path, busy_timeout_ms=READ_BUSY_TIMEOUT_MS)
-    try:
-        with engine.begin() as conn:  # one consistent view for the whole frame
-            snapshot = _read(conn, run_dir, tail_rows, now)
-    except DBAPIError as exc:
-        if "no such table" in str(exc.orig):
-            raise UnknownRun(f"{run_dir} has a database without a rollout in it ({exc.orig})") from None
-        raise UnreadableDatabase(f"cannot read {db_path}: {exc.orig}") from exc
-    finally:
-        engine.dispose()
+    with read.reading(db_path, busy_timeout_ms=READ_BUSY_TIMEOUT_MS) as conn:  # one view for the frame
+        if "rollouts" not in read.table_names(conn):
+            raise UnknownRun(f"{run_dir} has a database without a rollout in it (no rollouts table)")
+        snapshot = _read(conn, run_dir, tail_rows, now)
     snapshot["coordinator"] = _coordinator_part(coordinator)
     return snapshot
 
