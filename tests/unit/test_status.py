@@ -341,3 +341,16 @@ def test_kv_pool_figures_show_per_worker_and_for_the_pool(monkeypatch):
     assert worker_line.split()[-3:] == ["-", "-", "-"]  # no pool figures from that worker yet
     snapshot["coordinator"]["kv_pool"]["evicted_keys"] = 6
     assert "trimmed 3 queued (21.0 MB)   evicted 6 blocks   restarted 1x" in str(pool_line(snapshot))
+
+
+def test_the_snapshot_reader_imports_neither_the_scheduler_nor_the_coordinator():
+    """Status reads the coordinator's persisted forecast; it never runs the scheduler's code."""
+    import subprocess
+    import sys
+
+    code = ("import sys, seerd.status.snapshot, seerd.db.read; "
+            "print(sorted(m for m in sys.modules if m.startswith(('seerd.scheduler', 'seerd.coordinator'))))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
