@@ -15,22 +15,26 @@ a database in WAL mode needs the `-wal` and `-shm` files beside it (the WAL inde
     non-empty `-wal`: `immutable` ignores the WAL and would silently miss committed rows.
 
 The queries take a connection of `open_read_only`'s engine and never commit: the caller runs
-them in one read transaction (`reading`), so a run that is still going is seen at one instant. Statuses are the enums of `seerd.db.status`, never spelled here as strings. A column a
-reader can do without is looked up first, so that a run made by an older seerd reads as it is,
-without `seerd db upgrade` (a write).
+them in one read transaction (`reading`), so a run that is still going is seen at one instant.
+Statuses are the enums of `seerd.db.status`, never spelled here as strings. A column a reader
+can do without is looked up first, so that a run made by an older seerd reads as it is, without
+`seerd db upgrade` (a write).
 """
 
 from __future__ import annotations
 
+import functools
 import sqlite3
 import urllib.parse
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import NamedTuple
 
 from sqlalchemy import Connection, Engine, Row, case, create_engine, event, func, null, select
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import aliased
+from sqlalchemy.pool import NullPool
 
 from seerd.db.base import BUSY_TIMEOUT_MS
 from seerd.db.chunk import Chunk
@@ -52,8 +56,12 @@ def _uri(db_path: Path, option: str) -> str:
     return f"file:{urllib.parse.quote(str(db_path))}?{option}"
 
 
+@functools.lru_cache(maxsize=16)
 def _engine(uri: str, busy_timeout_ms: int) -> Engine:
-    engine = create_engine("sqlite://",
+    # Kept per database for its compiled statements: `seerd status` reads every frame, and
+    # compiling its queries again each time tripled a frame's cost. NullPool: a connection lives
+    # for one use, so a kept engine holds no file open between frames.
+    engine = create_engine("sqlite://", poolclass=NullPool,
                            creator=lambda: sqlite3.connect(uri, uri=True, check_same_thread=False))
 
     @event.listens_for(engine, "connect")
@@ -75,8 +83,8 @@ def _probe(engine: Engine) -> None:
 
 
 def open_read_only(db_path: Path, *, busy_timeout_ms: int = BUSY_TIMEOUT_MS) -> Engine:
-    """An engine that can only read `db_path` (see the module docstring for the WAL cases).
-    The caller disposes of it."""
+    """An engine that can only read `db_path` (see the module docstring for the WAL cases). It
+    holds no connection between uses, so it needs no disposing."""
     if not db_path.is_file():
         raise UnreadableDatabase(f"no database at {db_path}")
     engine = _engine(_uri(db_path, "mode=ro"), busy_timeout_ms)
@@ -84,7 +92,6 @@ def open_read_only(db_path: Path, *, busy_timeout_ms: int = BUSY_TIMEOUT_MS) -> 
         _probe(engine)
         return engine
     except DBAPIError as exc:
-        engine.dispose()
         wal = db_path.with_name(db_path.name + "-wal")
         if getattr(exc.orig, "sqlite_errorname", "") != "SQLITE_READONLY_DIRECTORY" or (
                 wal.exists() and wal.stat().st_size > 0):
@@ -93,23 +100,19 @@ def open_read_only(db_path: Path, *, busy_timeout_ms: int = BUSY_TIMEOUT_MS) -> 
     try:
         _probe(engine)
     except DBAPIError as exc:
-        engine.dispose()
         raise UnreadableDatabase(f"cannot read {db_path}: {exc.orig}") from exc
     return engine
 
 
 @contextmanager
 def reading(db_path: Path, *, busy_timeout_ms: int = BUSY_TIMEOUT_MS) -> Iterator[Connection]:
-    """One read transaction on `db_path`, opened with `open_read_only` and closed after; a
-    database error inside it becomes UnreadableDatabase."""
-    engine = open_read_only(db_path, busy_timeout_ms=busy_timeout_ms)
+    """One read transaction on `db_path`, opened with `open_read_only`, its connection closed
+    after; a database error inside it becomes UnreadableDatabase."""
     try:
-        with engine.begin() as conn:
+        with open_read_only(db_path, busy_timeout_ms=busy_timeout_ms).begin() as conn:
             yield conn
     except DBAPIError as exc:
         raise UnreadableDatabase(f"cannot read {db_path}: {exc.orig}") from exc
-    finally:
-        engine.dispose()
 
 
 # ------------------------------------------------------------------ schema
@@ -221,24 +224,47 @@ def group_forecast(conn: Connection):  # noqa: ANN201 - a column expression
     return Group.length_estimate
 
 
-def unfinished_requests(conn: Connection, rollout_id: int) -> list[Row]:
-    """Every unfinished request with its group's figures (`forecast` as `group_forecast`) and, when
-    one of its chunks is leased, that chunk (`chunk_id`, `lease_holder`, `leased_at`; else None),
-    and when its last chunk finished (`last_done`, None before the first)."""
-    leased = aliased(Chunk)
-    done = aliased(Chunk)
+# Made once: building an alias's columns costs more than running the query on a small run.
+_LEASED_CHUNK = aliased(Chunk, name="leased_chunk")
+_DONE_CHUNK = aliased(Chunk, name="done_chunk")
+
+
+class UnfinishedRequest(NamedTuple):
+    """An unfinished request as status sees it (a plain tuple: attribute access on a row cost more
+    than the query on a run of a few thousand requests)."""
+
+    id: int
+    running: bool  # a chunk of it is leased (RequestStatus.RUNNING)
+    response_index: int
+    is_probe: bool
+    generated_tokens: int  # committed (done chunks)
+    num_chunks: int  # done chunks
+    group_index: int
+    group_size: int
+    group_finished: int
+    group_estimate: int  # the group's length_estimate
+    group_forecast: int  # as `group_forecast`
+    chunk_id: int | None  # the leased chunk, its holder and when it was leased; None if queued
+    lease_holder: str | None
+    leased_at: float | None
+    last_done: float | None  # when its last done chunk finished; None before the first
+
+
+def unfinished_requests(conn: Connection, rollout_id: int) -> list[UnfinishedRequest]:
+    """Every unfinished request, with its group's figures and its leased chunk."""
+    leased, done = _LEASED_CHUNK, _DONE_CHUNK
     last_done = (select(func.max(done.finished_at))
                  .where(done.request_id == Request.id, done.status == ChunkStatus.DONE).scalar_subquery())
-    return conn.execute(
-        select(Request.id, Request.group_id, Request.status, Request.response_index, Request.is_probe,
+    rows = conn.execute(
+        select(Request.id, Request.status == RequestStatus.RUNNING, Request.response_index, Request.is_probe,
                Request.generated_tokens, Request.num_chunks,
                Group.group_index, Group.n, Group.finished_requests, Group.length_estimate,
-               group_forecast(conn).label("forecast"),
-               leased.id.label("chunk_id"), leased.lease_holder, leased.leased_at,
-               last_done.label("last_done"))
+               group_forecast(conn),
+               leased.id, leased.lease_holder, leased.leased_at, last_done)
         .join(Group, Group.id == Request.group_id)
         .outerjoin(leased, (leased.request_id == Request.id) & (leased.status == ChunkStatus.LEASED))
         .where(Request.rollout_id == rollout_id, Request.status != RequestStatus.FINISHED)).all()
+    return [UnfinishedRequest._make(row) for row in rows]
 
 
 def tokens_done_since(conn: Connection, rollout_id: int, since: float) -> int:

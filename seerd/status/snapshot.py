@@ -20,10 +20,11 @@ import json
 import time
 from pathlib import Path
 
-from sqlalchemy import Connection, Row
+from sqlalchemy import Connection
 
 from seerd.config import heartbeat_interval
-from seerd.db import RequestStatus, RolloutStatus, WorkerStatus, read
+from seerd.db import RolloutStatus, WorkerStatus, read
+from seerd.db.read import UnfinishedRequest
 from seerd.rundir import RunDir
 from seerd.tail import finishes_before_tail
 
@@ -160,12 +161,12 @@ def _pool_part(pool: dict) -> dict:
             "connected": bool(pool.get("reconnects", 0)) and int(pool.get("generation", 0)) > 0}
 
 
-def _tail(unfinished: list[Row], clock: float, live: dict[int, dict],
+def _tail(unfinished: list[UnfinishedRequest], clock: float, live: dict[int, dict],
           limit: int) -> tuple[list[dict], int, int]:
     """Running requests (a chunk leased), longest so far first; and the tokens of running chunks."""
     tail, in_flight = [], 0
     for row in unfinished:
-        if row.status != RequestStatus.RUNNING or row.chunk_id is None:
+        if not row.running or row.chunk_id is None:
             continue
         entry = live.get(row.chunk_id)
         running_tokens = int(entry["tokens"]) if entry else 0
@@ -180,9 +181,9 @@ def _tail(unfinished: list[Row], clock: float, live: dict[int, dict],
             "tokens": row.generated_tokens + running_tokens,
             "chunks": row.num_chunks + 1,
             "worker": row.lease_holder,
-            "group_estimate": row.length_estimate,
-            "group_finished": row.finished_requests,
-            "group_size": row.n,
+            "group_estimate": row.group_estimate,
+            "group_finished": row.group_finished,
+            "group_size": row.group_size,
             "since_progress_s": max(0.0, clock - last_progress),
         })
     tail.sort(key=lambda t: (-t["tokens"], t["request_id"]))
@@ -198,7 +199,7 @@ def _rate_now(conn: Connection, rid: int, clock: float, workers: list[dict]) -> 
     return read.tokens_done_since(conn, rid, clock - RATE_WINDOW_S) / RATE_WINDOW_S
 
 
-def _expected_remaining_tokens(unfinished: list[Row], live: dict[int, dict]) -> int:
+def _expected_remaining_tokens(unfinished: list[UnfinishedRequest], live: dict[int, dict]) -> int:
     """Tokens the unfinished requests are still expected to generate: each up to its group's
     forecast as the coordinator persisted it (`seerd.db.read.group_forecast`: what seer schedules
     by, else the group's length estimate), less its tokens so far (committed plus its running
@@ -207,7 +208,7 @@ def _expected_remaining_tokens(unfinished: list[Row], live: dict[int, dict]) -> 
     remaining = 0
     for row in unfinished:
         so_far = row.generated_tokens + int((live.get(row.chunk_id) or {}).get("tokens", 0))
-        remaining += max(0, row.forecast - so_far)
+        remaining += max(0, row.group_forecast - so_far)
     return remaining
 
 
