@@ -59,7 +59,7 @@ def _uri(db_path: Path, option: str) -> str:
 @functools.lru_cache(maxsize=16)
 def _engine(uri: str, busy_timeout_ms: int) -> Engine:
     # Kept per database for its compiled statements: `seerd status` reads every frame, and
-    # compiling its queries again each time tripled a frame's cost. NullPool: a connection lives
+    # compiling its queries again each time made a frame 2.5x as costly. NullPool: a connection lives
     # for one use, so a kept engine holds no file open between frames.
     engine = create_engine("sqlite://", poolclass=NullPool,
                            creator=lambda: sqlite3.connect(uri, uri=True, check_same_thread=False))
