@@ -53,7 +53,7 @@ import httpx
 from seerd.config import RunConfig
 from seerd.coordinator.create import create_rollout
 from seerd.coordinator.daemon import Coordinator, run_event_loop
-from seerd.db import make_engine, make_sessionmaker
+from seerd.db import ChunkStatus, make_engine, make_sessionmaker
 from seerd.db.migrate import upgrade
 from seerd.io.prompts import PromptRow
 from seerd.rundir import RunDir, RunDirError
@@ -142,8 +142,9 @@ def verify(db_path: Path, stats: Stats) -> str | None:
     """Compare the database with what the workers saw acknowledged; None when they agree."""
     with closing(sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)) as db:
         done, tokens = db.execute("SELECT count(*), coalesce(sum(num_tokens), 0) FROM chunks "
-                                  "WHERE status = 'done'").fetchone()
-        leased = db.execute("SELECT count(*) FROM chunks WHERE status = 'leased'").fetchone()[0]
+                                  "WHERE status = ?", (ChunkStatus.DONE.value,)).fetchone()
+        leased = db.execute("SELECT count(*) FROM chunks WHERE status = ?",
+                            (ChunkStatus.LEASED.value,)).fetchone()[0]
         generated = db.execute("SELECT coalesce(sum(generated_tokens), 0) FROM requests").fetchone()[0]
     problems = []
     if done != stats.acked_total:

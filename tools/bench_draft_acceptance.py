@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sqlite3
 import statistics
 import subprocess
 import sys
@@ -59,14 +58,16 @@ def make_rollouts(groups: int, work: Path, seed: int) -> Path:
 
 
 def load_groups(run_dir: Path) -> list[tuple[list[int], list[list[int]]]]:
+    from sqlalchemy import select
+
+    from seerd.db import Group, read
     from seerd.io.codec import unpack_ints
 
-    with sqlite3.connect(f"file:{run_dir / 'state.db'}?mode=ro", uri=True) as db:
-        prompts = {gid: unpack_ints(blob) for gid, blob in db.execute("select id, prompt_token_ids from prompt_groups")}
+    with read.reading(run_dir / "state.db") as conn:
+        prompts = {gid: unpack_ints(blob)
+                   for gid, blob in conn.execute(select(Group.id, Group.prompt_token_ids))}
         responses: dict[int, dict[int, list[int]]] = defaultdict(dict)
-        for gid, rid, blob in db.execute("""select r.group_id, r.id, c.token_ids from requests r
-                join chunks c on c.request_id = r.id and c.status = 'done'
-                where r.status = 'finished' order by r.id, c.seq"""):
+        for gid, _, rid, blob in read.finished_response_chunks(conn):  # what --spec-history reads
             responses[gid].setdefault(rid, []).extend(unpack_ints(blob))
     return [(list(prompts[gid]), list(by_request.values())) for gid, by_request in sorted(responses.items())]
 

@@ -165,6 +165,7 @@ def fit_pool_load(args: argparse.Namespace, medians: dict[int, float]) -> None:
 
 
 def rollout_figures(run_dir: Path) -> dict:
+    from seerd.db import ChunkStatus
     from seerd.report.metrics import continuation_cache_figures, prefill_avoided_over_time
     from seerd.report.source import load_run
 
@@ -172,7 +173,8 @@ def rollout_figures(run_dir: Path) -> dict:
 
     with sqlite3.connect(f"file:{run_dir / 'state.db'}?mode=ro", uri=True) as conn:
         first, last, out = conn.execute(
-            "select min(leased_at), max(finished_at), sum(num_tokens) from chunks where status = 'done'").fetchone()
+            "select min(leased_at), max(finished_at), sum(num_tokens) from chunks where status = ?",
+            (ChunkStatus.DONE.value,)).fetchone()
         stats = [json.loads(s) for (s,) in conn.execute("select stats_json from workers") if s]
     run = load_run(run_dir / "state.db")
     cache = continuation_cache_figures(run)

@@ -57,11 +57,14 @@ def run_mode(mode: str, prompts: Path, args: argparse.Namespace, work: Path, see
 
 
 def measure(run_dir: Path) -> dict:
+    from seerd.db import ChunkStatus
+
     with sqlite3.connect(f"file:{run_dir / 'state.db'}?mode=ro", uri=True) as db:
         first = db.execute("select min(leased_at) from chunks").fetchone()[0]
         finishes = sorted(t for (t,) in db.execute("select finished_at from requests"))
         tokens = db.execute("select sum(generated_tokens) from requests").fetchone()[0]
-        chunk_ends = db.execute("select finished_at, num_tokens from chunks where status = 'done'").fetchall()
+        chunk_ends = db.execute("select finished_at, num_tokens from chunks where status = ?",
+                                (ChunkStatus.DONE.value,)).fetchall()
         stats = [json.loads(s) for (s,) in db.execute("select stats_json from workers where stats_json is not null")]
     end = finishes[-1]
     p90 = finishes[math.ceil(0.9 * len(finishes)) - 1]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sqlite3
 import time
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import click
 
 from seerd.cli import ui
 from seerd.cli.launching import EXIT_BAD_INPUT
+from seerd.db.read import UnreadableDatabase
 from seerd.status.locate import ask_coordinator, resolve_run
 from seerd.status.snapshot import UnknownRun, read_snapshot
 
@@ -44,8 +44,8 @@ def status(target: str, once: bool, as_json: bool, interval: float, tail_rows: i
     except UnknownRun as exc:
         ui.error(str(exc))
         raise SystemExit(EXIT_BAD_INPUT) from None
-    except sqlite3.DatabaseError as exc:
-        ui.error(f"cannot read the run's database: {exc}")
+    except UnreadableDatabase as exc:
+        ui.error(str(exc))  # "cannot read PATH: why"
         raise SystemExit(EXIT_UNREADABLE) from None
 
 

@@ -11,7 +11,6 @@ import logging
 import os
 import signal
 import socket
-import sqlite3
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -28,6 +27,7 @@ from seerd.coordinator.drafts import REFRESH_S, DraftHost, book_sequences, histo
 from seerd.coordinator.kvpool import PoolHost, model_revision, run_tag
 from seerd.db import Rollout, RolloutStatus, WorkerStatus, add_event, make_engine, make_sessionmaker
 from seerd.db.migrate import upgrade
+from seerd.db.read import UnreadableDatabase
 from seerd.io.export import ExportResult, export_run
 from seerd.rundir import RunDir
 from seerd.scheduler import make_policy
@@ -187,7 +187,7 @@ class Coordinator:
             try:
                 seeded = history_sequences(RunDir(Path(history)).db_path, self.run_dir.db_path,
                                            list(self.book.state.unfinished_groups))
-            except sqlite3.Error as exc:  # drafting from history is an accelerator: say so, go on
+            except UnreadableDatabase as exc:  # drafting from history is an accelerator: say so, go on
                 log.warning("--spec-history %s unreadable, drafting without it: %s", history, exc)
                 seeded = {}
             self.drafts.seed(seeded)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sqlite3
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -25,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
+from seerd.db import read
 from seerd.drafts.server import DraftError, DraftServer
 
 log = logging.getLogger("seerd.coordinator")
@@ -92,28 +92,25 @@ def book_sequences(book) -> dict[int, dict[int, list[int]]]:  # noqa: ANN001
 
 def history_sequences(history_db: Path, this_db: Path, groups: Sequence[int]) -> dict[int, dict[int, list[int]]]:
     """Responses of an earlier rollout of the same prompts (matched by prompt hash), as extra
-    sequences of this run's groups, keyed by negative request ids so they never meet real ones."""
+    sequences of this run's groups, keyed by negative request ids so they never meet real ones.
+
+    Raises seerd.db.read.UnreadableDatabase."""
     from seerd.io.codec import unpack_ints
 
     wanted = set(groups)
-    with sqlite3.connect(f"file:{this_db}?mode=ro", uri=True) as conn:
-        by_hash = defaultdict(list)
-        for gid, prompt_hash in conn.execute("select id, prompt_hash from prompt_groups"):
+    by_hash = defaultdict(list)
+    with read.reading(this_db) as conn:
+        for gid, prompt_hash in read.prompt_hashes(conn):
             if gid in wanted:
                 by_hash[prompt_hash].append(gid)
-    out: dict[int, dict[int, list[int]]] = {}
-    with sqlite3.connect(f"file:{history_db}?mode=ro", uri=True) as old:
-        rows = old.execute("""
-            select g.prompt_hash, r.id, c.token_ids from requests r
-            join prompt_groups g on g.id = r.group_id
-            join chunks c on c.request_id = r.id and c.status = 'done'
-            where r.status = 'finished' order by r.id, c.seq""")
-        responses: dict[str, dict[int, list[int]]] = defaultdict(dict)
-        for prompt_hash, rid, blob in rows:
+    responses: dict[str, dict[int, list[int]]] = defaultdict(dict)
+    with read.reading(history_db) as old:
+        for _, prompt_hash, rid, blob in read.finished_response_chunks(old):
             if prompt_hash in by_hash:
                 per_prompt = responses[prompt_hash]
                 if rid in per_prompt or len(per_prompt) < HISTORY_RESPONSES_PER_PROMPT:
                     per_prompt.setdefault(rid, []).extend(unpack_ints(blob))
+    out: dict[int, dict[int, list[int]]] = {}
     for prompt_hash, per_prompt in responses.items():
         for gid in by_hash[prompt_hash]:
             out[gid] = {-(k + 1): tokens for k, tokens in enumerate(per_prompt.values())}

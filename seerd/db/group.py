@@ -26,6 +26,9 @@ class Group(Base):
     sampling_json: Mapped[str] = mapped_column(Text)  # per-row overrides merged over the run's defaults
     # Expected response length; until a request of the group finishes it is max_tokens.
     length_estimate: Mapped[int] = mapped_column(Integer)
+    # The coordinator's forecast of the group's longest response, in tokens (what seer schedules
+    # by); NULL until it first writes one. Read by `seerd status` for the time left.
+    forecast_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
     # The group's probe (speculative request). No FK: requests reference groups already.
     probe_request_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
     # `group` policy only: the worker this whole group is bound to (veRL's static split).

@@ -3,6 +3,8 @@ a resumed run and `--spec-history` seed it (real lease book, real SQLite)."""
 
 from __future__ import annotations
 
+import pytest
+
 from seerd.coordinator.book import ChunkReport
 from seerd.coordinator.drafts import DraftHost, book_sequences, history_sequences
 from seerd.drafts.server import UnknownRequest
@@ -87,3 +89,14 @@ def test_history_seeds_groups_of_the_same_prompt_with_the_earlier_responses(tmp_
         got = seeded[by_index[index]]
         assert all(key < 0 for key in got)  # never a real request id
         assert sorted(got.values()) == sorted(expected)
+
+
+def test_an_unreadable_history_raises_what_the_coordinator_catches(tmp_path):
+    """The daemon logs UnreadableDatabase and drafts without the history; nothing else may escape."""
+    from seerd.db.read import UnreadableDatabase
+
+    later = make_book(tmp_path, prompt_rows=rows(groups=2, n=2, max_tokens=8), db_name="later.db")
+    (tmp_path / "garbage.db").write_bytes(b"not a database" * 100)
+    for history in (tmp_path / "missing.db", tmp_path / "garbage.db"):
+        with pytest.raises(UnreadableDatabase, match=history.name):
+            history_sequences(history, tmp_path / "later.db", list(later.state.groups))

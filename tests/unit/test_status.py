@@ -107,6 +107,57 @@ def test_snapshot_counts_progress_tail_and_workers_synthetic_engine(tmp_path):
     json.dumps(snap)  # what --json prints
 
 
+def test_time_left_counts_each_request_up_to_its_groups_persisted_forecast_synthetic_engine(tmp_path):
+    """Expected remaining tokens: per unfinished request, its group's `forecast_tokens` (what the
+    coordinator persists) less its tokens so far, never below 0; the length estimate while the
+    coordinator has written no forecast, and in a database from before the column (0004)."""
+    from alembic import command
+    from sqlalchemy import update
+
+    from seerd.db import Group, make_engine
+    from seerd.db.migrate import alembic_config
+
+    book, a, _, running = synthetic_run(tmp_path)
+    held_by_a = [g for g in running if g.chunk_id in book.state.workers[a].chunks]
+    live = {str(g.chunk_id): {"tokens": 2 + i, "changed_at": 1008.0} for i, g in enumerate(held_by_a)}
+    book.heartbeat(a, [g.chunk_id for g in held_by_a], now=1009.0,
+                   stats={"tokens_per_s_recent": 10.0, "running": live})
+
+    def expected_remaining(snap, forecast_by_group_index):
+        # Every unfinished request is running here, so the tail lists them all with their tokens so far.
+        assert snap["tail_total"] == len(snap["tail"]) == snap["requests_total"] - snap["requests_done"]
+        return sum(max(0, forecast_by_group_index[t["group_index"]] - t["tokens"]) for t in snap["tail"])
+
+    snap = read_snapshot(tmp_path, now=1010.0)
+    assert {t["tokens"] for t in snap["tail"]} >= {16, 18}  # some with live progress, some without
+    no_forecast = expected_remaining(snap, {1: 64, 2: 64})  # length_estimate = max_tokens: none finished
+    assert snap["output_tokens_expected"] == snap["output_tokens"] + no_forecast
+    assert snap["eta_s"] == pytest.approx(no_forecast / 10.0)
+
+    engine = make_engine(tmp_path / "state.db", synchronous="NORMAL")
+    with engine.begin() as conn:  # as the coordinator writes them
+        conn.execute(update(Group).where(Group.group_index == 1).values(forecast_tokens=17))
+        conn.execute(update(Group).where(Group.group_index == 2).values(forecast_tokens=40))
+    snap = read_snapshot(tmp_path, now=1010.0)
+    forecast = expected_remaining(snap, {1: 17, 2: 40})
+    assert 0 < forecast < no_forecast
+    assert snap["output_tokens_expected"] == snap["output_tokens"] + forecast
+    assert snap["eta_s"] == pytest.approx(forecast / 10.0)
+
+    with engine.begin() as conn:  # every running request past its group's forecast: time left unknown
+        conn.execute(update(Group).values(forecast_tokens=16))
+    snap = read_snapshot(tmp_path, now=1010.0)
+    assert snap["output_tokens_expected"] == snap["output_tokens"] and snap["eta_s"] is None
+
+    config = alembic_config(engine)
+    with engine.begin() as connection:
+        config.attributes["connection"] = connection
+        command.downgrade(config, "0004")
+    engine.dispose()
+    snap = read_snapshot(tmp_path, now=1010.0)
+    assert snap["output_tokens_expected"] == snap["output_tokens"] + no_forecast
+
+
 def test_tail_phase_starts_at_the_finish_that_passes_90_percent_synthetic_engine(tmp_path):
     book = make_book(tmp_path, policy="divided", chunk_tokens=16, prompt_rows=rows(groups=5, n=2, max_tokens=16))
     book.set_rollout_status(RolloutStatus.RUNNING, 1000.0)
@@ -189,6 +240,9 @@ def test_status_command_once_json_and_unknown_runs_synthetic_engine(tmp_path, mo
     empty.mkdir()
     with pytest.raises(UnknownRun, match="no seerd run"):
         read_snapshot(empty)
+    (empty / "state.db").write_bytes(b"not a database" * 100)
+    unreadable = runner.invoke(cli, ["status", str(empty), "--json"])
+    assert unreadable.exit_code == 3 and "cannot read" in unreadable.output
 
 
 def test_a_slurm_job_id_finds_its_run_directory(tmp_path, monkeypatch):
@@ -287,3 +341,16 @@ def test_kv_pool_figures_show_per_worker_and_for_the_pool(monkeypatch):
     assert worker_line.split()[-3:] == ["-", "-", "-"]  # no pool figures from that worker yet
     snapshot["coordinator"]["kv_pool"]["evicted_keys"] = 6
     assert "trimmed 3 queued (21.0 MB)   evicted 6 blocks   restarted 1x" in str(pool_line(snapshot))
+
+
+def test_the_snapshot_reader_imports_neither_the_scheduler_nor_the_coordinator():
+    """Status reads the coordinator's persisted forecast; it never runs the scheduler's code."""
+    import subprocess
+    import sys
+
+    code = ("import sys, seerd.status.snapshot, seerd.db.read; "
+            "print(sorted(m for m in sys.modules if m.startswith(('seerd.scheduler', 'seerd.coordinator'))))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
