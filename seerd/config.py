@@ -54,7 +54,7 @@ class SpecConfig:
     history_run_dir: str | None = None  # an earlier rollout of the same prompts: its responses seed the groups
 
     def problems(self) -> list[str]:
-        from seerd.drafts.protocol import SPEC_MODES
+        from seerd.drafts.modes import SPEC_MODES
 
         found = []
         if self.mode not in SPEC_MODES:

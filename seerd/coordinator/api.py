@@ -23,13 +23,11 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from seerd.config import heartbeat_interval
-from seerd.coordinator.book import BadReport, ChunkReport, LeaseBook
+from seerd.coordinator.book import BadReport, LeaseBook
 from seerd.coordinator.drafts import DraftHost, append_items, fetch_changes
 from seerd.drafts.server import DraftError
 from seerd.coordinator.metrics import RolloutCollector, metrics_registry
-from seerd.polling import LONG_POLL_MAX_S
-
-API_PREFIX = "/v1"
+from seerd.protocol import API_PREFIX, LONG_POLL_MAX_S, ChunkReport
 
 
 class RegisterBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -48,7 +46,7 @@ class LeaseBody(msgspec.Struct):
 
 class ReportBody(msgspec.Struct):
     worker_id: str
-    reports: list[ChunkReport]  # msgspec decodes and type-checks the book's dataclass directly
+    reports: list[ChunkReport]
 
 
 class ReleaseBody(msgspec.Struct):

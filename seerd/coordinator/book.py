@@ -31,6 +31,7 @@ from seerd.db import (
     WorkerStatus, add_event, check_transition,
 )
 from seerd.io.codec import pack_floats, pack_ints, unpack_ints
+from seerd.protocol import ChunkGrant, ChunkReport
 from seerd.scheduler import Policy, QueuedRequest, RequestQueue, Snapshot, WorkerLoad
 from seerd.scheduler.base import updated_estimate
 from seerd.scheduler.forecast import GrowthTable, replay_growth
@@ -102,37 +103,6 @@ class WorkerState:
     last_heartbeat: float
     leases: set[int] = field(default_factory=set)
     kv_reserved: int = 0
-
-
-@dataclass(frozen=True)
-class ChunkGrant:
-    """What a worker needs to run one chunk."""
-
-    chunk_id: int
-    epoch: int
-    request_id: int
-    prompt_token_ids: list[int]  # the group's prompt + the request's tokens so far
-    max_tokens: int
-    sampling: dict
-    deadline: float
-    # Tokens left to the response's target length (benchmark rows), else None. The worker ends
-    # the chunk there with finish reason "length_target"; max_tokens stays the scheduler's budget.
-    target_remaining: int | None = None
-    # Who the chunk belongs to, for the worker's drafter: the group's sibling responses are what
-    # it drafts from, and response tokens start after the group's prompt.
-    group_id: int = 0
-    prompt_len: int = 0
-    is_probe: bool = False
-
-
-@dataclass(frozen=True)
-class ChunkReport:
-    chunk_id: int
-    epoch: int
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str
-    cached_tokens: int | None = None
 
 
 class WaitingRequest(NamedTuple):

@@ -14,6 +14,7 @@ import shlex
 import subprocess
 from pathlib import Path
 
+from seerd.protocol import API_PREFIX
 from seerd.rundir import RunDir, RunDirError, write_private
 from seerd.status.snapshot import UnknownRun
 
@@ -69,8 +70,6 @@ def resolve_run(target: str) -> Path:
 def ask_coordinator(run_dir: Path) -> dict | None:
     """The coordinator's status endpoint, or None when it is not running (or does not answer)."""
     import httpx
-
-    from seerd.coordinator.api import API_PREFIX
 
     rundir = RunDir(run_dir)
     try:

@@ -18,9 +18,8 @@ import time
 from pathlib import Path
 
 from seerd.drafts.drafter import drafter_stats
-from seerd.drafts.protocol import ChunkIdentity
 from seerd.kvpool.pool import pool_stats
-from seerd.polling import LEASE_LONG_POLL_S
+from seerd.protocol import LEASE_LONG_POLL_S, ChunkIdentity
 from seerd.rundir import RunDir
 from seerd.worker.client import CoordinatorClient, CoordinatorGone, NotRegistered
 from seerd.worker.engine import EngineDead, start_engine
@@ -56,7 +55,7 @@ class Worker:
         self.rank = rank
         self.worker_id = f"w{rank}-{socket.gethostname()}-{os.getpid()}"
         self.running: dict[int, tuple[int, asyncio.Task]] = {}  # chunk_id -> (epoch, task)
-        self.engine_ids: dict[int, str] = {}  # chunk_id -> the engine's request id (see drafts.protocol)
+        self.engine_ids: dict[int, str] = {}  # chunk_id -> the engine's request id (see seerd.protocol)
         self.reports: asyncio.Queue[dict] = asyncio.Queue()
         self.done = asyncio.Event()
         self.slot_freed = asyncio.Event()

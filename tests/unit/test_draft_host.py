@@ -3,9 +3,9 @@ a resumed run and `--spec-history` seed it (real lease book, real SQLite)."""
 
 from __future__ import annotations
 
-from seerd.coordinator.book import ChunkReport
 from seerd.coordinator.drafts import DraftHost, book_sequences, history_sequences
 from seerd.drafts.server import UnknownRequest
+from seerd.protocol import ChunkReport
 from tests.unit.helpers import make_book, reopen, rows
 
 

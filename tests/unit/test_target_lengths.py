@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 
+import msgspec
 import pytest
 from sqlalchemy import select
 
-from seerd.coordinator.book import BadReport, ChunkGrant, ChunkReport, RequestState
+from seerd.coordinator.book import BadReport, RequestState
 from seerd.db import Group, Request, RequestTarget
 from seerd.io.export import collect_rows
 from seerd.io.prompts import PromptRow
+from seerd.protocol import ChunkGrant, ChunkReport
 from seerd.scheduler import Plan, QueuedRequest, Snapshot, WorkerLoad, make_policy
 from seerd.worker.main import generation_budget, reported_finish_reason
 from tests.unit.helpers import make_book
@@ -156,7 +158,7 @@ def test_the_scheduler_sees_the_same_rollout_with_and_without_targets(tmp_path, 
     # The only difference is in what the workers were told.
     assert all(g.target_remaining is not None for g in grants_seen[True])
     assert all(g.target_remaining is None for g in grants_seen[False])
-    strip = [dataclasses.replace(g, target_remaining=None) for g in grants_seen[True]]
+    strip = [msgspec.structs.replace(g, target_remaining=None) for g in grants_seen[True]]
     assert strip == grants_seen[False]
 
 
