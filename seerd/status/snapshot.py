@@ -20,6 +20,7 @@ import urllib.parse
 from pathlib import Path
 
 from seerd.config import heartbeat_interval
+from seerd.protocol import StatusReply
 from seerd.rundir import RunDir
 from seerd.scheduler.base import QueuedRequest
 from seerd.scheduler.forecast import expected_remaining, replay_growth
@@ -45,7 +46,7 @@ def open_read_only(db_path: Path) -> sqlite3.Connection:
 
 
 def read_snapshot(run_dir: Path, *, tail_rows: int = 50, now: float | None = None,
-                  coordinator: dict | None = None) -> dict:
+                  coordinator: StatusReply | None = None) -> dict:
     """The run's state now. `coordinator` is the status endpoint's answer, or None if unreachable."""
     now = time.time() if now is None else now
     conn = open_read_only(RunDir(run_dir).db_path)
@@ -65,12 +66,12 @@ def read_snapshot(run_dir: Path, *, tail_rows: int = 50, now: float | None = Non
     return snapshot
 
 
-def _coordinator_part(answer: dict | None) -> dict:
+def _coordinator_part(answer: StatusReply | None) -> dict:
     if answer is None:
         return {"reachable": False}
-    return {"reachable": True, "accepting": answer.get("accepting"), "leases": answer.get("leases"),
-            "workers_alive": answer.get("workers_alive"), "busy_s": answer.get("coordinator_busy_s"),
-            "kv_pool": answer.get("kv_pool")}
+    return {"reachable": True, "accepting": answer.accepting, "leases": answer.leases,
+            "workers_alive": answer.workers_alive, "busy_s": answer.coordinator_busy_s,
+            "kv_pool": answer.kv_pool}
 
 
 def _read(conn: sqlite3.Connection, run_dir: Path, tail_rows: int, now: float) -> dict:

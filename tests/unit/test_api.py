@@ -6,6 +6,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from seerd.coordinator.api import CoordinatorControl, create_app
+from seerd.protocol import EngineSettings
 from tests.unit.helpers import FakeClock, make_book, rows
 
 SECRET = "s3cret-token"
@@ -29,7 +30,7 @@ def client(tmp_path):
     clock = FakeClock()
     book = make_book(tmp_path, prompt_rows=rows(groups=1, n=1, max_tokens=20), now=clock())
     app = create_app(book, SECRET, CoordinatorControl(), clock)
-    app.state.engine_settings = {"model_path": "m", "engine": {}, "seed": 0}
+    app.state.engine_settings = EngineSettings("m", {}, 0)
     with TestClient(app) as test_client:
         test_client.clock = clock
         test_client.book = book

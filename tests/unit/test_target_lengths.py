@@ -163,15 +163,18 @@ def test_the_scheduler_sees_the_same_rollout_with_and_without_targets(tmp_path, 
 
 
 def test_worker_cuts_the_budget_at_the_target_and_names_the_reason():
-    plain = {"max_tokens": 16}
+    def grant(max_tokens: int, target_remaining: int | None = None) -> ChunkGrant:
+        return ChunkGrant(1, 1, 1, [1, 2], max_tokens, {}, 0.0, target_remaining)
+
+    plain = grant(16)
     assert generation_budget(plain) == 16 and reported_finish_reason(plain, "length", 16) == "length"
-    near = {"max_tokens": 16, "target_remaining": 5}
+    near = grant(16, 5)
     assert generation_budget(near) == 5
     assert reported_finish_reason(near, "length", 5) == "length_target"
     assert reported_finish_reason(near, "stop", 3) == "stop"  # EOS came first
     assert reported_finish_reason(near, "stop", 5) == "stop"  # EOS as the target's last token
-    far = {"max_tokens": 16, "target_remaining": 40}
+    far = grant(16, 40)
     assert generation_budget(far) == 16 and reported_finish_reason(far, "length", 16) == "length"
-    exact = {"max_tokens": 16, "target_remaining": 16}
+    exact = grant(16, 16)
     assert reported_finish_reason(exact, "length", 16) == "length_target"
     assert reported_finish_reason(exact, "length", 9) == "length"  # the model's context ran out first
