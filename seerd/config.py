@@ -20,12 +20,6 @@ DEFAULT_CHUNK_TOKENS = 8192
 DEFAULT_DRAIN_GRACE_S = 120.0
 
 
-def heartbeat_interval(lease_ttl_s: float) -> float:
-    """Four heartbeats per lease TTL keep leases alive; at least one per 2 s keeps `seerd status`
-    current (each costs the coordinator one small write)."""
-    return max(0.2, min(2.0, lease_ttl_s / 4))
-
-
 class ConfigError(ValueError):
     """An impossible setting: reported to the user before any state is created."""
 
@@ -62,7 +56,7 @@ class SpecConfig:
     history_run_dir: str | None = None  # an earlier rollout of the same prompts: its responses seed the groups
 
     def problems(self) -> list[str]:
-        from seerd.drafts.protocol import SPEC_MODES
+        from seerd.drafts.modes import SPEC_MODES
 
         found = []
         if self.mode not in SPEC_MODES:

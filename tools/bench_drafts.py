@@ -12,7 +12,7 @@ process, latencies in wall time):
 - server append: tok/s of `DraftServer.append` with 16-token appends, round-robin over 64 groups
   x 16 requests (each request's next 16 tokens in turn; target >= 500K tok/s).
 - server fetch: one client holding all 64 groups fetches after every round of appends (16 new
-  tokens per request): tok/s delivered, and the size of the JSON (`to_json`) per token.
+  tokens per request): tok/s delivered, and the size of the JSON reply per token.
 - index extend: tok/s of `SuffixIndex.extend` building a 16-response group in batches of B tokens
   per call, round-robin over the responses (B=1: a request's own tokens as a step accepts them;
   16 and 256: fetched deltas; whole: a rebuild from the logs).
@@ -40,6 +40,8 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -101,7 +103,7 @@ def bench_server(rng: random.Random, rounds: int) -> dict:
                 cursors[group][request] = (gen, begin + len(tokens))
                 fetched += len(tokens)
         if round_ % 16 == 0:
-            json_bytes += len(json.dumps(result.to_json(), separators=(",", ":")))
+            json_bytes += len(msgspec.json.encode(result))  # the fetch reply as the API sends it
     stats = server.stats()
     total = rounds * SERVER_GROUPS * SERVER_REQUESTS * APPEND_TOKENS
     assert stats["tokens"] == total == fetched, (stats["tokens"], total, fetched)

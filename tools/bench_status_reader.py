@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from seerd.coordinator.book import ChunkReport  # noqa: E402
+from seerd.protocol import ChunkReport  # noqa: E402
 from seerd.status.snapshot import read_snapshot  # noqa: E402
 from tests.unit.helpers import make_book, rows  # noqa: E402
 

@@ -3,8 +3,9 @@
 Every request, on every path, must carry the run's secret (`Authorization: Bearer <secret>`);
 anything else gets 401 before routing (a plain ASGI middleware). Handlers call the lease book
 synchronously on the event loop: the book is the single owner of the state, so its transactions
-never interleave. Bodies are decoded and validated with msgspec: token lists are the bulk of the
-traffic and pydantic's per-element validation cost more than the database commit.
+never interleave. Bodies and replies are the message types of `seerd.protocol`, decoded, validated
+and encoded with msgspec: token lists are the bulk of the traffic and pydantic's per-element
+validation cost more than the database commit.
 """
 
 from __future__ import annotations
@@ -22,61 +23,16 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from seerd.config import heartbeat_interval
-from seerd.coordinator.book import BadReport, ChunkReport, LeaseBook
-from seerd.coordinator.drafts import DraftHost, append_items, fetch_changes
-from seerd.drafts.server import DraftError
+from seerd.coordinator.book import LeaseBook
+from seerd.coordinator.reports import BadReport
+from seerd.coordinator.drafts import DraftHost, append_items
 from seerd.coordinator.metrics import RolloutCollector, metrics_registry
-from seerd.polling import LONG_POLL_MAX_S
-
-API_PREFIX = "/v1"
-
-
-class RegisterBody(msgspec.Struct, forbid_unknown_fields=True):
-    worker_id: str
-    rank: int
-    address: str
-    max_chunks: int
-    kv_capacity_tokens: int
-
-
-class LeaseBody(msgspec.Struct):
-    worker_id: str
-    wanted: int
-    wait_s: float = 0.0  # long poll: wait up to this long for work before answering empty
-
-
-class ReportBody(msgspec.Struct):
-    worker_id: str
-    reports: list[ChunkReport]  # msgspec decodes and type-checks the book's dataclass directly
-
-
-class ReleaseBody(msgspec.Struct):
-    worker_id: str
-    chunk_id: int
-    epoch: int
-    reason: str = ""
-
-
-class HeartbeatBody(msgspec.Struct):
-    worker_id: str
-    running: list[int] = []
-    stats: dict = {}
-
-
-class DraftAppendItem(msgspec.Struct, forbid_unknown_fields=True):
-    group: int
-    request: int
-    prev_count: int
-    tokens: list[int]
-
-
-class DraftAppendBody(msgspec.Struct):
-    items: list[DraftAppendItem]
-
-
-class DraftFetchBody(msgspec.Struct):
-    cursors: dict[str, dict[str, tuple[int, int]]]  # group -> request -> (gen, count) held
+from seerd.drafts.server import DraftError
+from seerd.protocol import (
+    CONFIG, DRAFTS_APPEND, DRAFTS_FETCH, DRAFTS_STATS, HEARTBEAT, LEASE, LONG_POLL_MAX_S, REGISTER, RELEASE,
+    REPORT, STATUS, DraftAppendReply, DraftStats, Endpoint, ErrorReply, HeartbeatReply, LeaseReply, RegisterReply,
+    ReleaseReply, ReportReply, ReportResult, StatusReply, heartbeat_interval,
+)
 
 
 class CoordinatorControl:
@@ -135,8 +91,7 @@ class SecretMiddleware:
             return await self.app(scope, receive, send)
         given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
         if not hmac.compare_digest(given, self.expected):
-            await Response(b'{"detail":"missing or wrong token"}', 401, media_type="application/json")(
-                scope, receive, send)
+            await _json(ErrorReply("missing or wrong token"), 401)(scope, receive, send)
             return None
         started = time.perf_counter()
         try:
@@ -147,13 +102,13 @@ class SecretMiddleware:
         return None
 
 
-def _json(payload: object, status: int = 200) -> Response:
+def _json(payload: msgspec.Struct, status: int = 200) -> Response:
     return Response(msgspec.json.encode(payload), status, media_type="application/json")
 
 
-async def _decode(request: Request, body_type: type):  # noqa: ANN202
+async def _decode(request: Request, endpoint: Endpoint):  # noqa: ANN202
     try:
-        return msgspec.json.decode(await request.body(), type=body_type)
+        return msgspec.json.decode(await request.body(), type=endpoint.body)
     except msgspec.ValidationError as exc:
         raise ApiError(422, f"invalid body: {exc}") from None
     except msgspec.DecodeError as exc:
@@ -167,113 +122,106 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
 
     @app.exception_handler(ApiError)
     async def api_error(_request: Request, exc: ApiError) -> Response:
-        return _json({"detail": exc.detail}, exc.status)
+        return _json(ErrorReply(exc.detail), exc.status)
 
     def known(worker_id: str) -> None:
         if not book.known_worker(worker_id):
             raise ApiError(404, f"unknown worker {worker_id}; register again")
 
-    @app.get(f"{API_PREFIX}/config")
+    def done_for(worker_id: str) -> bool:
+        """Whether the rollout is complete, noting that this worker has heard it."""
+        if book.is_complete():
+            control.told_done.add(worker_id)
+            return True
+        return False
+
+    @app.get(CONFIG.path)
     async def engine_config(request: Request) -> Response:
         return _json(request.app.state.engine_settings)
 
-    @app.post(f"{API_PREFIX}/register")
+    @app.post(REGISTER.path)
     async def register(request: Request) -> Response:
-        body = await _decode(request, RegisterBody)
+        body = await _decode(request, REGISTER)
         if body.rank < 0 or body.max_chunks < 1 or body.kv_capacity_tokens < 1 or not body.worker_id:
             raise ApiError(422, "rank >= 0, max_chunks >= 1, kv_capacity_tokens >= 1 and a worker_id are required")
         worker = await control.run(book.register, rank=body.rank, address=body.address, max_chunks=body.max_chunks,
-                               kv_capacity_tokens=body.kv_capacity_tokens, worker_id=body.worker_id[:100],
-                               now=clock())
-        return _json({"worker_id": worker.id, "lease_ttl_s": book.lease_ttl_s,
-                      "heartbeat_interval_s": heartbeat_interval(book.lease_ttl_s)})
+                                   kv_capacity_tokens=body.kv_capacity_tokens, worker_id=body.worker_id[:100],
+                                   now=clock())
+        return _json(RegisterReply(worker.id, book.lease_ttl_s, heartbeat_interval(book.lease_ttl_s)))
 
-    @app.post(f"{API_PREFIX}/lease")
+    @app.post(LEASE.path)
     async def lease(request: Request) -> Response:
-        body = await _decode(request, LeaseBody)
+        body = await _decode(request, LEASE)
         known(body.worker_id)
-        if book.is_complete():
-            control.told_done.add(body.worker_id)
-            return _json({"chunks": [], "done": True})
+        if done_for(body.worker_id):
+            return _json(LeaseReply([], done=True))
         if not control.accepting:
-            return _json({"chunks": [], "done": False, "retry_after_s": 0.5})
+            return _json(LeaseReply([], done=False, retry_after_s=0.5))
         if not control.scheduling_gate():  # e.g. `group` waits for every worker: ask again soon
-            return _json({"chunks": [], "done": False, "retry_after_s": 0.05})
+            return _json(LeaseReply([], done=False, retry_after_s=0.05))
         grants = await control.run(book.lease, body.worker_id, max(0, body.wanted), clock())
         if not grants and body.wait_s > 0 and not book.is_complete():
             # Long poll: an idle worker hears of new work at once and costs nothing meanwhile.
             await control.wait_for_work(min(body.wait_s, LONG_POLL_MAX_S))
             known(body.worker_id)
-            if book.is_complete():
-                control.told_done.add(body.worker_id)
-                return _json({"chunks": [], "done": True})
+            if done_for(body.worker_id):
+                return _json(LeaseReply([], done=True))
             if control.accepting:
                 grants = await control.run(book.lease, body.worker_id, max(0, body.wanted), clock())
-        return _json({"chunks": grants, "done": False, "retry_after_s": 0.0 if grants else 0.05})
+        return _json(LeaseReply(grants, done=False, retry_after_s=0.0 if grants else 0.05))
 
-    @app.post(f"{API_PREFIX}/report")
+    @app.post(REPORT.path)
     async def report(request: Request) -> Response:
-        body = await _decode(request, ReportBody)
+        body = await _decode(request, REPORT)
         known(body.worker_id)
-        reports = body.reports
         try:
-            outcomes = await control.run(book.report_many, body.worker_id, reports, clock())
+            outcomes = await control.run(book.report_many, body.worker_id, body.reports, clock())
         except BadReport as exc:
             raise ApiError(422, str(exc)) from None
         if any(o.accepted and not o.request_finished and not o.duplicate for o in outcomes) or book.is_complete():
             control.work_queued()
-        results = [{"chunk_id": r.chunk_id, "accepted": o.accepted, "duplicate": o.duplicate, "reason": o.reason}
-                   for r, o in zip(reports, outcomes)]
-        return _json({"results": results, "done": book.is_complete()})
+        results = [ReportResult(r.chunk_id, o.accepted, o.duplicate, o.reason) for r, o in zip(body.reports, outcomes)]
+        return _json(ReportReply(results, done=book.is_complete()))
 
-    @app.post(f"{API_PREFIX}/release")
+    @app.post(RELEASE.path)
     async def release(request: Request) -> Response:
-        body = await _decode(request, ReleaseBody)
+        body = await _decode(request, RELEASE)
         known(body.worker_id)
         released = await control.run(book.release, body.worker_id, body.chunk_id, body.epoch, body.reason, clock())
         if released:
             control.work_queued()
-        return _json({"released": released})
+        return _json(ReleaseReply(released))
 
-    @app.post(f"{API_PREFIX}/heartbeat")
+    @app.post(HEARTBEAT.path)
     async def heartbeat(request: Request) -> Response:
-        body = await _decode(request, HeartbeatBody)
+        body = await _decode(request, HEARTBEAT)
         known(body.worker_id)
         abort = await control.run(book.heartbeat, body.worker_id, body.running, clock(), body.stats)
         control.worker_stats[body.worker_id] = body.stats
-        done = book.is_complete()
-        if done:
-            control.told_done.add(body.worker_id)
-        return _json({"abort": abort, "done": done})
+        return _json(HeartbeatReply(abort, done=done_for(body.worker_id)))
 
     def draft_host() -> DraftHost:
         if drafts is None:
             raise ApiError(404, "this run has no grouped draft server (its --spec is not grouped)")
         return drafts
 
-    @app.post(f"{API_PREFIX}/drafts/append")
+    @app.post(DRAFTS_APPEND.path)
     async def drafts_append(request: Request) -> Response:
-        host, body = draft_host(), await _decode(request, DraftAppendBody)
-        results = await host.run(append_items, host.server, body.items)
-        return _json({"results": results})
+        host, body = draft_host(), await _decode(request, DRAFTS_APPEND)
+        return _json(DraftAppendReply(await host.run(append_items, host.server, body.items)))
 
-    @app.post(f"{API_PREFIX}/drafts/fetch")
+    @app.post(DRAFTS_FETCH.path)
     async def drafts_fetch(request: Request) -> Response:
-        host, body = draft_host(), await _decode(request, DraftFetchBody)
+        host, body = draft_host(), await _decode(request, DRAFTS_FETCH)
         try:
-            cursors = {int(g): {int(r): (int(c[0]), int(c[1])) for r, c in reqs.items()}
-                       for g, reqs in body.cursors.items()}
-        except ValueError:
-            raise ApiError(422, "cursors must map group ids to request ids (integers)") from None
-        try:
-            return _json(await host.run(fetch_changes, host.server, cursors))
+            return _json(await host.run(host.server.fetch, body.cursors))
         except DraftError as exc:
             raise ApiError(422, str(exc)) from None
 
-    @app.get(f"{API_PREFIX}/drafts/stats")
+    @app.get(DRAFTS_STATS.path)
     async def drafts_stats() -> Response:
         host = draft_host()
-        return _json(await host.run(host.server.stats))
+        return _json(DraftStats(**await host.run(host.server.stats)))
 
     registry = metrics_registry(RolloutCollector(book, control.worker_stats, lambda: control.accepting, clock))
 
@@ -282,13 +230,13 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
         # Collected on the state thread: the book is read by its owner only.
         return Response(await control.run(generate_latest, registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get(f"{API_PREFIX}/status")
+    @app.get(STATUS.path)
     async def status() -> Response:
         counts = await control.run(book.counts)
         pool = getattr(app.state, "kv_pool", None)
-        return _json({"rollout_id": book.rollout_id, "policy": book.policy.name, **counts,
-                      "complete": book.is_complete(), "accepting": control.accepting,
-                      "coordinator_busy_s": control.busy_s, "api_calls": control.calls,
-                      **({"kv_pool": pool.latest} if pool is not None else {})})
+        return _json(StatusReply(rollout_id=book.rollout_id, policy=book.policy.name, **counts,
+                                 complete=book.is_complete(), accepting=control.accepting,
+                                 coordinator_busy_s=control.busy_s, api_calls=control.calls,
+                                 kv_pool=None if pool is None else pool.latest))
 
     return app

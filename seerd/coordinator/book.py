@@ -30,7 +30,7 @@ from typing import NamedTuple
 from sqlalchemy import Connection, Engine, bindparam, insert, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from seerd.coordinator.reports import BadReport, ReportOutcome, judge, validate
+from seerd.coordinator.reports import ReportOutcome, judge, validate
 from seerd.db import (
     Chunk, ChunkStatus, Event, Group, Request, RequestStatus, RequestTarget, Rollout, RolloutStatus, Worker,
     WorkerStatus,
@@ -38,48 +38,17 @@ from seerd.db import (
 from seerd.db.event import event_row
 from seerd.db.transitions import ROW_EPOCH, ROW_ID, change_one, change_status, insert_with_status
 from seerd.io.codec import pack_floats, pack_ints, unpack_ints
+from seerd.protocol import ChunkGrant, ChunkReport
 from seerd.scheduler.state import ChunkResult, GroupRecord, RequestRecord, ResultsUpdate, SchedulerState
 from seerd.scheduler.views import Policy
 
 CHUNKS, REQUESTS, GROUPS, EVENTS = Chunk.__table__, Request.__table__, Group.__table__, Event.__table__
 ROLLOUTS, WORKERS, TARGETS = Rollout.__table__, Worker.__table__, RequestTarget.__table__
 
-__all__ = ["BadReport", "ChunkGrant", "ChunkReport", "LeaseBook", "ReportOutcome", "UnknownWorker", "WaitingRequest"]
 
 
 class UnknownWorker(LookupError):
     """The worker is not registered with this coordinator (it must register again)."""
-
-
-@dataclass(frozen=True)
-class ChunkGrant:
-    """What a worker needs to run one chunk."""
-
-    chunk_id: int
-    epoch: int
-    request_id: int
-    prompt_token_ids: list[int]  # the group's prompt + the request's tokens so far
-    max_tokens: int
-    sampling: dict
-    deadline: float
-    # Tokens left to the response's target length (benchmark rows), else None. The worker ends
-    # the chunk there with finish reason "length_target"; max_tokens stays the scheduler's budget.
-    target_remaining: int | None = None
-    # Who the chunk belongs to, for the worker's drafter: the group's sibling responses are what
-    # it drafts from, and response tokens start after the group's prompt.
-    group_id: int = 0
-    prompt_len: int = 0
-    is_probe: bool = False
-
-
-@dataclass(frozen=True)
-class ChunkReport:
-    chunk_id: int
-    epoch: int
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str
-    cached_tokens: int | None = None
 
 
 @dataclass(frozen=True)

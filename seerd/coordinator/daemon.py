@@ -29,6 +29,7 @@ from seerd.db import Rollout, RolloutStatus, WorkerStatus, add_event, make_engin
 from seerd.db.migrate import upgrade
 from seerd.db.read import UnreadableDatabase
 from seerd.io.export import ExportResult, export_run
+from seerd.protocol import EngineSettings
 from seerd.rundir import RunDir
 from seerd.scheduler import make_policy
 from seerd.scheduler.registry import policy_traits
@@ -168,13 +169,11 @@ class Coordinator:
             actions[signum] = partial(self.request_drain, f"signal {signum.name}")
         return actions
 
-    def engine_settings(self) -> dict:
-        settings = {"model_path": self.config.model_path, "engine": self.config.engine.__dict__,
-                    "seed": self.config.seed, "spec": asdict(self.config.spec)}
-        if self.pool is not None:
-            settings["kv_pool"] = {**asdict(self.config.kv_pool), "run_tag": self.pool.tag,
-                                   "model_revision": model_revision(self.config.model_path)}
-        return settings
+    def engine_settings(self) -> EngineSettings:
+        kv_pool = None if self.pool is None else {**asdict(self.config.kv_pool), "run_tag": self.pool.tag,
+                                                  "model_revision": model_revision(self.config.model_path)}
+        return EngineSettings(self.config.model_path, self.config.engine.__dict__, self.config.seed,
+                              asdict(self.config.spec), kv_pool)
 
     async def _start_drafts(self) -> None:
         """Give the draft server every unfinished group with its tokens so far (and the earlier

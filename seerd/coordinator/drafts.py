@@ -26,6 +26,7 @@ from pathlib import Path
 
 from seerd.db import read
 from seerd.drafts.server import DraftError, DraftServer
+from seerd.protocol import DraftAppendItem, DraftAppendResult
 
 log = logging.getLogger("seerd.coordinator")
 
@@ -117,16 +118,14 @@ def history_sequences(history_db: Path, this_db: Path, groups: Sequence[int]) ->
     return out
 
 
-def append_items(server: DraftServer, items: Sequence) -> list[dict]:  # noqa: ANN001
+def append_items(server: DraftServer, items: Sequence[DraftAppendItem]) -> list[DraftAppendResult]:
     """On the drafts thread: one result per pushed segment; a bad one never spoils the others."""
     results = []
     for item in items:
         try:
-            results.append({"ok": True, **server.append(item.group, item.request, item.prev_count, item.tokens).to_json()})
+            r = server.append(item.group, item.request, item.prev_count, item.tokens)
         except DraftError as exc:
-            results.append({"ok": False, "error": str(exc)})
+            results.append(DraftAppendResult(False, error=str(exc)))
+            continue
+        results.append(DraftAppendResult(True, r.count, r.gen, r.appended, r.pending, r.rewritten, list(r.evicted)))
     return results
-
-
-def fetch_changes(server: DraftServer, cursors: dict[int, dict[int, tuple[int, int]]]) -> dict:
-    return server.fetch(cursors).to_json()

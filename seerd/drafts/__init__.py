@@ -2,10 +2,10 @@
 
 from seerd.drafts.index import Draft, SuffixIndex
 from seerd.drafts.server import (
-    AppendResult, DraftError, DraftServer, FetchResult, UnknownGroup, UnknownRequest,
+    AppendResult, DraftError, DraftServer, UnknownGroup, UnknownRequest,
 )
 
 __all__ = [
-    "AppendResult", "Draft", "DraftError", "DraftServer", "FetchResult", "SuffixIndex", "UnknownGroup",
+    "AppendResult", "Draft", "DraftError", "DraftServer", "SuffixIndex", "UnknownGroup",
     "UnknownRequest",
 ]

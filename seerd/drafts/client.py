@@ -22,7 +22,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import msgspec
+
 from seerd.drafts.index import SuffixIndex
+from seerd.protocol import (
+    DRAFTS_APPEND, DRAFTS_FETCH, DraftAppendBody, DraftAppendItem, DraftAppendResult, DraftChanges, DraftFetchBody,
+    Endpoint, decode_reply,
+)
 
 log = logging.getLogger("seerd.drafts")
 
@@ -51,8 +57,8 @@ class HttpTransport:
     def __init__(self, base_url: str, secret: str, timeout_s: float = 2.0) -> None:
         import httpx
 
-        self._http = httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {secret}"},
-                                  timeout=timeout_s)
+        self._http = httpx.Client(base_url=base_url, timeout=timeout_s, headers={
+            "Authorization": f"Bearer {secret}", "Content-Type": "application/json"})
 
     @classmethod
     def from_run_dir(cls, run_dir: str) -> HttpTransport:
@@ -64,16 +70,16 @@ class HttpTransport:
         host, port = rundir.read_address()
         return cls(f"http://{host}:{port}", rundir.read_secret())
 
-    def append(self, items: list[dict]) -> list[dict]:
-        response = self._http.post("/v1/drafts/append", json={"items": items})
-        response.raise_for_status()
-        return response.json()["results"]
+    def append(self, items: list[DraftAppendItem]) -> list[DraftAppendResult]:
+        return self._post(DRAFTS_APPEND, DraftAppendBody(items)).results
 
-    def fetch(self, cursors: dict[int, dict[int, tuple[int, int]]]) -> dict:
-        body = {str(g): {str(r): list(c) for r, c in reqs.items()} for g, reqs in cursors.items()}
-        response = self._http.post("/v1/drafts/fetch", json={"cursors": body})
+    def fetch(self, cursors: dict[int, dict[int, tuple[int, int]]]) -> DraftChanges:
+        return self._post(DRAFTS_FETCH, DraftFetchBody(cursors))
+
+    def _post(self, endpoint: Endpoint, body: msgspec.Struct):  # noqa: ANN202
+        response = self._http.post(endpoint.path, content=msgspec.json.encode(body))
         response.raise_for_status()
-        return response.json()
+        return decode_reply(endpoint, response.content)
 
     def close(self) -> None:
         self._http.close()
@@ -173,8 +179,7 @@ class DraftClient:
         if not batch:
             return
         # Pending tokens leave the queue only once the server answered: a failed call sends them again.
-        results = transport.append([{"group": g, "request": r, "prev_count": prev, "tokens": tokens}
-                                    for (g, r), prev, tokens in batch])
+        results = transport.append([DraftAppendItem(g, r, prev, tokens) for (g, r), prev, tokens in batch])
         self.pushed_tokens += sum(len(tokens) for _, _, tokens in batch)
         with self.lock:
             for ((group, request), _, tokens), result in zip(batch, results):
@@ -184,8 +189,8 @@ class DraftClient:
                     push.prev_count += len(tokens)
                     if push.final and not push.tokens:
                         del self.pending[(group, request)]
-                if result.get("ok"):
-                    self.acked[(group, request)] = (int(result["gen"]), int(result["count"]))
+                if result.ok:
+                    self.acked[(group, request)] = (result.gen, result.count)
 
     def _pull(self, transport) -> None:  # noqa: ANN001
         with self.lock:
@@ -198,24 +203,23 @@ class DraftClient:
             return
         reply = transport.fetch(cursors)
         with self.lock:
-            for group in reply.get("unknown", []):  # finished, expired or evicted on the server
-                local = self.groups.get(int(group))
+            for group in reply.unknown:  # finished, expired or evicted on the server
+                local = self.groups.get(group)
                 if local is not None and not local.own:
-                    del self.groups[int(group)]
-            for group_key, requests in reply.get("dropped", {}).items():
-                local = self.groups.get(int(group_key))
+                    del self.groups[group]
+            for group, requests in reply.dropped.items():
+                local = self.groups.get(group)
                 for request in requests if local is not None else ():
-                    if int(request) not in local.own:
-                        local.index.drop(int(request))
-                        local.cursors.pop(int(request), None)
-            for group_key, changes in reply.get("changes", {}).items():
-                local = self.groups.get(int(group_key))
+                    if request not in local.own:
+                        local.index.drop(request)
+                        local.cursors.pop(request, None)
+            for group, changes in reply.changes.items():
+                local = self.groups.get(group)
                 if local is None:
                     continue
-                for request_key, (gen, start, tokens) in changes.items():
-                    request = int(request_key)
+                for request, (gen, start, tokens) in changes.items():
                     if request in local.own:  # indexed from the engine's own row; just follow the server
-                        self.acked[(int(group_key), request)] = (gen, start + len(tokens))
+                        self.acked[(group, request)] = (gen, start + len(tokens))
                         continue
                     held = local.cursors.get(request)
                     if start == 0 or held is None or held[0] != gen:

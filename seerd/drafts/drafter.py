@@ -5,7 +5,7 @@ vLLM's model runner calls `propose(sampled_token_ids, num_tokens_no_spec, token_
 every step, with one row per request of its input batch, and verifies whatever we return (so any
 draft is safe: a wrong one costs verification time, never a wrong token). Request ids are not
 passed; the runner that calls us has them (`input_batch.req_ids`, same order), and seerd's engine
-request ids say which group, request and probe each row is (`drafts.protocol`).
+request ids say which group, request and probe each row is (`seerd.protocol`).
 
 Per step:
 1. each row's newly sampled tokens extend its request's sequence in the local index, and tell the
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from seerd.drafts.index import SuffixIndex
 from seerd.drafts.policy import DEFAULT_CPU_PROFILE, OFF, AcceptanceCurve, DepthPlan, StepTimeModel, choose_depths
-from seerd.drafts.protocol import ChunkIdentity, parse_engine_id
+from seerd.protocol import ChunkIdentity, parse_engine_id
 
 log = logging.getLogger("seerd.drafts")
 

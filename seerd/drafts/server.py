@@ -12,8 +12,8 @@ chunk re-leased after its worker died). Prompts are not held: every worker that 
 group has leased one of its requests, so it has the prompt already.
 
 Pure and thread-confined: no I/O, no locks, time read from the `clock` passed in. The HTTP
-layer calls it from one thread (as the lease book's state thread) and turns its results into
-JSON with `to_json()`; group and request ids that arrive as JSON object keys (strings) are taken.
+layer calls it from one thread (as the lease book's state thread); a fetch returns the wire's own
+`seerd.protocol.DraftChanges`; group and request ids that arrive as JSON object keys (strings) are taken.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+
+from seerd.protocol import DraftChanges
 
 # Out-of-order segments buffered per request until the gap before them fills; beyond this the
 # farthest is dropped (the writer learns the held count from the next AppendResult and resends).
@@ -58,27 +60,6 @@ class AppendResult:
     pending: int  # out-of-order segments still waiting for the gap before them
     rewritten: bool  # the call rewrote tokens the log held (a re-run): gen was bumped
     evicted: tuple[int, ...] = ()  # groups evicted to stay within max_tokens
-
-    def to_json(self) -> dict:
-        return {"count": self.count, "gen": self.gen, "appended": self.appended, "pending": self.pending,
-                "rewritten": self.rewritten, "evicted": list(self.evicted)}
-
-
-@dataclass(frozen=True)
-class FetchResult:
-    # group -> request -> (gen, start, tokens): replace the client's tokens from `start` on
-    # (start 0 with a new gen: a reset, the client replaces the whole sequence)
-    changes: dict[int, dict[int, tuple[int, int, list[int]]]]
-    dropped: dict[int, list[int]]  # group -> requests the client holds that the server does not
-    unknown: list[int]  # groups not registered (finished, expired, evicted): drop them
-
-    def to_json(self) -> dict:
-        return {
-            "changes": {str(g): {str(r): [gen, start, tokens] for r, (gen, start, tokens) in reqs.items()}
-                        for g, reqs in self.changes.items()},
-            "dropped": {str(g): reqs for g, reqs in self.dropped.items()},
-            "unknown": self.unknown,
-        }
 
 
 @dataclass(slots=True)
@@ -232,7 +213,7 @@ class DraftServer:
 
     # ---- reading -------------------------------------------------------------------------
 
-    def fetch(self, cursors: Mapping[int | str, Mapping[int | str, Sequence[int]]]) -> FetchResult:
+    def fetch(self, cursors: Mapping[int | str, Mapping[int | str, Sequence[int]]]) -> DraftChanges:
         """What changed past the client's cursors: {group: {request: (gen, count)}} of what it
         holds (a request it has never seen is absent; a group it has never seen maps to {}).
         For each request whose log differs: (gen, start, tokens) with start = the client's count
@@ -262,7 +243,7 @@ class DraftServer:
                 changes[group] = delta
             if client:
                 dropped[group] = sorted(client)
-        return FetchResult(changes, dropped, unknown)
+        return DraftChanges(changes, dropped, unknown)
 
     def tokens(self, group: int, request: int) -> list[int]:
         """A request's log as held (for inspection and tests)."""

@@ -41,9 +41,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 
-from seerd.drafts.protocol import parse_engine_id
 from seerd.kvpool.keys import BlockKeys, namespace_digest
 from seerd.kvpool.pool import PoolClient, pool_client
+from seerd.protocol import parse_engine_id
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

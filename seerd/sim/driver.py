@@ -20,7 +20,7 @@ import random
 import time
 from dataclasses import dataclass
 
-from seerd.polling import LEASE_LONG_POLL_S, LONG_POLL_MAX_S
+from seerd.protocol import LEASE_LONG_POLL_S, LONG_POLL_MAX_S
 from seerd.scheduler import make_sim_policy
 from seerd.scheduler.forecast import GrowthTable
 from seerd.scheduler.state import ChunkResult, GroupRecord, RequestRecord, SchedulerState

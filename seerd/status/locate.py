@@ -14,6 +14,7 @@ import shlex
 import subprocess
 from pathlib import Path
 
+from seerd.protocol import STATUS, BadReply, StatusReply, decode_reply
 from seerd.rundir import RunDir, RunDirError, write_private
 from seerd.status.snapshot import UnknownRun
 
@@ -66,11 +67,9 @@ def resolve_run(target: str) -> Path:
     raise UnknownRun(f"no run directory {target}")
 
 
-def ask_coordinator(run_dir: Path) -> dict | None:
-    """The coordinator's status endpoint, or None when it is not running (or does not answer)."""
+def ask_coordinator(run_dir: Path) -> StatusReply | None:
+    """The coordinator's status endpoint, or None when it is not running (or does not answer as expected)."""
     import httpx
-
-    from seerd.coordinator.api import API_PREFIX
 
     rundir = RunDir(run_dir)
     try:
@@ -79,8 +78,13 @@ def ask_coordinator(run_dir: Path) -> dict | None:
     except RunDirError:
         return None
     try:
-        reply = httpx.get(f"http://{host}:{port}{API_PREFIX}/status", timeout=COORDINATOR_TIMEOUT_S,
+        reply = httpx.get(f"http://{host}:{port}{STATUS.path}", timeout=COORDINATOR_TIMEOUT_S,
                           headers={"Authorization": f"Bearer {secret}"})
     except httpx.HTTPError:
         return None
-    return reply.json() if reply.status_code == 200 else None
+    if reply.status_code != 200:
+        return None
+    try:
+        return decode_reply(STATUS, reply.content)
+    except BadReply:  # a coordinator of another seerd version: the database still tells the run's state
+        return None

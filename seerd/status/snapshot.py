@@ -22,9 +22,9 @@ from pathlib import Path
 
 from sqlalchemy import Connection
 
-from seerd.config import heartbeat_interval
 from seerd.db import RolloutStatus, WorkerStatus, read
 from seerd.db.read import UnfinishedRequest
+from seerd.protocol import StatusReply, heartbeat_interval
 from seerd.rundir import RunDir
 from seerd.tail import finishes_before_tail
 
@@ -39,7 +39,7 @@ class UnknownRun(RuntimeError):
 
 
 def read_snapshot(run_dir: Path, *, tail_rows: int = 50, now: float | None = None,
-                  coordinator: dict | None = None) -> dict:
+                  coordinator: StatusReply | None = None) -> dict:
     """The run's state now. `coordinator` is the status endpoint's answer, or None if unreachable.
 
     Raises UnknownRun (no run there) or seerd.db.read.UnreadableDatabase."""
@@ -55,12 +55,12 @@ def read_snapshot(run_dir: Path, *, tail_rows: int = 50, now: float | None = Non
     return snapshot
 
 
-def _coordinator_part(answer: dict | None) -> dict:
+def _coordinator_part(answer: StatusReply | None) -> dict:
     if answer is None:
         return {"reachable": False}
-    return {"reachable": True, "accepting": answer.get("accepting"), "leases": answer.get("leases"),
-            "workers_alive": answer.get("workers_alive"), "busy_s": answer.get("coordinator_busy_s"),
-            "kv_pool": answer.get("kv_pool")}
+    return {"reachable": True, "accepting": answer.accepting, "leases": answer.leases,
+            "workers_alive": answer.workers_alive, "busy_s": answer.coordinator_busy_s,
+            "kv_pool": answer.kv_pool}
 
 
 def _read(conn: Connection, run_dir: Path, tail_rows: int, now: float) -> dict:

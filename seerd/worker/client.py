@@ -1,13 +1,17 @@
-"""The worker's HTTP client for the coordinator: the secret on every call, retries on network errors."""
+"""The worker's HTTP client for the coordinator: the secret on every call, retries on network errors,
+replies decoded into their `seerd.protocol` types."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from typing import Any
 
 import httpx
+import msgspec
 
+from seerd.protocol import Endpoint, ErrorReply, ReplyT, decode_reply
 from seerd.rundir import RunDir, RunDirError
 
 log = logging.getLogger("seerd.worker")
@@ -39,7 +43,7 @@ class CoordinatorClient:
         self.base_url = base_url
         self.patience_s = patience_s
         self._http = httpx.AsyncClient(
-            base_url=base_url, headers={"Authorization": f"Bearer {secret}"},
+            base_url=base_url, headers={"Authorization": f"Bearer {secret}", "Content-Type": "application/json"},
             timeout=httpx.Timeout(30.0, connect=5.0),
         )
 
@@ -52,13 +56,15 @@ class CoordinatorClient:
     async def close(self) -> None:
         await self._http.aclose()
 
-    async def call(self, method: str, path: str, body: dict | None = None) -> dict:
-        """One API call, retried on network errors until the coordinator's patience runs out."""
+    async def call(self, endpoint: Endpoint[Any, ReplyT], body: msgspec.Struct | None = None) -> ReplyT:
+        """One API call, retried on network errors until the coordinator's patience runs out; the
+        reply decoded as the endpoint's type (`BadReply` if it is not one)."""
         started = time.monotonic()
         delay = 0.1
+        content = None if body is None else msgspec.json.encode(body)
         while True:
             try:
-                response = await self._http.request(method, f"/v1/{path}", json=body)
+                response = await self._http.request(endpoint.method, endpoint.path, content=content)
             except httpx.TransportError as exc:
                 if time.monotonic() - started > self.patience_s:
                     raise CoordinatorGone(f"coordinator at {self.base_url} unreachable for "
@@ -67,7 +73,8 @@ class CoordinatorClient:
                 delay = min(delay * 2, 2.0)
                 continue
             if response.status_code == 404 and "register again" in response.text:
-                raise NotRegistered(response.json().get("detail", ""))
+                raise NotRegistered(msgspec.json.decode(response.content, type=ErrorReply).detail)
             if response.status_code >= 400:
-                raise RuntimeError(f"{method} /v1/{path} -> {response.status_code}: {response.text[:500]}")
-            return response.json()
+                raise RuntimeError(f"{endpoint.method} {endpoint.path} -> {response.status_code}: "
+                                   f"{response.text[:500]}")
+            return decode_reply(endpoint, response.content)

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from seerd.drafts.protocol import parse_engine_id
+from seerd.protocol import parse_engine_id
 
 DRAFTER_SETTINGS_ENV = "SEERD_DRAFT_SETTINGS"  # read by seerd.drafts.drafter in the engine's process
 

@@ -18,9 +18,11 @@ import time
 from pathlib import Path
 
 from seerd.drafts.drafter import drafter_stats
-from seerd.drafts.protocol import ChunkIdentity
 from seerd.kvpool.pool import pool_stats
-from seerd.polling import LEASE_LONG_POLL_S
+from seerd.protocol import (
+    CONFIG, HEARTBEAT, LEASE, LEASE_LONG_POLL_S, REGISTER, RELEASE, REPORT, ChunkGrant, ChunkReport, HeartbeatBody,
+    LeaseBody, RegisterBody, ReleaseBody, ReportBody, ReportReply,
+)
 from seerd.rundir import RunDir
 from seerd.worker.client import CoordinatorClient, CoordinatorGone, NotRegistered
 from seerd.worker.engine import EngineDead, start_engine
@@ -29,24 +31,19 @@ from seerd.worker.stats import WorkerStats
 log = logging.getLogger("seerd.worker")
 
 
-
-def generation_budget(grant: dict) -> int:
+def generation_budget(grant: ChunkGrant) -> int:
     """The chunk's budget, cut at the response's target length when the row has one."""
-    target_remaining = grant.get("target_remaining")
-    return grant["max_tokens"] if target_remaining is None else min(grant["max_tokens"], target_remaining)
+    if grant.target_remaining is None:
+        return grant.max_tokens
+    return min(grant.max_tokens, grant.target_remaining)
 
 
-def reported_finish_reason(grant: dict, finish_reason: str, num_tokens: int) -> str:
+def reported_finish_reason(grant: ChunkGrant, finish_reason: str, num_tokens: int) -> str:
     """Say "length_target" when the chunk ended because the response reached its target (as if
     the model emitted EOS there); an EOS before it stays "stop"."""
-    if finish_reason == "length" and grant.get("target_remaining") == num_tokens:
+    if finish_reason == "length" and grant.target_remaining == num_tokens:
         return "length_target"
     return finish_reason
-
-
-def chunk_identity(grant: dict) -> ChunkIdentity:
-    return ChunkIdentity(grant["chunk_id"], grant["epoch"], grant.get("group_id", 0), grant["request_id"],
-                         grant.get("prompt_len", 0), bool(grant.get("is_probe")))
 
 
 class Worker:
@@ -56,8 +53,8 @@ class Worker:
         self.rank = rank
         self.worker_id = f"w{rank}-{socket.gethostname()}-{os.getpid()}"
         self.running: dict[int, tuple[int, asyncio.Task]] = {}  # chunk_id -> (epoch, task)
-        self.engine_ids: dict[int, str] = {}  # chunk_id -> the engine's request id (see drafts.protocol)
-        self.reports: asyncio.Queue[dict] = asyncio.Queue()
+        self.engine_ids: dict[int, str] = {}  # chunk_id -> the engine's request id (see seerd.protocol)
+        self.reports: asyncio.Queue[ChunkReport] = asyncio.Queue()
         self.done = asyncio.Event()
         self.slot_freed = asyncio.Event()
         self.stats = WorkerStats()
@@ -75,19 +72,17 @@ class Worker:
         for chunk_id, (epoch, task) in list(self.running.items()):
             task.cancel()
             try:
-                await asyncio.wait_for(self.client.call("POST", "release", {
-                    "worker_id": self.worker_id, "chunk_id": chunk_id, "epoch": epoch,
-                    "reason": f"worker stopped ({why})"}), timeout=2.0)
+                await asyncio.wait_for(self.client.call(RELEASE, ReleaseBody(
+                    self.worker_id, chunk_id, epoch, reason=f"worker stopped ({why})")), timeout=2.0)
             except Exception:  # best effort: the coordinator may be gone; the lease then expires
                 return
 
     async def register(self) -> None:
-        reply = await self.client.call("POST", "register", {
-            "worker_id": self.worker_id, "rank": self.rank, "address": f"{socket.gethostname()}:{os.getpid()}",
-            "max_chunks": self.engine.max_chunks, "kv_capacity_tokens": self.engine.kv_capacity_tokens,
-        })
-        self.worker_id = reply["worker_id"]
-        self.heartbeat_interval_s = float(reply["heartbeat_interval_s"])
+        reply = await self.client.call(REGISTER, RegisterBody(
+            self.worker_id, self.rank, address=f"{socket.gethostname()}:{os.getpid()}",
+            max_chunks=self.engine.max_chunks, kv_capacity_tokens=self.engine.kv_capacity_tokens))
+        self.worker_id = reply.worker_id
+        self.heartbeat_interval_s = reply.heartbeat_interval_s
         log.info("registered as %s (capacity %d chunks, %d KV tokens)", self.worker_id,
                  self.engine.max_chunks, self.engine.kv_capacity_tokens)
 
@@ -109,30 +104,28 @@ class Worker:
             retry_after = 0.2
             if wanted > 0:
                 try:
-                    reply = await self.client.call("POST", "lease", {"worker_id": self.worker_id, "wanted": wanted,
-                                                                     "wait_s": LEASE_LONG_POLL_S})
+                    reply = await self.client.call(LEASE, LeaseBody(self.worker_id, wanted, LEASE_LONG_POLL_S))
                 except NotRegistered:
                     await self._reregister()
                     continue
-                if reply.get("done"):
+                if reply.done:
                     self.done.set()
                     return
-                for grant in reply["chunks"]:
+                for grant in reply.chunks:
                     task = asyncio.create_task(self._run_chunk(grant))
-                    self.running[grant["chunk_id"]] = (grant["epoch"], task)
-                retry_after = float(reply.get("retry_after_s", 0.2))
-                if reply["chunks"]:
+                    self.running[grant.chunk_id] = (grant.epoch, task)
+                retry_after = reply.retry_after_s
+                if reply.chunks:
                     continue
             self.slot_freed.clear()
             with contextlib.suppress(asyncio.TimeoutError):  # poll again after retry_after
                 await asyncio.wait_for(self.slot_freed.wait(), timeout=retry_after)
 
-    async def _run_chunk(self, grant: dict) -> None:
-        chunk_id, epoch = grant["chunk_id"], grant["epoch"]
-        engine_id = self.engine_ids[chunk_id] = chunk_identity(grant).engine_id
+    async def _run_chunk(self, grant: ChunkGrant) -> None:
+        chunk_id, epoch = grant.chunk_id, grant.epoch
+        engine_id = self.engine_ids[chunk_id] = grant.identity.engine_id
         try:
-            result = await self.engine.run(engine_id, grant["prompt_token_ids"],
-                                           generation_budget(grant), grant["sampling"])
+            result = await self.engine.run(engine_id, grant.prompt_token_ids, generation_budget(grant), grant.sampling)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the engine failed this chunk: give it back, it runs elsewhere
@@ -141,18 +134,15 @@ class Worker:
             self.engine_ids.pop(chunk_id, None)
             self.slot_freed.set()
             with contextlib.suppress(NotRegistered):  # a restarted coordinator already voided the lease
-                await self.client.call("POST", "release", {"worker_id": self.worker_id, "chunk_id": chunk_id,
-                                                           "epoch": epoch, "reason": repr(exc)[:200]})
+                await self.client.call(RELEASE, ReleaseBody(self.worker_id, chunk_id, epoch, repr(exc)[:200]))
             if isinstance(exc, EngineDead):  # nothing more can run here: exit, to be restarted
                 self.fatal = exc
                 self.done.set()
             return
         self.stats.chunk_done(chunk_id, len(result.token_ids))
-        await self.reports.put({"chunk_id": chunk_id, "epoch": epoch, "token_ids": result.token_ids,
-                                "logprobs": result.logprobs,
-                                "finish_reason": reported_finish_reason(grant, result.finish_reason,
-                                                                        len(result.token_ids)),
-                                "cached_tokens": result.cached_tokens})
+        finish_reason = reported_finish_reason(grant, result.finish_reason, len(result.token_ids))
+        await self.reports.put(ChunkReport(chunk_id, epoch, result.token_ids, result.logprobs, finish_reason,
+                                           result.cached_tokens))
 
     async def _report_loop(self) -> None:
         while True:
@@ -160,19 +150,19 @@ class Worker:
             while not self.reports.empty():
                 batch.append(self.reports.get_nowait())
             try:
-                reply = await self.client.call("POST", "report", {"worker_id": self.worker_id, "reports": batch})
+                reply = await self.client.call(REPORT, ReportBody(self.worker_id, batch))
             except NotRegistered:
                 log.warning("coordinator restarted: dropping %d reports of void leases", len(batch))
-                reply = {"results": []}
+                reply = ReportReply(results=[], done=False)
                 await self._reregister()
-            for item in reply["results"]:
-                if not item["accepted"]:
-                    log.warning("report of chunk %d rejected: %s", item["chunk_id"], item["reason"])
+            for result in reply.results:
+                if not result.accepted:
+                    log.warning("report of chunk %d rejected: %s", result.chunk_id, result.reason)
             for report in batch:
-                self.running.pop(report["chunk_id"], None)
-                self.engine_ids.pop(report["chunk_id"], None)
+                self.running.pop(report.chunk_id, None)
+                self.engine_ids.pop(report.chunk_id, None)
             self.slot_freed.set()
-            if reply.get("done"):
+            if reply.done:
                 self.done.set()
 
     async def _heartbeat_loop(self) -> None:
@@ -181,14 +171,13 @@ class Worker:
             stats = self.stats.payload({cid: epoch for cid, (epoch, _) in self.running.items()},
                                        getattr(self.engine, "live", None), drafter_stats(), pool_stats())
             try:
-                reply = await self.client.call("POST", "heartbeat", {
-                    "worker_id": self.worker_id, "running": list(self.running), "stats": stats})
+                reply = await self.client.call(HEARTBEAT, HeartbeatBody(self.worker_id, list(self.running), stats))
             except NotRegistered:
                 await self._reregister()
                 continue
-            for chunk_id in reply.get("abort", []):
+            for chunk_id in reply.abort:
                 await self._abort(chunk_id)
-            if reply.get("done"):
+            if reply.done:
                 self.done.set()
 
     async def _abort(self, chunk_id: int) -> None:
@@ -211,10 +200,10 @@ class Worker:
 async def amain(run_dir: RunDir, rank: int, patience_s: float, address_timeout_s: float = 120.0) -> int:
     client = await CoordinatorClient.from_run_dir(run_dir, patience_s=patience_s,
                                                   address_timeout_s=address_timeout_s)
-    settings = await client.call("GET", "config")
+    settings = await client.call(CONFIG)
     started = time.monotonic()
-    engine = start_engine(settings["model_path"], settings["engine"], settings["seed"], settings.get("spec"),
-                          str(run_dir.path), settings.get("kv_pool"))
+    engine = start_engine(settings.model_path, settings.engine, settings.seed, settings.spec, str(run_dir.path),
+                          settings.kv_pool)
     log.info("engine ready in %.1fs", time.monotonic() - started)
     worker = Worker(client, engine, rank)
     loop = asyncio.get_running_loop()

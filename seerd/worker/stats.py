@@ -14,6 +14,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from seerd.protocol import lease_key
+
 RECENT_WINDOW_S = 10.0  # "tokens/s now": long enough to span a few heartbeats and chunk ends
 
 
@@ -54,7 +56,7 @@ class WorkerStats:
         for chunk_id, epoch in running.items():
             if chunk_id in self._ended:
                 continue
-            tokens = progress.get(f"c{chunk_id}e{epoch}")
+            tokens = progress.get(lease_key(chunk_id, epoch))
             entry = self.running.setdefault(chunk_id, RunningChunk(changed_at=now))
             if tokens is not None and tokens != entry.tokens:
                 entry.tokens, entry.changed_at = tokens, now

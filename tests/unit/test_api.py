@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
 from seerd.coordinator.api import CoordinatorControl, create_app
+from seerd import protocol
+from seerd.protocol import (
+    BadReply, ChunkGrant, ChunkReport, EngineSettings, HeartbeatBody, HeartbeatReply, LeaseBody, RegisterBody,
+    RegisterReply, ReportBody, ReportReply, ReportResult,
+)
+from seerd.worker.client import CoordinatorClient, NotRegistered
 from tests.unit.helpers import FakeClock, make_book, rows
 
 SECRET = "s3cret-token"
@@ -29,7 +38,7 @@ def client(tmp_path):
     clock = FakeClock()
     book = make_book(tmp_path, prompt_rows=rows(groups=1, n=1, max_tokens=20), now=clock())
     app = create_app(book, SECRET, CoordinatorControl(), clock)
-    app.state.engine_settings = {"model_path": "m", "engine": {}, "seed": 0}
+    app.state.engine_settings = EngineSettings("m", {}, 0)
     with TestClient(app) as test_client:
         test_client.clock = clock
         test_client.book = book
@@ -110,10 +119,7 @@ def test_unknown_worker_gets_404_and_bad_report_422(client):
 
 
 def test_long_poll_lease_wakes_when_a_chunk_is_requeued(tmp_path):
-    import asyncio
     import time as real_time
-
-    import httpx
 
     clock = FakeClock()
     book = make_book(tmp_path, prompt_rows=rows(groups=1, n=1, max_tokens=40), now=clock())
@@ -141,6 +147,54 @@ def test_long_poll_lease_wakes_when_a_chunk_is_requeued(tmp_path):
 
     second, waited = asyncio.run(scenario())
     assert second["prompt_token_ids"][-16:] == [3] * 16 and waited < 2.0
+
+
+def asgi_worker_client(app) -> CoordinatorClient:  # noqa: ANN001
+    """The worker's own client, talking to the app in-process instead of over a socket."""
+    client = CoordinatorClient("http://coordinator", SECRET, patience_s=1.0)
+    client._http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url=client.base_url,
+                                     headers=client._http.headers)
+    return client
+
+
+def test_the_worker_client_gets_typed_replies(tmp_path):
+    clock = FakeClock()
+    book = make_book(tmp_path, prompt_rows=rows(groups=1, n=1, max_tokens=20), now=clock())
+    app = create_app(book, SECRET, CoordinatorControl(), clock)
+    app.state.engine_settings = EngineSettings("m", {"max_num_seqs": 2}, 0)
+
+    async def scenario() -> None:
+        client = asgi_worker_client(app)
+        settings = await client.call(protocol.CONFIG)
+        assert settings == EngineSettings("m", {"max_num_seqs": 2}, 0)
+        reg = await client.call(protocol.REGISTER, RegisterBody("w", 0, "x", max_chunks=1, kv_capacity_tokens=100))
+        assert isinstance(reg, RegisterReply) and reg.lease_ttl_s == book.lease_ttl_s
+        lease = await client.call(protocol.LEASE, LeaseBody(reg.worker_id, 4))
+        (grant,) = lease.chunks
+        assert isinstance(grant, ChunkGrant) and not lease.done and grant.request_id in book.state.requests
+        heartbeat = await client.call(protocol.HEARTBEAT, HeartbeatBody(reg.worker_id, [grant.chunk_id]))
+        assert heartbeat == HeartbeatReply([], done=False)
+        report = ChunkReport(grant.chunk_id, grant.epoch, [5] * 3, [-0.1] * 3, "stop")
+        reply = await client.call(protocol.REPORT, ReportBody(reg.worker_id, [report]))
+        assert reply == ReportReply([ReportResult(grant.chunk_id, True, False, "")], done=True)
+        assert (await client.call(protocol.LEASE, LeaseBody(reg.worker_id, 1))).done
+        with pytest.raises(NotRegistered, match="unknown worker ghost"):
+            await client.call(protocol.LEASE, LeaseBody("ghost", 1))
+        await client.close()
+
+    asyncio.run(scenario())
+
+
+def test_the_worker_client_says_when_a_reply_is_not_its_type():
+    async def scenario() -> None:
+        client = CoordinatorClient("http://coordinator", SECRET)
+        client._http = httpx.AsyncClient(base_url=client.base_url, transport=httpx.MockTransport(
+            lambda request: httpx.Response(200, json={"chunks": [{"chunk_id": 1}], "done": False})))
+        with pytest.raises(BadReply, match="POST /v1/lease: the reply is not a LeaseReply"):
+            await client.call(protocol.LEASE, LeaseBody("w", 1))
+        await client.close()
+
+    asyncio.run(scenario())
 
 
 @pytest.fixture

@@ -6,36 +6,45 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
+import msgspec
 import numpy as np
 import pytest
 
-from seerd.coordinator.drafts import append_items, fetch_changes
+from seerd.coordinator.drafts import append_items
 from seerd.drafts.client import DraftClient
 from seerd.drafts.server import DraftServer
+from seerd.protocol import (
+    DRAFTS_APPEND, DRAFTS_FETCH, DraftAppendBody, DraftAppendItem, DraftAppendReply, DraftAppendResult, DraftChanges,
+    DraftFetchBody,
+)
 
 GROUP = 5
 MOTIF = [11, 12, 13, 14, 15, 16, 17, 18]
 
 
 class InProcessTransport:
-    """The coordinator's two draft endpoints without the network (bodies go through JSON as over HTTP)."""
+    """The coordinator's two draft endpoints without the network (bodies and replies go through
+    msgspec JSON with the protocol's types, as over HTTP)."""
 
     def __init__(self, server: DraftServer) -> None:
         self.server = server
         self.down = False
 
-    def append(self, items: list[dict]) -> list[dict]:
+    def append(self, items: list[DraftAppendItem]) -> list[DraftAppendResult]:
         if self.down:
             raise ConnectionError("coordinator unreachable")
-        items = [SimpleNamespace(**item) for item in json.loads(json.dumps(items))]
-        return json.loads(json.dumps(append_items(self.server, items)))
+        body = over_the_wire(DraftAppendBody(items), DRAFTS_APPEND.body)
+        return over_the_wire(DraftAppendReply(append_items(self.server, body.items)), DRAFTS_APPEND.reply).results
 
-    def fetch(self, cursors: dict) -> dict:
+    def fetch(self, cursors: dict) -> DraftChanges:
         if self.down:
             raise ConnectionError("coordinator unreachable")
-        body = json.loads(json.dumps({str(g): {str(r): list(c) for r, c in reqs.items()} for g, reqs in cursors.items()}))
-        return json.loads(json.dumps(fetch_changes(self.server, {int(g): {int(r): tuple(c) for r, c in reqs.items()}
-                                                                   for g, reqs in body.items()})))
+        body = over_the_wire(DraftFetchBody(cursors), DRAFTS_FETCH.body)
+        return over_the_wire(self.server.fetch(body.cursors), DRAFTS_FETCH.reply)
+
+
+def over_the_wire(message, type_):  # noqa: ANN001, ANN201
+    return msgspec.json.decode(msgspec.json.encode(message), type=type_)
 
 
 @pytest.fixture

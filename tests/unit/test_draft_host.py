@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from seerd.coordinator.book import ChunkReport
 from seerd.coordinator.drafts import DraftHost, book_sequences, history_sequences
 from seerd.drafts.server import UnknownRequest
+from seerd.protocol import ChunkReport
 from tests.unit.helpers import make_book, reopen, rows
 
 

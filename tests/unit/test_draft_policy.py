@@ -7,7 +7,6 @@ import json
 import pytest
 
 from seerd.drafts.policy import AcceptanceCurve, StepTimeModel, choose_depths, expected_tokens
-from seerd.drafts.protocol import ChunkIdentity, parse_engine_id
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 
@@ -130,13 +129,3 @@ def test_the_shipped_cpu_profile_loads_and_says_off_in_the_body() -> None:
     assert body.gamma_star <= tail.gamma_star
     assert tail.high > 0
 
-
-def test_engine_ids_round_trip() -> None:
-    identity = ChunkIdentity(12, 3, 7, 99, 31, True)
-    assert identity.engine_id == "c12e3g7r99p31h"
-    assert parse_engine_id(identity.engine_id) == identity
-    assert parse_engine_id("c12e3g7r99p31").is_probe is False
-    assert parse_engine_id("c12e3g7r99p31h-94554842") == identity  # vLLM's internal suffix
-    assert identity.lease_key == "c12e3"
-    for foreign in ("0_c12e3g7r99p31", "c1e2", "cmpl-abc", ""):
-        assert parse_engine_id(foreign) is None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 
+import msgspec
 import pytest
 
 from seerd.drafts import DraftError, DraftServer, SuffixIndex, UnknownGroup, UnknownRequest
@@ -177,7 +178,7 @@ def test_fetch_accepts_string_keys_as_they_arrive_from_json(server):
     wire = json.loads(json.dumps({7: {0: [gen, 1]}}))  # {"7": {"0": [gen, 1]}}
     result = server.fetch(wire)
     assert result.changes == {7: {0: (gen, 1, [2, 3])}}
-    assert json.loads(json.dumps(result.to_json())) == {
+    assert json.loads(msgspec.json.encode(result)) == {
         "changes": {"7": {"0": [gen, 1, [2, 3]]}}, "dropped": {}, "unknown": []}
 
 

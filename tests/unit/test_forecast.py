@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from seerd.coordinator.book import ChunkReport
+from seerd.protocol import ChunkReport
 from seerd.scheduler import QueuedRequest
 from seerd.scheduler.forecast import GrowthRatios, GrowthTable, group_forecast
 from tests.unit.helpers import make_book, reopen, rows

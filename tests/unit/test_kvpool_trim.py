@@ -7,13 +7,14 @@ import re
 
 import pytest
 
-from seerd.coordinator.book import ChunkReport, WaitingRequest
+from seerd.coordinator.book import WaitingRequest
 from seerd.coordinator.kvpool import (
     CHECK_EVERY_S, CHECK_NEAR_BUDGET_S, TRIM_ABOVE, TRIM_BELOW, PoolHost, TrimBudget,
 )
 from seerd.kvpool.keys import request_pattern
 from seerd.kvpool.service import EVICTION_HIGH_WATERMARK
 from seerd.kvpool.store import MiB
+from seerd.protocol import ChunkReport
 from tests.unit.helpers import make_book, rows
 
 CAPACITY = 100 * MiB

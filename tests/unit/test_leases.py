@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from sqlalchemy import func, select
 
-from seerd.coordinator.book import BadReport, ChunkReport, UnknownWorker
+from seerd.coordinator.book import UnknownWorker
+from seerd.coordinator.reports import BadReport
 from seerd.db import Chunk, ChunkStatus, Event, Group, Request, RequestStatus
+from seerd.protocol import ChunkReport
 from tests.unit.helpers import make_book, reopen, rows
 
 import pytest

@@ -9,9 +9,10 @@ from sqlalchemy import select
 
 from seerd.coordinator.create import prompt_hash
 from seerd.coordinator.prior import MAX_HISTORY_AGE, PriorLengths, PriorRunError, read_prior
-from seerd.coordinator.book import ChunkReport, LeaseBook
+from seerd.coordinator.book import LeaseBook
 from seerd.db import Event, Group, PromptLengthHistory, RolloutStatus, make_engine
 from seerd.io.prompts import PromptRow
+from seerd.protocol import ChunkReport
 from tests.unit.helpers import make_book
 
 PROMPT_A, PROMPT_B, PROMPT_C = (1, 2, 3), (4, 5, 6, 7), (8, 9)

@@ -25,9 +25,10 @@ import pytest
 from click.testing import CliRunner
 
 from seerd.cli.main import EXIT_BAD_INPUT, cli
-from seerd.coordinator.book import ChunkReport, LeaseBook
+from seerd.coordinator.book import LeaseBook
 from seerd.db import RolloutStatus, add_event
 from seerd.io.prompts import PromptRow
+from seerd.protocol import ChunkReport
 from seerd.report import PLOT_FILES, ReportError, load_run, write_report
 from seerd.report import metrics
 from seerd.report.plots import (

@@ -19,8 +19,8 @@ from click.testing import CliRunner
 from rich.console import Console
 
 from seerd.cli.main import cli
-from seerd.coordinator.book import ChunkReport
 from seerd.db import RolloutStatus
+from seerd.protocol import ChunkReport
 from seerd.status.locate import record_slurm_job, resolve_run
 from seerd.status.render import pool_line, render
 from seerd.status.snapshot import UnknownRun, read_snapshot

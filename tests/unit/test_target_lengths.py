@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 
+import msgspec
 import pytest
 from sqlalchemy import select
 
-from seerd.coordinator.book import BadReport, ChunkGrant, ChunkReport
+from seerd.coordinator.reports import BadReport
 from seerd.db import Group, Request, RequestTarget
 from seerd.io.export import collect_rows
 from seerd.io.prompts import PromptRow
+from seerd.protocol import ChunkGrant, ChunkReport
 from seerd.scheduler import Plan, QueuedRequest, Snapshot, WorkerLoad, make_policy
 from seerd.scheduler.state import GroupRecord, LeaseRecord, RequestRecord, WorkerRecord
 from seerd.worker.main import generation_budget, reported_finish_reason
@@ -157,20 +159,23 @@ def test_the_scheduler_sees_the_same_rollout_with_and_without_targets(tmp_path, 
     # The only difference is in what the workers were told.
     assert all(g.target_remaining is not None for g in grants_seen[True])
     assert all(g.target_remaining is None for g in grants_seen[False])
-    strip = [dataclasses.replace(g, target_remaining=None) for g in grants_seen[True]]
+    strip = [msgspec.structs.replace(g, target_remaining=None) for g in grants_seen[True]]
     assert strip == grants_seen[False]
 
 
 def test_worker_cuts_the_budget_at_the_target_and_names_the_reason():
-    plain = {"max_tokens": 16}
+    def grant(max_tokens: int, target_remaining: int | None = None) -> ChunkGrant:
+        return ChunkGrant(1, 1, 1, [1, 2], max_tokens, {}, 0.0, target_remaining)
+
+    plain = grant(16)
     assert generation_budget(plain) == 16 and reported_finish_reason(plain, "length", 16) == "length"
-    near = {"max_tokens": 16, "target_remaining": 5}
+    near = grant(16, 5)
     assert generation_budget(near) == 5
     assert reported_finish_reason(near, "length", 5) == "length_target"
     assert reported_finish_reason(near, "stop", 3) == "stop"  # EOS came first
     assert reported_finish_reason(near, "stop", 5) == "stop"  # EOS as the target's last token
-    far = {"max_tokens": 16, "target_remaining": 40}
+    far = grant(16, 40)
     assert generation_budget(far) == 16 and reported_finish_reason(far, "length", 16) == "length"
-    exact = {"max_tokens": 16, "target_remaining": 16}
+    exact = grant(16, 16)
     assert reported_finish_reason(exact, "length", 16) == "length_target"
     assert reported_finish_reason(exact, "length", 9) == "length"  # the model's context ran out first

@@ -1,0 +1,300 @@
+"""What crosses the coordinator/worker boundary: the API's endpoints and their message types, the
+long-poll constants, and the engine request id codec.
+
+Dependency-light (the standard library and msgspec only): the worker, the draft client inside the
+engine, `seerd status` and the simulator import it without FastAPI or the lease book. Field names
+are the JSON names on the wire. Each endpoint names its body and reply types, so the API decodes
+requests and encodes replies with the same types the client decodes replies into; a reply that
+does not decode is a `BadReply`, not a KeyError somewhere later.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import msgspec
+
+API_PREFIX = "/v1"
+
+# How long a lease call waits for work (the simulator answers calls in the daemon's order with these).
+LONG_POLL_MAX_S = 5.0  # the coordinator holds an empty lease call at most this long
+LEASE_LONG_POLL_S = 1.0  # what a worker asks for: a freed slot is noticed soon, idling stays cheap
+
+
+def heartbeat_interval(lease_ttl_s: float) -> float:
+    """What the coordinator tells a worker at registration (and `seerd status` uses to call a
+    worker silent): four heartbeats per lease TTL keep leases alive; at least one per 2 s keeps
+    `seerd status` current (each costs the coordinator one small write)."""
+    return max(0.2, min(2.0, lease_ttl_s / 4))
+
+
+# ----------------------------------------------------------------------------- workers
+class RegisterBody(msgspec.Struct, forbid_unknown_fields=True):
+    worker_id: str
+    rank: int
+    address: str
+    max_chunks: int
+    kv_capacity_tokens: int
+
+
+class RegisterReply(msgspec.Struct):
+    worker_id: str  # the identity to use from now on (the coordinator may shorten it)
+    lease_ttl_s: float
+    heartbeat_interval_s: float
+
+
+class EngineSettings(msgspec.Struct):
+    """What every worker starts its engine with (`config`). The engine, spec and KV pool parts are
+    the run configuration's own dataclasses as dicts: the engine reads them, the protocol does not."""
+
+    model_path: str
+    engine: dict
+    seed: int
+    spec: dict | None = None
+    kv_pool: dict | None = None  # absent: the run has no KV pool
+
+
+class LeaseBody(msgspec.Struct):
+    worker_id: str
+    wanted: int
+    wait_s: float = 0.0  # long poll: wait up to this long for work before answering empty
+
+
+class ChunkGrant(msgspec.Struct, frozen=True):
+    """What a worker needs to run one chunk."""
+
+    chunk_id: int
+    epoch: int
+    request_id: int
+    prompt_token_ids: list[int]  # the group's prompt + the request's tokens so far
+    max_tokens: int
+    sampling: dict
+    deadline: float
+    # Tokens left to the response's target length (benchmark rows), else None. The worker ends
+    # the chunk there with finish reason "length_target"; max_tokens stays the scheduler's budget.
+    target_remaining: int | None = None
+    # Who the chunk belongs to, for the worker's drafter: the group's sibling responses are what
+    # it drafts from, and response tokens start after the group's prompt.
+    group_id: int = 0
+    prompt_len: int = 0
+    is_probe: bool = False
+
+    @property
+    def identity(self) -> ChunkIdentity:
+        """What the chunk's engine request id carries to the drafter and the KV connector."""
+        return ChunkIdentity(self.chunk_id, self.epoch, self.group_id, self.request_id, self.prompt_len,
+                             self.is_probe)
+
+
+class LeaseReply(msgspec.Struct):
+    chunks: list[ChunkGrant]
+    done: bool  # the rollout is complete: the worker may exit
+    retry_after_s: float = 0.0  # with no chunks: when to ask again
+
+
+class ChunkReport(msgspec.Struct, frozen=True):
+    chunk_id: int
+    epoch: int
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    cached_tokens: int | None = None
+
+
+class ReportBody(msgspec.Struct):
+    worker_id: str
+    reports: list[ChunkReport]
+
+
+class ReportResult(msgspec.Struct):
+    chunk_id: int
+    accepted: bool
+    duplicate: bool  # already acknowledged before: counted nothing
+    reason: str  # why it was not accepted
+
+
+class ReportReply(msgspec.Struct):
+    results: list[ReportResult]  # one per report, in order
+    done: bool
+
+
+class ReleaseBody(msgspec.Struct):
+    worker_id: str
+    chunk_id: int
+    epoch: int
+    reason: str = ""
+
+
+class ReleaseReply(msgspec.Struct):
+    released: bool
+
+
+class HeartbeatBody(msgspec.Struct):
+    worker_id: str
+    running: list[int] = []  # chunk ids the worker still runs: only their leases are extended
+    stats: dict = {}  # the worker's live figures (seerd.worker.stats), kept for `seerd status`
+
+
+class HeartbeatReply(msgspec.Struct):
+    abort: list[int]  # chunk ids whose leases are gone: stop running them
+    done: bool
+
+
+class StatusReply(msgspec.Struct):
+    rollout_id: int
+    policy: str
+    requests_total: int
+    requests_done: int
+    groups_total: int
+    groups_done: int
+    leases: int
+    output_tokens: int
+    workers_alive: int
+    complete: bool
+    accepting: bool  # false while draining
+    coordinator_busy_s: float
+    api_calls: int
+    kv_pool: dict | None = None  # the pool's latest figures, when the run has one
+
+
+class ErrorReply(msgspec.Struct):
+    detail: str
+
+
+# ----------------------------------------------------------------------------- drafts
+class DraftAppendItem(msgspec.Struct, forbid_unknown_fields=True):
+    group: int
+    request: int
+    prev_count: int  # tokens of the response before `tokens`
+    tokens: list[int]
+
+
+class DraftAppendBody(msgspec.Struct):
+    items: list[DraftAppendItem]
+
+
+class DraftAppendResult(msgspec.Struct):
+    """One pushed segment's outcome; a failed one (`ok` false) says why in `error`."""
+
+    ok: bool
+    count: int = 0  # tokens the server now holds for the request
+    gen: int = 0  # the request's log generation
+    appended: int = 0
+    pending: int = 0
+    rewritten: bool = False
+    evicted: list[int] = []
+    error: str = ""
+
+
+class DraftAppendReply(msgspec.Struct):
+    results: list[DraftAppendResult]  # one per item, in order
+
+
+class DraftFetchBody(msgspec.Struct):
+    cursors: dict[int, dict[int, tuple[int, int]]]  # group -> request -> (gen, count) held
+
+
+class DraftChanges(msgspec.Struct):
+    """What changed past a client's cursors (the draft server's fetch result, and the reply)."""
+
+    # group -> request -> (gen, start, tokens): replace the client's tokens from `start` on
+    # (start 0 with a new gen: a reset, the client replaces the whole sequence)
+    changes: dict[int, dict[int, tuple[int, int, list[int]]]]
+    dropped: dict[int, list[int]]  # group -> requests the client holds that the server does not
+    unknown: list[int]  # groups not registered (finished, expired, evicted): drop them
+
+
+class DraftStats(msgspec.Struct):
+    groups: int
+    requests: int
+    tokens: int  # held in logs and pending segments
+    bytes: int
+    bytes_per_million_tokens: int | None
+    appends: int
+    appended_tokens: int
+    duplicates: int
+    rewrites: int
+    evictions: dict[str, int]  # reason -> groups evicted
+
+
+# ----------------------------------------------------------------------------- endpoints
+BodyT = TypeVar("BodyT")
+ReplyT = TypeVar("ReplyT")
+
+
+@dataclass(frozen=True)
+class Endpoint(Generic[BodyT, ReplyT]):
+    method: str
+    path: str
+    body: type[BodyT] | None  # None: the call has no body (GET)
+    reply: type[ReplyT]
+
+
+CONFIG = Endpoint[None, EngineSettings]("GET", f"{API_PREFIX}/config", None, EngineSettings)
+REGISTER = Endpoint("POST", f"{API_PREFIX}/register", RegisterBody, RegisterReply)
+LEASE = Endpoint("POST", f"{API_PREFIX}/lease", LeaseBody, LeaseReply)
+REPORT = Endpoint("POST", f"{API_PREFIX}/report", ReportBody, ReportReply)
+RELEASE = Endpoint("POST", f"{API_PREFIX}/release", ReleaseBody, ReleaseReply)
+HEARTBEAT = Endpoint("POST", f"{API_PREFIX}/heartbeat", HeartbeatBody, HeartbeatReply)
+STATUS = Endpoint[None, StatusReply]("GET", f"{API_PREFIX}/status", None, StatusReply)
+DRAFTS_APPEND = Endpoint("POST", f"{API_PREFIX}/drafts/append", DraftAppendBody, DraftAppendReply)
+DRAFTS_FETCH = Endpoint("POST", f"{API_PREFIX}/drafts/fetch", DraftFetchBody, DraftChanges)
+DRAFTS_STATS = Endpoint[None, DraftStats]("GET", f"{API_PREFIX}/drafts/stats", None, DraftStats)
+
+
+class BadReply(RuntimeError):
+    """A reply that does not decode as its endpoint's type (the two sides run different versions)."""
+
+
+def decode_reply(endpoint: Endpoint[Any, ReplyT], content: bytes) -> ReplyT:
+    try:
+        return msgspec.json.decode(content, type=endpoint.reply)
+    except msgspec.DecodeError as exc:  # ValidationError included
+        raise BadReply(f"{endpoint.method} {endpoint.path}: the reply is not a {endpoint.reply.__name__} "
+                       f"({exc}): {content[:200]!r}") from None
+
+
+# ----------------------------------------------------------------------------- engine request ids
+# The drafter runs inside vLLM's model runner, which hands it token rows and request ids only (in
+# the engine-core process under AsyncLLM); the KV connector sees request ids too. So a chunk's
+# engine request id carries what they need: the chunk and lease epoch (the worker's own key), the
+# group whose siblings it drafts from, the database request id, where the response starts in the
+# token row, and whether it is its group's probe (high priority for draft depth).
+
+# vLLM 0.32 appends "-<8 random hex>" to every request id inside the engine (the runner sees that).
+_ENGINE_ID = re.compile(r"^c(\d+)e(\d+)g(\d+)r(\d+)p(\d+)(h?)(?:-[0-9a-zA-Z]+)?$")
+
+
+@dataclass(frozen=True)
+class ChunkIdentity:
+    chunk_id: int
+    epoch: int
+    group_id: int
+    request_id: int
+    prompt_len: int  # response tokens start here in the engine's token row
+    is_probe: bool
+
+    @property
+    def engine_id(self) -> str:
+        return (f"c{self.chunk_id}e{self.epoch}g{self.group_id}r{self.request_id}p{self.prompt_len}"
+                f"{'h' if self.is_probe else ''}")
+
+    @property
+    def lease_key(self) -> str:
+        """The worker's own key for a running chunk (what its stats and aborts use)."""
+        return lease_key(self.chunk_id, self.epoch)
+
+
+def lease_key(chunk_id: int, epoch: int) -> str:
+    return f"c{chunk_id}e{epoch}"
+
+
+def parse_engine_id(engine_id: str) -> ChunkIdentity | None:
+    """The identity a seerd worker encoded, or None for any other request id."""
+    match = _ENGINE_ID.match(engine_id)
+    if match is None:
+        return None
+    chunk, epoch, group, request, prompt_len, probe = match.groups()
+    return ChunkIdentity(int(chunk), int(epoch), int(group), int(request), int(prompt_len), probe == "h")

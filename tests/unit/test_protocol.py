@@ -1,0 +1,128 @@
+"""The wire protocol: every message type survives msgspec JSON, grants and reports keep their wire
+names, every API route is a protocol endpoint, replies that do not decode say so, engine request
+ids round-trip, and the module stays light."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import msgspec
+import pytest
+
+from seerd import protocol
+from seerd.protocol import (
+    BadReply, ChunkGrant, ChunkIdentity, ChunkReport, DraftAppendBody, DraftAppendItem, DraftAppendReply,
+    DraftAppendResult, DraftChanges, DraftFetchBody, DraftStats, EngineSettings, Endpoint, ErrorReply, HeartbeatBody,
+    HeartbeatReply, LeaseBody, LeaseReply, RegisterBody, RegisterReply, ReleaseBody, ReleaseReply, ReportBody,
+    ReportReply, ReportResult, StatusReply, decode_reply, parse_engine_id,
+)
+
+GRANT = ChunkGrant(11, 2, 5, [1, 2, 3, 9], 16, {"temperature": 1.0, "seed": 7}, 1030.5, 4,
+                   group_id=3, prompt_len=3, is_probe=True)
+REPORT = ChunkReport(11, 2, [9, 8], [-0.5, -1.25], "length", cached_tokens=3)
+
+# One message of every type, with no field left at its default where it has one.
+MESSAGES = [
+    RegisterBody("w0-host-1", 0, "host:1", 4, 1000),
+    RegisterReply("w0-host-1", 30.0, 2.0),
+    EngineSettings("model/", {"max_num_seqs": 4}, 0, {"mode": "grouped"}, {"mode": "mooncake"}),
+    LeaseBody("w0", 3, 1.0),
+    GRANT,
+    LeaseReply([GRANT, ChunkGrant(12, 1, 6, [1], 8, {}, 1031.0)], done=False, retry_after_s=0.05),
+    REPORT,
+    ReportBody("w0", [REPORT, ChunkReport(12, 1, [], [], "stop")]),
+    ReportResult(11, True, False, ""),
+    ReportReply([ReportResult(11, False, False, "lease expired")], done=True),
+    ReleaseBody("w0", 11, 2, "engine failed"),
+    ReleaseReply(True),
+    HeartbeatBody("w0", [11, 12], {"kv_usage": 0.5, "running": {"11": {"tokens": 3}}}),
+    HeartbeatReply([12], done=False),
+    StatusReply(1, "seer", 8, 2, 2, 0, 3, 99, 2, False, True, 0.25, 40, {"bytes_used": 10}),
+    ErrorReply("unknown worker w9; register again"),
+    DraftAppendItem(3, 5, 2, [7, 8]),
+    DraftAppendBody([DraftAppendItem(3, 5, 2, [7, 8])]),
+    DraftAppendResult(True, 4, 17, 2, 1, True, [9], ""),
+    DraftAppendReply([DraftAppendResult(False, error="group 9 is not registered")]),
+    DraftFetchBody({3: {5: (17, 2), 6: (18, 0)}}),
+    DraftChanges({3: {5: (17, 2, [7, 8])}}, {3: [6]}, [9]),
+    DraftStats(1, 2, 30, 4096, 136533, 5, 30, 1, 0, {"finished": 1, "expired": 0, "memory": 0}),
+]
+
+
+def endpoints() -> list[Endpoint]:
+    return [value for value in vars(protocol).values() if isinstance(value, Endpoint)]
+
+
+@pytest.mark.parametrize("message", MESSAGES, ids=lambda m: type(m).__name__)
+def test_every_message_round_trips_through_json(message):
+    wire = msgspec.json.encode(message)
+    assert msgspec.json.decode(wire, type=type(message)) == message
+    assert json.loads(wire)  # plain JSON: what any HTTP client sees
+
+
+def test_every_endpoint_type_has_a_message_above():
+    covered = {type(m) for m in MESSAGES}
+    for endpoint in endpoints():
+        assert endpoint.reply in covered, endpoint
+        assert endpoint.body is None or endpoint.body in covered, endpoint
+
+
+def test_grant_and_report_keep_their_wire_names():
+    grant = json.loads(msgspec.json.encode(GRANT))
+    assert list(grant) == ["chunk_id", "epoch", "request_id", "prompt_token_ids", "max_tokens", "sampling",
+                           "deadline", "target_remaining", "group_id", "prompt_len", "is_probe"]
+    assert grant["prompt_token_ids"] == [1, 2, 3, 9] and grant["target_remaining"] == 4
+    report = json.loads(msgspec.json.encode(REPORT))
+    assert report == {"chunk_id": 11, "epoch": 2, "token_ids": [9, 8], "logprobs": [-0.5, -1.25],
+                      "finish_reason": "length", "cached_tokens": 3}
+    # A report without the optional field decodes (what an older worker sent), grants as the book builds them.
+    bare = msgspec.json.decode(b'{"chunk_id":1,"epoch":1,"token_ids":[],"logprobs":[],"finish_reason":"stop"}',
+                               type=ChunkReport)
+    assert bare.cached_tokens is None
+    assert ChunkGrant(1, 1, 2, [5], 8, {}, 0.0).target_remaining is None
+
+
+def test_draft_ids_are_json_object_keys_on_the_wire():
+    wire = json.loads(msgspec.json.encode(DraftChanges({3: {5: (17, 2, [7, 8])}}, {3: [6]}, [9])))
+    assert wire == {"changes": {"3": {"5": [17, 2, [7, 8]]}}, "dropped": {"3": [6]}, "unknown": [9]}
+    assert json.loads(msgspec.json.encode(DraftFetchBody({3: {5: (17, 2)}}))) == {"cursors": {"3": {"5": [17, 2]}}}
+
+
+def test_every_api_route_is_a_protocol_endpoint(tmp_path):
+    from seerd.coordinator.api import CoordinatorControl, create_app
+    from tests.unit.helpers import make_book, rows
+
+    app = create_app(make_book(tmp_path, prompt_rows=rows(groups=1, n=1)), "s", CoordinatorControl())
+    routes = {(method, route.path) for route in app.routes for method in route.methods - {"HEAD"}}
+    assert routes - {("GET", "/metrics")} == {(e.method, e.path) for e in endpoints()}
+
+
+@pytest.mark.parametrize("content", [
+    b'{"chunks": [], "retry_after_s": 0.1}',  # a field missing
+    b'{"chunks": [{"chunk_id": "one"}], "done": false}',  # a wrong type
+    b'<html>busy</html>',  # not JSON
+])
+def test_a_reply_that_does_not_decode_is_a_bad_reply(content):
+    with pytest.raises(BadReply, match="/v1/lease.*LeaseReply"):
+        decode_reply(protocol.LEASE, content)
+
+
+def test_engine_ids_round_trip():
+    identity = ChunkIdentity(12, 3, 7, 99, 31, True)
+    assert identity.engine_id == "c12e3g7r99p31h"
+    assert parse_engine_id(identity.engine_id) == identity
+    assert parse_engine_id("c12e3g7r99p31").is_probe is False
+    assert parse_engine_id("c12e3g7r99p31h-94554842") == identity  # vLLM's internal suffix
+    assert identity.lease_key == "c12e3"
+    for foreign in ("0_c12e3g7r99p31", "c1e2", "cmpl-abc", ""):
+        assert parse_engine_id(foreign) is None
+    assert GRANT.identity == ChunkIdentity(11, 2, 3, 5, 3, True)
+
+
+def test_the_protocol_imports_nothing_else_of_seerd_and_nothing_heavy():
+    code = ("import sys, seerd.protocol; print(sorted(m for m in sys.modules "
+            "if m.split('.')[0] in ('seerd', 'fastapi', 'httpx', 'sqlalchemy', 'numpy', 'torch', 'vllm')))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert loaded.strip() == "['seerd', 'seerd.protocol']"
