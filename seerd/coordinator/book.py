@@ -150,11 +150,12 @@ class LeaseBook:
                                               max_tokens[row.group_id], row.generated_tokens, row.last_worker,
                                               row.queued_at, row.status == RequestStatus.FINISHED))
                 self.progress[row.id] = RequestProgress(row.num_chunks)
-            # Responses finished in one report share a time and replay in request id order.
+            # In the order the responses finished, as the running coordinator learned from them:
+            # its events were written in that order (finished_at ties within one report).
             finish_order = conn.execute(
-                select(REQUESTS.c.id).where(REQUESTS.c.rollout_id == self.rollout_id,
-                                            REQUESTS.c.status == RequestStatus.FINISHED.value)
-                .order_by(REQUESTS.c.finished_at, REQUESTS.c.id)).scalars().all()
+                select(EVENTS.c.request_id).where(EVENTS.c.rollout_id == self.rollout_id,
+                                                  EVENTS.c.kind == "request_finished").order_by(EVENTS.c.id)
+            ).scalars().all()
             self.worker_only_targets = {rid: target for rid, target in conn.execute(
                 select(TARGETS.c.request_id, TARGETS.c.target_length)
                 .join(REQUESTS, REQUESTS.c.id == TARGETS.c.request_id)
@@ -259,8 +260,8 @@ class LeaseBook:
     # ----------------------------------------------------------------- leasing
     def lease(self, worker_id: str, wanted: int, now: float) -> list[ChunkGrant]:
         worker = self._worker(worker_id)
-        if worker.status != WorkerStatus.ALIVE or not len(self.state.queue):
-            return []
+        if worker.status != WorkerStatus.ALIVE or wanted <= 0 or not len(self.state.queue):
+            return []  # a call that asks for nothing gets nothing, whatever the policy would hand out
         plan = self.policy.plan(self.state.snapshot(worker_id, wanted, now))
         if not plan.assignments and not plan.new_bindings:
             return []
@@ -508,6 +509,19 @@ class LeaseBook:
 
     def is_complete(self) -> bool:
         return self.state.is_complete()
+
+    def persist_forecasts(self) -> int:
+        """Write the groups' forecasts that changed since the last call (`seerd status` reads them:
+        the coordinator's own figure, without importing the scheduler). Called on the daemon's
+        tick, not in the report's transaction: a forecast depends on the state after the commit,
+        and a status figure half a second old costs no fsync on the hot path."""
+        changed = self.state.take_forecasts()
+        if changed:
+            with self.engine.begin() as conn:
+                conn.execute(update(GROUPS).where(GROUPS.c.id == bindparam("gid")).values(
+                    forecast_tokens=bindparam("forecast")),
+                    [{"gid": gid, "forecast": forecast} for gid, forecast in changed.items()])
+        return len(changed)
 
     def set_rollout_status(self, status: RolloutStatus, now: float, reason: str | None = None) -> None:
         with self.engine.begin() as conn:

@@ -169,6 +169,7 @@ class SchedulerState:
         for request in self.requests.values():
             if not request.finished:
                 self.queue.put(self._view(request))
+        self._forecast_dirty.update(self.groups)  # the first `take_forecasts` gives every group's
         self._changed()
 
     # ------------------------------------------------------------- workers

@@ -153,8 +153,8 @@ class Simulation:
     def running_chunks(self, i: int) -> int:
         return len(self.state.workers[self.worker_ids[i]].chunks)
 
-    def _ask(self, i: int, now: float) -> list[SimSeq]:
-        """Worker i asks for work; returns the chunks it was leased."""
+    def lease(self, i: int, now: float) -> list[SimSeq]:
+        """Worker i asks for work (a lease call); returns the chunks it was leased."""
         wanted = self.max_chunks - self.running_chunks(i)
         if wanted <= 0 or not len(self.state.queue):
             return []
@@ -176,7 +176,7 @@ class Simulation:
                                generated, min(lease.max_tokens, r.true_length - generated), previous))
         return seqs
 
-    def _complete(self, i: int, finished: list[SimSeq], now: float) -> bool:
+    def report(self, i: int, finished: list[SimSeq], now: float) -> bool:
         """Chunks reported by instance i; returns whether any request went back to the queue."""
         results = []
         for seq in finished:
@@ -188,6 +188,11 @@ class Simulation:
             if outcome.finished:
                 self.requests[outcome.request_id].finished_at = now
         return not all(outcome.finished for outcome in applied.requests)
+
+    def return_leases(self, chunk_ids: list[int]) -> None:
+        """Leases that end without a result (the daemon's expiry or release): their requests wait
+        again. The event loop never loses a lease; the replay test feeds expiries through here."""
+        self.state.return_leases(chunk_ids)
 
     # ------------------------------------------------------------- the event loop
     def _reschedule(self, i: int) -> None:
@@ -204,7 +209,7 @@ class Simulation:
             return
         clock = self.instances[i].clock
         if self.chunk_gap_s <= 0:
-            self._complete(i, finished, clock)
+            self.report(i, finished, clock)
             return
         self._event_seq += 1
         self._reports[self._event_seq] = finished
@@ -235,7 +240,7 @@ class Simulation:
         while order:
             again = []
             for j in order:
-                seqs = self._ask(j, now)
+                seqs = self.lease(j, now)
                 if not seqs:
                     if first_round and j in was_woken:
                         turned_away.append(j)
@@ -278,7 +283,7 @@ class Simulation:
             instance = self.instances[i]
             if version == REPORT_EVENT:  # a report reaches the coordinator after the gap
                 self._engine_finished(i, instance.sync(t))  # the engine to a step boundary first
-                requeued = self._complete(i, self._reports.pop(event_id), t)
+                requeued = self.report(i, self._reports.pop(event_id), t)
                 self._hand_out(t, i, wake=requeued)
                 continue
             if version != instance.version:
@@ -288,7 +293,7 @@ class Simulation:
                 self._engine_finished(i, finished)
                 self._reschedule(i)  # the engine goes on with its other sequences meanwhile
                 continue
-            requeued = self._complete(i, finished, instance.clock)
+            requeued = self.report(i, finished, instance.clock)
             self._hand_out(instance.clock, i, wake=requeued)
         if not self.state.is_complete():
             stuck = len(self.requests) - self.state.finished_requests

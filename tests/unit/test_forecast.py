@@ -109,3 +109,31 @@ def test_the_lease_book_learns_from_completed_groups_and_a_restart_rebuilds_the_
     (queued,) = [r for r in restarted.state.queue if r.group_finished == 1][:1]
     assert (queued.group_size, queued.group_finished) == (2, 1)
     assert group_forecast(queued, learned) == 40
+
+
+def test_the_book_persists_each_groups_forecast_and_status_reads_it(tmp_path):
+    """The forecast `seerd status` counts the time left with is the coordinator's own, written to
+    prompt_groups.forecast_tokens on its tick: equal to the scheduler state's, rewritten only on change."""
+    from sqlalchemy import select
+
+    from seerd.db import Group
+    from seerd.status.snapshot import read_snapshot
+
+    book = make_book(tmp_path, policy="seer", chunk_tokens=64, prompt_rows=rows(groups=3, n=2, max_tokens=64))
+    worker = book.register(rank=0, address="test", max_chunks=64, kv_capacity_tokens=10**6, worker_id="w",
+                           now=1000.0).id
+
+    def persisted():
+        with book.sessions() as session:
+            return dict(session.execute(select(Group.id, Group.forecast_tokens)).all())
+
+    assert book.persist_forecasts() == 3 and set(persisted().values()) == {64}  # nothing finished: max_tokens
+    assert book.persist_forecasts() == 0  # unchanged: nothing written
+    grants = sorted(book.lease(worker, wanted=64, now=1000.0), key=lambda g: g.request_id)
+    _finish(book, worker, grants[0], 10, 1001.0)  # group 1's first response: its forecast drops to 10
+    assert book.persist_forecasts() == 1
+    assert persisted() == {gid: book.state.forecast(gid) for gid in book.state.groups}
+    assert persisted()[grants[0].group_id] == 10
+    snapshot = read_snapshot(tmp_path, now=1002.0)
+    # Unfinished: one response of group 1 (forecast 10) and four of groups 2-3 (64 each), none started.
+    assert snapshot["output_tokens_expected"] == snapshot["output_tokens"] + 10 + 4 * 64
