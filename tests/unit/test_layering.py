@@ -207,6 +207,12 @@ def test_the_scheduler_imports_nothing_else_from_seerd():
                 "seerd.scheduler imports other parts of seerd")
 
 
+def test_the_wire_protocol_imports_nothing_else_from_seerd():
+    # Workers, engine processes and the coordinator all load it: it must stay light.
+    fail_if_any(imports_from("seerd.protocol", "seerd", except_within="seerd.protocol"),
+                "seerd.protocol imports other parts of seerd")
+
+
 def test_launch_does_not_import_the_cli():
     fail_if_any(imports_from("seerd.launch", "seerd.cli"), "seerd.launch imports the CLI")
 
