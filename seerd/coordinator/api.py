@@ -1,9 +1,9 @@
 """The coordinator's HTTP API for workers and monitors.
 
 Every request, on every path, must carry the run's secret (`Authorization: Bearer <secret>`);
-anything else gets 401 before routing (a plain ASGI middleware). Handlers call the lease book
-synchronously on the event loop: the book is the single owner of the state, so its transactions
-never interleave. Bodies and replies are the message types of `seerd.protocol`, decoded, validated
+anything else gets 401 before routing (a plain ASGI middleware). Handlers hand every call into the
+lease book to one state thread (`CoordinatorControl.run`) and await it: the book has a single
+owner, so its transactions never interleave, and a commit's fsync never blocks the event loop. Bodies and replies are the message types of `seerd.protocol`, decoded, validated
 and encoded with msgspec: token lists are the bulk of the traffic and pydantic's per-element
 validation cost more than the database commit.
 """
