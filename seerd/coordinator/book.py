@@ -40,7 +40,7 @@ from seerd.db.transitions import ROW_EPOCH, ROW_ID, change_one, change_status, i
 from seerd.io.codec import pack_floats, pack_ints, unpack_ints
 from seerd.protocol import ChunkGrant, ChunkReport
 from seerd.scheduler.state import ChunkResult, GroupRecord, RequestRecord, ResultsUpdate, SchedulerState
-from seerd.scheduler.views import Policy
+from seerd.scheduler.views import Plan, Policy
 
 CHUNKS, REQUESTS, GROUPS, EVENTS = Chunk.__table__, Request.__table__, Group.__table__, Event.__table__
 ROLLOUTS, WORKERS, TARGETS = Rollout.__table__, Worker.__table__, RequestTarget.__table__
@@ -267,40 +267,8 @@ class LeaseBook:
             return []
         self.state.check_plan(plan, worker_id)
         deadline = now + self.lease_ttl_s
-        chunk_ids, epochs, reused = [], [], []
         with self.engine.begin() as conn:
-            if plan.new_bindings:
-                conn.execute(update(GROUPS).where(GROUPS.c.id == bindparam("gid")).values(
-                    bound_worker=bindparam("worker")),
-                    [{"gid": gid, "worker": w} for gid, w in plan.new_bindings.items()])
-            for assignment in plan.assignments:
-                progress = self.progress[assignment.request_id]
-                if progress.tokens is None:
-                    progress.tokens = self._read_tokens(conn, assignment.request_id)
-                if progress.open_chunk is not None:
-                    chunk_id, epoch = progress.open_chunk
-                    reused.append({ROW_ID: chunk_id, ROW_EPOCH: epoch, "budget": assignment.max_tokens})
-                    epoch += 1
-                else:
-                    chunk_id, epoch = insert_with_status(conn, CHUNKS, ChunkStatus.LEASED, {
-                        "request_id": assignment.request_id, "seq": progress.num_chunks,
-                        "max_tokens": assignment.max_tokens, "lease_holder": worker_id, "lease_deadline": deadline,
-                        "lease_epoch": 1, "attempt": 1, "created_at": now, "leased_at": now, "num_tokens": 0}), 1
-                chunk_ids.append(chunk_id)
-                epochs.append(epoch)
-            change_status(conn, CHUNKS, ChunkStatus.QUEUED, ChunkStatus.LEASED, reused, guard_epoch=True, values={
-                "max_tokens": bindparam("budget"), "lease_holder": worker_id, "lease_deadline": deadline,
-                "lease_epoch": CHUNKS.c.lease_epoch + 1, "attempt": CHUNKS.c.attempt + 1, "leased_at": now})
-            request_rows = [{ROW_ID: a.request_id} for a in plan.assignments]
-            change_status(conn, REQUESTS, RequestStatus.QUEUED, RequestStatus.RUNNING, request_rows,
-                          values={"last_worker": worker_id})
-            if request_rows:
-                conn.execute(update(REQUESTS).where(REQUESTS.c.id == bindparam(ROW_ID), REQUESTS.c.started_at.is_(None))
-                             .values(started_at=now), request_rows)
-                conn.execute(insert(EVENTS), [
-                    event_row(self.rollout_id, now, "chunk_leased", worker_id, a.request_id, chunk_id,
-                              {"seq": self.progress[a.request_id].num_chunks, "epoch": epoch, "max_tokens": a.max_tokens})
-                    for a, chunk_id, epoch in zip(plan.assignments, chunk_ids, epochs)])
+            chunk_ids, epochs = self._write_leases(conn, worker_id, plan, now, deadline)
         # Committed: now the state follows.
         leases = self.state.apply_leases(worker_id, plan, chunk_ids)
         if self.first_lease_at is None:
@@ -313,6 +281,46 @@ class LeaseBook:
             self.terms[lease.chunk_id] = LeaseTerms(epoch, progress.num_chunks, deadline)
             grants.append(self._grant(lease.chunk_id, lease.request_id, lease.max_tokens))
         return grants
+
+    def _write_leases(self, conn: Connection, worker_id: str, plan: Plan, now: float,
+                      deadline: float) -> tuple[list[int], list[int]]:
+        """The rows of a checked plan, in the caller's transaction: each assignment's chunk row
+        (new, or the one an ended lease left queued, epoch + 1) leased, its request running.
+        Returns the chunk ids and lease epochs, in assignment order."""
+        if plan.new_bindings:
+            conn.execute(update(GROUPS).where(GROUPS.c.id == bindparam("gid")).values(
+                bound_worker=bindparam("worker")),
+                [{"gid": gid, "worker": w} for gid, w in plan.new_bindings.items()])
+        chunk_ids, epochs, reused = [], [], []
+        for assignment in plan.assignments:
+            progress = self.progress[assignment.request_id]
+            if progress.tokens is None:
+                progress.tokens = self._read_tokens(conn, assignment.request_id)
+            if progress.open_chunk is not None:
+                chunk_id, epoch = progress.open_chunk
+                reused.append({ROW_ID: chunk_id, ROW_EPOCH: epoch, "budget": assignment.max_tokens})
+                epoch += 1
+            else:
+                chunk_id, epoch = insert_with_status(conn, CHUNKS, ChunkStatus.LEASED, {
+                    "request_id": assignment.request_id, "seq": progress.num_chunks,
+                    "max_tokens": assignment.max_tokens, "lease_holder": worker_id, "lease_deadline": deadline,
+                    "lease_epoch": 1, "attempt": 1, "created_at": now, "leased_at": now, "num_tokens": 0}), 1
+            chunk_ids.append(chunk_id)
+            epochs.append(epoch)
+        change_status(conn, CHUNKS, ChunkStatus.QUEUED, ChunkStatus.LEASED, reused, guard_epoch=True, values={
+            "max_tokens": bindparam("budget"), "lease_holder": worker_id, "lease_deadline": deadline,
+            "lease_epoch": CHUNKS.c.lease_epoch + 1, "attempt": CHUNKS.c.attempt + 1, "leased_at": now})
+        request_rows = [{ROW_ID: a.request_id} for a in plan.assignments]
+        change_status(conn, REQUESTS, RequestStatus.QUEUED, RequestStatus.RUNNING, request_rows,
+                      values={"last_worker": worker_id})
+        if request_rows:
+            conn.execute(update(REQUESTS).where(REQUESTS.c.id == bindparam(ROW_ID), REQUESTS.c.started_at.is_(None))
+                         .values(started_at=now), request_rows)
+            conn.execute(insert(EVENTS), [
+                event_row(self.rollout_id, now, "chunk_leased", worker_id, a.request_id, chunk_id,
+                          {"seq": self.progress[a.request_id].num_chunks, "epoch": epoch, "max_tokens": a.max_tokens})
+                for a, chunk_id, epoch in zip(plan.assignments, chunk_ids, epochs)])
+        return chunk_ids, epochs
 
     def _read_tokens(self, conn: Connection, request_id: int) -> array:
         tokens = array("i")
