@@ -125,6 +125,9 @@ class ReleaseBody(msgspec.Struct):
     chunk_id: int
     epoch: int
     reason: str = ""
+    # The engine failed the chunk (it counts toward its request's failure limit); false: given back
+    # unrun, e.g. at shutdown.
+    failed: bool = False
 
 
 class ReleaseReply(msgspec.Struct):

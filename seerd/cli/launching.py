@@ -1,7 +1,8 @@
 """What every launching command does before and after its launcher: prepare the run, report the end.
 
 Exit codes: 0 the output is complete; 1 the run failed or was interrupted (resumable);
-2 bad input or settings (nothing was created).
+2 bad input or settings (nothing was created); 3 the run finished with failed requests (the output
+holds every response; the failed ones have finish_reason "error" and the engine's message in "error").
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from seerd.rundir import RunDir
 if TYPE_CHECKING:
     from seerd.coordinator.daemon import CoordinatorResult
 
-EXIT_OK, EXIT_INCOMPLETE, EXIT_BAD_INPUT = 0, 1, 2
+EXIT_OK, EXIT_INCOMPLETE, EXIT_BAD_INPUT, EXIT_FAILED_REQUESTS = 0, 1, 2, 3
 
 
 def prepare_or_exit(options: dict, *, workers: int, where: str) -> PreparedRun:
@@ -48,7 +49,7 @@ def prepare_or_exit(options: dict, *, workers: int, where: str) -> PreparedRun:
 
 def report_result(rundir: RunDir, result: CoordinatorResult, elapsed: float, *,
                   resume_hint: str | None = None) -> None:
-    """Say how the run ended; exit 1 unless the output is complete."""
+    """Say how the run ended; exit 1 unless the output is complete, 3 if requests failed."""
     if result.status == RolloutStatus.FINISHED and result.export is not None:
         ui.info(f"finished in {elapsed:.1f}s")
         figures = {"responses": result.export.responses, "parquet": rundir.parquet_path,
@@ -58,6 +59,10 @@ def report_result(rundir: RunDir, result: CoordinatorResult, elapsed: float, *,
                                       f"{result.load['generation_s']:.1f}s generation phase "
                                       f"({result.load['api_calls']} API calls)")
         ui.summary(figures)
+        if result.export.failed:
+            ui.warn(f"{result.export.failed} of {result.export.responses_total} requests failed: their rows have "
+                    f'finish_reason "error" and the engine\'s message in "error" (`seerd status {rundir.path}`)')
+            raise SystemExit(EXIT_FAILED_REQUESTS)
         return
     if result.status == RolloutStatus.FINISHED:
         ui.info(f"run {rundir.path} is already finished")

@@ -13,7 +13,9 @@ from pathlib import Path
 import click
 
 from seerd.cli import ui
-from seerd.cli.launching import EXIT_BAD_INPUT, EXIT_INCOMPLETE, EXIT_OK, prepare_or_exit, report_result
+from seerd.cli.launching import (
+    EXIT_BAD_INPUT, EXIT_FAILED_REQUESTS, EXIT_INCOMPLETE, EXIT_OK, prepare_or_exit, report_result,
+)
 from seerd.cli.options import rollout_options
 from seerd.cli.sim import sim
 from seerd.cli.slurm import slurm_run, submit
@@ -24,7 +26,7 @@ from seerd.db.migrate import current_revision, head_revisions, upgrade
 from seerd.launch.prepare import read_rollout
 from seerd.rundir import RunDir
 
-__all__ = ["EXIT_BAD_INPUT", "EXIT_INCOMPLETE", "EXIT_OK", "cli", "main"]
+__all__ = ["EXIT_BAD_INPUT", "EXIT_FAILED_REQUESTS", "EXIT_INCOMPLETE", "EXIT_OK", "cli", "main"]
 
 
 @click.group()
@@ -86,7 +88,7 @@ def export(run_dir: Path) -> None:
     if result.complete:
         ui.info(f"exported {result.responses} responses to {rundir.parquet_path} and {rundir.jsonl_path}")
     else:
-        ui.warn(f"PARTIAL export: {result.responses} of {result.responses_total} responses are finished "
+        ui.warn(f"PARTIAL export: {result.responses} of {result.responses_total} responses have ended "
                 f"(run is {rollout.status.value}); wrote {rundir.parquet_path} and {rundir.jsonl_path}")
 
 

@@ -187,7 +187,8 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
     async def release(request: Request) -> Response:
         body = await _decode(request, RELEASE)
         known(body.worker_id)
-        released = await control.run(book.release, body.worker_id, body.chunk_id, body.epoch, body.reason, clock())
+        released = await control.run(book.release, body.worker_id, body.chunk_id, body.epoch, body.reason, clock(),
+                                     failed=body.failed)
         if released:
             control.work_queued()
         return _json(ReleaseReply(released))

@@ -44,6 +44,9 @@ from seerd.scheduler.views import Plan, Policy
 
 CHUNKS, REQUESTS, GROUPS, EVENTS = Chunk.__table__, Request.__table__, Group.__table__, Event.__table__
 ROLLOUTS, WORKERS, TARGETS = Rollout.__table__, Worker.__table__, RequestTarget.__table__
+# Chunks of one request its engines may fail before the request ends failed (a poison request: the
+# engine rejects it whatever runs it). The retries go to other workers' engines where there are.
+MAX_FAILED_ATTEMPTS = 3
 
 
 
@@ -64,6 +67,7 @@ class RequestProgress:
     """What the book keeps of a request besides the scheduler's view."""
 
     num_chunks: int  # done chunks
+    failed_attempts: int = 0  # chunks of it the engine failed
     open_chunk: tuple[int, int] | None = None  # (chunk id, epoch) of a QUEUED row left by a lease that ended
     tokens: array | None = None  # generated tokens while unfinished (None: not loaded yet)
 
@@ -148,8 +152,9 @@ class LeaseBook:
             for row in conn.execute(select(REQUESTS).where(REQUESTS.c.rollout_id == self.rollout_id)):
                 requests.append(RequestRecord(row.id, row.group_id, row.response_index, row.is_probe,
                                               max_tokens[row.group_id], row.generated_tokens, row.last_worker,
-                                              row.queued_at, row.status == RequestStatus.FINISHED))
-                self.progress[row.id] = RequestProgress(row.num_chunks)
+                                              row.queued_at, row.status == RequestStatus.FINISHED,
+                                              row.status == RequestStatus.FAILED))
+                self.progress[row.id] = RequestProgress(row.num_chunks, row.failed_attempts)
             # In the order the responses finished, as the running coordinator learned from them:
             # its events were written in that order (finished_at ties within one report).
             finish_order = conn.execute(
@@ -455,13 +460,52 @@ class LeaseBook:
             f"stale lease: chunk {report.chunk_id} is {chunk.status.value} at epoch {chunk.lease_epoch}, "
             f"report is for epoch {report.epoch}"))
 
-    def release(self, worker_id: str, chunk_id: int, epoch: int, reason: str, now: float) -> bool:
-        """A worker gives a chunk back (engine error, shutdown): it runs again elsewhere."""
+    def release(self, worker_id: str, chunk_id: int, epoch: int, reason: str, now: float,
+                *, failed: bool = False) -> bool:
+        """A worker gives a chunk back: unrun (shutdown), it runs again elsewhere; `failed` by its
+        engine, it counts toward its request's `MAX_FAILED_ATTEMPTS`, and runs again on another
+        worker's engine where there is one, or its request ends failed with the engine's message."""
         lease, terms = self.state.leases.get(chunk_id), self.terms.get(chunk_id)
         if lease is None or terms.epoch != epoch or lease.worker_id != worker_id:
             return False
-        self._end_leases([chunk_id], now, kind="lease_released", reason=reason)
+        if not failed:
+            self._end_leases([chunk_id], now, kind="lease_released", reason=reason)
+            return True
+        progress = self.progress[lease.request_id]
+        attempts = progress.failed_attempts + 1
+        fatal = attempts >= MAX_FAILED_ATTEMPTS
+        with self.engine.begin() as conn:
+            if fatal:
+                change_one(conn, CHUNKS, chunk_id, ChunkStatus.LEASED, ChunkStatus.FAILED, finished_at=now,
+                           finish_reason="error", lease_deadline=None)
+                change_one(conn, REQUESTS, lease.request_id, RequestStatus.RUNNING, RequestStatus.FAILED,
+                           failed_attempts=attempts, error=reason, finish_reason="error", finished_at=now)
+            else:
+                self._write_requeue(conn, [_Requeue(chunk_id, lease.request_id, worker_id, terms.epoch)], now,
+                                    kind="chunk_failed", reason=reason)
+                conn.execute(update(REQUESTS).where(REQUESTS.c.id == lease.request_id).values(
+                    failed_attempts=attempts))
+            if fatal:
+                conn.execute(insert(EVENTS), [event_row(self.rollout_id, now, "request_failed", worker_id,
+                                                        lease.request_id, chunk_id,
+                                                        {"reason": reason, "attempts": attempts})])
+        self.state.fail_chunk(chunk_id, request_failed=fatal)
+        del self.terms[chunk_id]
+        progress.failed_attempts = attempts
+        if fatal:
+            progress.tokens = None
+            self._request_ended(lease.request_id)
+        else:
+            progress.open_chunk = (chunk_id, terms.epoch)
         return True
+
+    def _request_ended(self, request_id: int) -> None:
+        """After the commit: listeners forget a finished or failed request, and its group once all ended."""
+        request = self.state.requests[request_id]
+        if self.on_request_finished is not None:
+            self.on_request_finished(request.group_id, request.id)
+        if request.group_id not in self.state.unfinished_groups and self.on_group_finished is not None:
+            self.on_group_finished(request.group_id)
 
     # ----------------------------------------------------------------- expiry
     def expire(self, now: float) -> int:

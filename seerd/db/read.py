@@ -179,10 +179,12 @@ def events(conn: Connection, rollout_id: int) -> Iterable[Row]:
 
 # ------------------------------------------------------------------ progress now (status)
 def request_counts(conn: Connection, rollout_id: int) -> Row:
-    """total, done, running, tokens (committed), first_start; sums are None without requests."""
+    """total, done, failed, running, tokens (committed), first_start; sums are None without requests."""
     return conn.execute(select(func.count().label("total"),
                                func.sum(case((Request.status == RequestStatus.FINISHED, 1), else_=0))
                                .label("done"),
+                               func.sum(case((Request.status == RequestStatus.FAILED, 1), else_=0))
+                               .label("failed"),
                                func.sum(case((Request.status == RequestStatus.RUNNING, 1), else_=0))
                                .label("running"),
                                func.sum(Request.generated_tokens).label("tokens"),
@@ -191,9 +193,11 @@ def request_counts(conn: Connection, rollout_id: int) -> Row:
 
 
 def group_counts(conn: Connection, rollout_id: int) -> Row:
-    """total, done (every response finished); done is None without groups."""
-    return conn.execute(select(func.count().label("total"),
-                               func.sum(case((Group.finished_requests >= Group.n, 1), else_=0)).label("done"))
+    """total, done (every response ended: finished, or failed); done is None without groups."""
+    unended = (select(Request.id).where(Request.group_id == Group.id,
+                                        Request.status.in_((RequestStatus.QUEUED, RequestStatus.RUNNING)))
+               .exists())
+    return conn.execute(select(func.count().label("total"), func.sum(case((unended, 0), else_=1)).label("done"))
                         .where(Group.rollout_id == rollout_id)).one()
 
 
@@ -251,7 +255,7 @@ class UnfinishedRequest(NamedTuple):
 
 
 def unfinished_requests(conn: Connection, rollout_id: int) -> list[UnfinishedRequest]:
-    """Every unfinished request, with its group's figures and its leased chunk."""
+    """Every request still to end (queued or running), with its group's figures and its leased chunk."""
     leased, done = _LEASED_CHUNK, _DONE_CHUNK
     last_done = (select(func.max(done.finished_at))
                  .where(done.request_id == Request.id, done.status == ChunkStatus.DONE).scalar_subquery())
@@ -263,7 +267,8 @@ def unfinished_requests(conn: Connection, rollout_id: int) -> list[UnfinishedReq
                leased.id, leased.lease_holder, leased.leased_at, last_done)
         .join(Group, Group.id == Request.group_id)
         .outerjoin(leased, (leased.request_id == Request.id) & (leased.status == ChunkStatus.LEASED))
-        .where(Request.rollout_id == rollout_id, Request.status != RequestStatus.FINISHED)).all()
+        .where(Request.rollout_id == rollout_id,
+               Request.status.in_((RequestStatus.QUEUED, RequestStatus.RUNNING)))).all()
     return [UnfinishedRequest._make(row) for row in rows]
 
 

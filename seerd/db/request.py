@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sqlalchemy import Boolean, Float, ForeignKey, Index, Integer, String, UniqueConstraint
+from sqlalchemy import Boolean, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
 from sqlalchemy.orm import Mapped, mapped_column
 
 from seerd.db.base import Base
@@ -29,4 +29,7 @@ class Request(Base):
     last_worker: Mapped[str | None] = mapped_column(String(128), nullable=True)  # affinity
     queued_at: Mapped[float] = mapped_column(Float)  # since when it waits in the buffer
     started_at: Mapped[float | None] = mapped_column(Float, nullable=True)
-    finished_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    finished_at: Mapped[float | None] = mapped_column(Float, nullable=True)  # or when it failed
+    # Chunks of it the engine failed (a poison request ends `failed` at LeaseBook.MAX_FAILED_ATTEMPTS).
+    failed_attempts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)  # the engine's message, once failed

@@ -22,12 +22,14 @@ class RequestStatus(str, enum.Enum):
     QUEUED = "queued"  # waiting in the request buffer for its next chunk
     RUNNING = "running"  # one chunk of it is leased
     FINISHED = "finished"
+    FAILED = "failed"  # the engine failed its chunks too often: it ends with the engine's message
 
 
 class ChunkStatus(str, enum.Enum):
     QUEUED = "queued"
     LEASED = "leased"
     DONE = "done"
+    FAILED = "failed"  # the engine failed it, and its request with it
 
 
 class WorkerStatus(str, enum.Enum):
@@ -48,14 +50,16 @@ ALLOWED_TRANSITIONS: dict[type[enum.Enum], dict[enum.Enum, frozenset[enum.Enum]]
     },
     RequestStatus: {
         RequestStatus.QUEUED: frozenset({RequestStatus.RUNNING}),
-        RequestStatus.RUNNING: frozenset({RequestStatus.QUEUED, RequestStatus.FINISHED}),
+        RequestStatus.RUNNING: frozenset({RequestStatus.QUEUED, RequestStatus.FINISHED, RequestStatus.FAILED}),
         RequestStatus.FINISHED: frozenset(),
+        RequestStatus.FAILED: frozenset(),
     },
     ChunkStatus: {
         ChunkStatus.QUEUED: frozenset({ChunkStatus.LEASED}),
         # LEASED -> QUEUED: the lease expired or its worker died; the chunk runs again elsewhere.
-        ChunkStatus.LEASED: frozenset({ChunkStatus.DONE, ChunkStatus.QUEUED}),
+        ChunkStatus.LEASED: frozenset({ChunkStatus.DONE, ChunkStatus.QUEUED, ChunkStatus.FAILED}),
         ChunkStatus.DONE: frozenset(),
+        ChunkStatus.FAILED: frozenset(),
     },
     WorkerStatus: {
         WorkerStatus.ALIVE: frozenset({WorkerStatus.STALE, WorkerStatus.GONE}),

@@ -1,7 +1,8 @@
 """Write a run's responses to `rollouts.parquet` and `rollouts.jsonl`, atomically.
 
-One row per finished response. An unfinished run exports what is finished and says so, in the
-returned result and in `rollouts.meta.json` (`"complete": false`).
+One row per ended response: finished, or failed (`finish_reason` "error", the engine's message in
+`error`, the tokens it had generated). An unfinished run exports what has ended and says so, in
+the returned result and in `rollouts.meta.json` (`"complete": false`).
 """
 
 from __future__ import annotations
@@ -34,13 +35,15 @@ SCHEMA = pa.schema([
     ("started_at", pa.float64()),
     ("finished_at", pa.float64()),
     ("generation_s", pa.float64()),  # summed wall time of the chunks that produced it
+    ("error", pa.string()),  # why a failed response failed (the engine's message); null otherwise
 ])
 
 
 @dataclass(frozen=True)
 class ExportResult:
-    responses: int
+    responses: int  # ended: finished or failed
     responses_total: int
+    failed: int = 0
 
     @property
     def complete(self) -> bool:
@@ -58,13 +61,14 @@ def collect_rows(session: Session, rollout_id: int) -> tuple[list[dict], int]:
     )
     for request, prompt_id, group_index, prompt_len in session.execute(query):
         total += 1
-        if request.status != RequestStatus.FINISHED:
+        if request.status not in (RequestStatus.FINISHED, RequestStatus.FAILED):
             continue
         finished[request.id] = {
             "prompt_id": prompt_id, "group_index": group_index, "response_index": request.response_index,
             "token_ids": [], "logprobs": [], "finish_reason": request.finish_reason,
             "length": request.generated_tokens, "num_chunks": request.num_chunks, "prompt_len": prompt_len,
             "started_at": request.started_at, "finished_at": request.finished_at, "generation_s": 0.0,
+            "error": request.error,
         }
     chunks = session.execute(
         select(Chunk.request_id, Chunk.token_ids, Chunk.logprobs, Chunk.leased_at, Chunk.finished_at)
@@ -92,9 +96,9 @@ def write_outputs(run_dir: RunDir, rows: list[dict], total: int) -> ExportResult
     _atomic(run_dir.parquet_path, lambda tmp: pq.write_table(table, tmp))
     _atomic(run_dir.jsonl_path, lambda tmp: tmp.write_text(
         "".join(json.dumps(row, separators=(",", ":")) + "\n" for row in rows)))
-    result = ExportResult(len(rows), total)
+    result = ExportResult(len(rows), total, sum(row["finish_reason"] == "error" for row in rows))
     meta = {"complete": result.complete, "responses": len(rows), "responses_total": total,
-            "exported_at": time.time()}
+            "failed": result.failed, "exported_at": time.time()}
     _atomic(run_dir.meta_path, lambda tmp: tmp.write_text(json.dumps(meta, indent=1) + "\n"))
     return result
 

@@ -180,7 +180,8 @@ def summary(rundir: RunDir) -> dict:
 
     meta = json.loads(rundir.meta_path.read_text()) if rundir.meta_path.exists() else {}
     return {"run_dir": str(rundir.path), "complete": meta.get("complete", False),
-            "responses": meta.get("responses"), "parquet": str(rundir.parquet_path), "jsonl": str(rundir.jsonl_path)}
+            "responses": meta.get("responses"), "failed": meta.get("failed", 0),
+            "parquet": str(rundir.parquet_path), "jsonl": str(rundir.jsonl_path)}
 
 
 class RolloutHandle:

@@ -3,8 +3,9 @@
 Times inside the results are seconds since the run's first lease (when generation starts; engine
 start-up before it is not the scheduler's doing), except where a field says "absolute".
 A lease is one hand-out of a chunk to a worker, from its `chunk_leased` event to the event that
-ended it: `chunk_done`, or `lease_expired` / `lease_released` / `lease_orphaned` (the chunk went
-back to the queue and was leased again later, as a new lease with a higher epoch).
+ended it: `chunk_done`, or `lease_expired` / `lease_released` / `lease_orphaned` / `chunk_failed`
+(the chunk went back to the queue and was leased again later, as a new lease with a higher epoch),
+or `request_failed` (its engine failed it for the last time: the request ended failed).
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ from seerd.report.source import RunData, WorkerInfo
 from seerd.tail import tail_start
 
 # How a lease ended. "open": still held when the data was read (a live or crashed run).
-LEASE_OUTCOMES = ("done", "expired", "released", "orphaned", "open")
+LEASE_OUTCOMES = ("done", "expired", "released", "orphaned", "failed", "open")
 _ENDING_KINDS = {"chunk_done": "done", "lease_expired": "expired", "lease_released": "released",
-                 "lease_orphaned": "orphaned"}
+                 "lease_orphaned": "orphaned", "chunk_failed": "failed", "request_failed": "failed"}
 # Times at which the estimate tracking is sampled, evenly from the first lease to the last finish.
 ESTIMATE_SAMPLES = 101
 
@@ -112,6 +113,7 @@ class LeaseCounts:
     released: int
     orphaned: int  # still leased when a coordinator stopped; re-queued by the next one
     open: int
+    failed: int = 0  # the engine failed the chunk (retried, or its request ended failed)
 
 
 def _first_lease(run: RunData) -> float | None:
@@ -237,7 +239,8 @@ def lease_counts(run: RunData, leases: Leases) -> LeaseCounts:
     return LeaseCounts(
         leases=len(leases), chunks_done=int(run.chunks.done.sum()), re_leased=int((leases.epoch > 1).sum()),
         expired=int((outcome == "expired").sum()), released=int((outcome == "released").sum()),
-        orphaned=int((outcome == "orphaned").sum()), open=int((outcome == "open").sum()))
+        orphaned=int((outcome == "orphaned").sum()), open=int((outcome == "open").sum()),
+        failed=int((outcome == "failed").sum()))
 
 
 def downtime(run: RunData) -> tuple[tuple[float, float], ...]:

@@ -74,7 +74,7 @@ def figures_table(run: RunData, timing: Timing, counts: LeaseCounts) -> list[str
         f"| status | {rollout.status}{reason} |",
         f"| policy | {rollout.policy}{chunks} |",
         f"| groups x responses | {len(run.groups.id)} x {width} |",
-        f"| requests | {timing.requests_total} ({timing.requests_finished} finished) |",
+        f"| requests | {timing.requests_total} ({timing.requests_finished} finished{_failed(run)}) |",
         f"| workers | {workers} |",
         f"| output tokens | {timing.output_tokens} |",
         f"| generation time | {generation} |",
@@ -83,8 +83,15 @@ def figures_table(run: RunData, timing: Timing, counts: LeaseCounts) -> list[str
         f"| leases | {counts.leases} for {counts.chunks_done} finished chunks"
         + (f"; {counts.open} still held" if counts.open else "") + " |",
         f"| chunks re-leased after expiry/release | {counts.re_leased} (leases expired: {counts.expired}, "
-        f"released by a worker: {counts.released}, orphaned by a coordinator stop: {counts.orphaned}) |",
+        f"released by a worker: {counts.released}, orphaned by a coordinator stop: {counts.orphaned}"
+        f"{f', failed by the engine: {counts.failed}' if counts.failed else ''}) |",
     ]
+
+
+def _failed(run: RunData) -> str:
+    """", N failed" when requests ended failed (the engine failed their chunks too often)."""
+    failed = sum(event.kind == "request_failed" for event in run.events)
+    return f", {failed} failed: finish_reason error in the export" if failed else ""
 
 
 def _listed(names: Sequence[str]) -> str:

@@ -60,18 +60,27 @@ def balanced_slots(snapshot: Snapshot, spread: int = DEFAULT_BALANCE_SPREAD) -> 
     return max(0, slots)
 
 
+def failed_here(request: QueuedRequest, worker_id: str, live: list[str]) -> bool:
+    """The engine of `worker_id` failed a chunk of this request and another live worker's has not:
+    a retry goes there (a poison request then fails on several engines, not one bad one)."""
+    return (bool(request.failed_on) and worker_id in request.failed_on
+            and any(w not in request.failed_on for w in live))
+
+
 def admit(snapshot: Snapshot, ordered: Iterable[QueuedRequest],
           skip: Callable[[QueuedRequest], bool] = lambda _request: False, *, limit: int | None = None) -> Plan:
     """Give the asking worker requests in `ordered` order while it has free slots and KV room.
 
     A request's chunk needs KV for its whole context plus its budget, so admitted chunks never
-    exceed the worker's KV (no preemption). A request that does not fit here but fits another
+    exceed the worker's KV (no preemption). A request whose chunk failed on this worker's engine
+    waits for another live worker's (`failed_here`). A request that does not fit here but fits another
     live worker with a free slot is left for that one; one that fits no worker stops admission,
     so smaller ones never overtake a head that waits for room (the paper: "choose an instance
     with room; if none has room, schedule nothing"). `limit` caps the number of chunks.
     """
     load = snapshot.worker(snapshot.worker_id)
     slots = free_slots(snapshot) if limit is None else min(limit, free_slots(snapshot))
+    live = [w.worker_id for w in snapshot.workers]
     kv_free = load.kv_capacity_tokens - load.reserved_kv_tokens
     room_elsewhere = max((w.kv_capacity_tokens - w.reserved_kv_tokens for w in snapshot.workers
                           if w.worker_id != load.worker_id and w.running_chunks < w.max_chunks), default=-1)
@@ -80,7 +89,7 @@ def admit(snapshot: Snapshot, ordered: Iterable[QueuedRequest],
     for request in ordered:
         if len(assignments) >= slots or passed_over > MAX_PASSED_OVER:
             break
-        if skip(request):
+        if skip(request) or failed_here(request, snapshot.worker_id, live):
             passed_over += 1
             continue
         budget = chunk_budget(request, snapshot.chunk_tokens)

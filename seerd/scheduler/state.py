@@ -25,6 +25,9 @@ from seerd.scheduler.queue import QueueView, RequestQueue
 from seerd.scheduler.views import Plan, QueuedRequest, Snapshot, WorkerLoad
 
 
+NOWHERE: frozenset[str] = frozenset()
+
+
 class PlanError(RuntimeError):
     """A policy returned a plan that cannot be carried out (a bug in the policy)."""
 
@@ -38,6 +41,7 @@ class GroupRecord:
     max_tokens: int
     estimate: int  # the paper's L_g (its start value, max_tokens or a prior, until a response finishes)
     finished: int = 0
+    failed: int = 0  # responses that ended failed (they never finish)
     request_ids: list[int] = field(default_factory=list)
     finished_lengths: list[int] = field(default_factory=list)  # in the order the responses finished
 
@@ -53,6 +57,12 @@ class RequestRecord:
     last_worker: str | None = None  # the worker of its latest lease
     queued_at: float = 0.0  # when it began to wait for its next chunk
     finished: bool = False
+    failed: bool = False  # ended without finishing (the engine failed its chunks too often)
+    failed_on: set[str] = field(default_factory=set)  # workers whose engine failed one of its chunks
+
+    @property
+    def ended(self) -> bool:
+        return self.finished or self.failed
 
 
 @dataclass
@@ -129,6 +139,7 @@ class SchedulerState:
         self.unfinished_groups: dict[int, int] = {}  # group id -> group index
         self.bindings: dict[int, str] = {}  # group id -> worker id (policies that bind whole groups)
         self.finished_requests = 0
+        self.failed_requests = 0
         self.output_tokens = 0  # committed
         self._version = 0  # every change bumps it: a snapshot is good for one version
         self._loads: tuple[WorkerLoad, ...] | None = None
@@ -155,6 +166,8 @@ class SchedulerState:
             self.groups[request.group_id].request_ids.append(request.id)
             self.output_tokens += request.generated
             self.finished_requests += request.finished
+            self.failed_requests += request.failed
+            self.groups[request.group_id].failed += request.failed
         self.growth, lengths = replay_growth(
             ((self.requests[rid].group_id, self.requests[rid].generated) for rid in finish_order),
             {gid: group.n for gid, group in self.groups.items()}, self.growth)
@@ -163,11 +176,11 @@ class SchedulerState:
             if group.finished != len(group.finished_lengths):
                 raise ValueError(f"group {group.id}: {group.finished} finished responses, "
                                  f"{len(group.finished_lengths)} in the finish order")
-            if group.finished < group.n:
+            if group.finished + group.failed < group.n:
                 self.unfinished_groups[group.id] = group.index
         self.bindings.update(bindings or {})
         for request in self.requests.values():
-            if not request.finished:
+            if not request.ended:
                 self.queue.put(self._view(request))
         self._forecast_dirty.update(self.groups)  # the first `take_forecasts` gives every group's
         self._changed()
@@ -261,7 +274,7 @@ class SchedulerState:
             else:
                 requests.append(RequestOutcome(request.id, generated, False))
         return ResultsUpdate(now, tuple(results), tuple(requests), tuple(
-            GroupOutcome(gid, finished, estimate, finished >= self.groups[gid].n)
+            GroupOutcome(gid, finished, estimate, finished + self.groups[gid].failed >= self.groups[gid].n)
             for gid, (finished, estimate) in groups.items()))
 
     def apply_results(self, update: ResultsUpdate) -> None:
@@ -284,9 +297,7 @@ class SchedulerState:
                 group.estimate = updated_estimate(group.finished, group.estimate, request.generated)
                 group.finished += 1
                 group.finished_lengths.append(request.generated)
-                if group.finished == group.n:
-                    del self.unfinished_groups[group.id]
-                    self.growth.observe_completed(group.finished_lengths)
+                self._end_if_done(group)
             else:
                 request.queued_at = update.now
         for gid in touched:  # queued views carry their group's progress: refresh those that changed
@@ -303,6 +314,28 @@ class SchedulerState:
         update = self.prepare_results(results, now)
         self.apply_results(update)
         return update
+
+    def fail_chunk(self, chunk_id: int, *, request_failed: bool) -> LeaseRecord:
+        """The engine failed a leased chunk. Its request waits again, to be given to a worker that
+        has not failed it where there is one (`base.admit`), or, with `request_failed`, ends failed."""
+        lease = self.leases.pop(chunk_id)
+        worker = self.workers[lease.worker_id]
+        worker.chunks.discard(chunk_id)
+        worker.kv_reserved -= lease.kv_reserved
+        request = self.requests[lease.request_id]
+        request.failed_on.add(lease.worker_id)
+        if request_failed:
+            request.failed = True
+            self.failed_requests += 1
+            group = self.groups[request.group_id]
+            group.failed += 1
+            self._end_if_done(group)
+            self._refresh_views(group)  # its longest unfinished response may have been this one
+            self._forecast_dirty.add(group.id)
+        else:
+            self.queue.put(self._view(request))
+        self._changed()
+        return lease
 
     def return_leases(self, chunk_ids: Iterable[int]) -> list[LeaseRecord]:
         """Leases that ended without a result (expired, released, orphaned): their requests wait
@@ -324,7 +357,8 @@ class SchedulerState:
         return request_id in self.queue
 
     def is_complete(self) -> bool:
-        return self.finished_requests == len(self.requests)
+        """Every request ended: finished, or failed."""
+        return self.finished_requests + self.failed_requests == len(self.requests)
 
     def forecast(self, group_id: int) -> int:
         """The expected length of the group's longest response, as seer's order uses it."""
@@ -353,9 +387,17 @@ class SchedulerState:
         if loads:
             self._loads = None
 
+    def _end_if_done(self, group: GroupRecord) -> None:
+        """A group whose every response ended leaves the unfinished ones; only a group whose every
+        response finished teaches the growth table (a failed one's longest is unknown)."""
+        if group.finished + group.failed == group.n:
+            del self.unfinished_groups[group.id]
+            if not group.failed:
+                self.growth.observe_completed(group.finished_lengths)
+
     def _longest_unfinished(self, group: GroupRecord) -> int:
         return max((self.requests[rid].generated for rid in group.request_ids
-                    if not self.requests[rid].finished), default=0)
+                    if not self.requests[rid].ended), default=0)
 
     def _view(self, request: RequestRecord, longest_unfinished: int | None = None) -> QueuedRequest:
         group = self.groups[request.group_id]
@@ -363,7 +405,8 @@ class SchedulerState:
             longest_unfinished = self._longest_unfinished(group)
         return QueuedRequest(request.id, request.group_id, group.index, request.response_index, group.prompt_len,
                              request.generated, request.max_tokens, request.is_probe, group.estimate,
-                             request.last_worker, request.queued_at, group.n, group.finished, longest_unfinished)
+                             request.last_worker, request.queued_at, group.n, group.finished, longest_unfinished,
+                             frozenset(request.failed_on) if request.failed_on else NOWHERE)
 
     def _refresh_views(self, group: GroupRecord) -> None:
         longest = self._longest_unfinished(group)

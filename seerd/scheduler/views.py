@@ -34,6 +34,7 @@ class QueuedRequest:
     group_size: int = 1
     group_finished: int = 0  # responses of the group that have finished
     group_longest_unfinished: int = 0  # most tokens so far of any unfinished response of the group
+    failed_on: frozenset[str] = frozenset()  # workers whose engine failed one of its chunks
 
     @property
     def remaining(self) -> int:

@@ -76,7 +76,8 @@ def progress(s: dict) -> Table:
         table.add_column()
     table.add_row("groups  ", bar(s["groups_done"], s["groups_total"]), f"{s['groups_done']:,}/{s['groups_total']:,}")
     table.add_row("requests", bar(s["requests_done"], s["requests_total"]),
-                  f"{s['requests_done']:,}/{s['requests_total']:,}  ({s['requests_running']:,} running)")
+                  f"{s['requests_done']:,}/{s['requests_total']:,}  ({s['requests_running']:,} running"
+                  + (f", {s['requests_failed']:,} failed)" if s.get("requests_failed") else ")"))
     expected = s["output_tokens_expected"]
     table.add_row("tokens  ", bar(s["output_tokens"], expected),
                   f"{s['output_tokens']:,}/~{expected:,}" if s["requests_done"] < s["requests_total"]

@@ -76,7 +76,7 @@ def _read(conn: Connection, run_dir: Path, tail_rows: int, now: float) -> dict:
 
     counts = read.request_counts(conn, rid)
     groups = read.group_counts(conn, rid)
-    requests_total, requests_done = counts.total or 0, counts.done or 0
+    requests_total, requests_done, requests_failed = counts.total or 0, counts.done or 0, counts.failed or 0
     committed = counts.tokens or 0
     unfinished = read.unfinished_requests(conn, rid)
     tail, tail_total, in_flight = _tail(unfinished, clock, live, tail_rows)
@@ -97,7 +97,8 @@ def _read(conn: Connection, run_dir: Path, tail_rows: int, now: float) -> dict:
         "finished_at": ended,
         "elapsed_s": clock - rollout.created_at,
         # Unknown rather than "0 s" when every unfinished request is past its forecast.
-        "eta_s": remaining / rate_now if rate_now and remaining and requests_done < requests_total else None,
+        "eta_s": (remaining / rate_now if rate_now and remaining and requests_done + requests_failed < requests_total
+                  else None),
         "tokens_per_s_now": rate_now,
         "tokens_per_s_avg": output_tokens / generating if generating > 0 else None,
         "groups_total": groups.total or 0,
@@ -105,6 +106,7 @@ def _read(conn: Connection, run_dir: Path, tail_rows: int, now: float) -> dict:
         "requests_total": requests_total,
         "requests_done": requests_done,
         "requests_running": counts.running or 0,
+        "requests_failed": requests_failed,  # ended without finishing (the engine failed them)
         "output_tokens": output_tokens,
         "output_tokens_committed": committed,
         "output_tokens_expected": output_tokens + remaining,

@@ -134,7 +134,8 @@ class Worker:
             self.engine_ids.pop(chunk_id, None)
             self.slot_freed.set()
             with contextlib.suppress(NotRegistered):  # a restarted coordinator already voided the lease
-                await self.client.call(RELEASE, ReleaseBody(self.worker_id, chunk_id, epoch, repr(exc)[:200]))
+                await self.client.call(RELEASE, ReleaseBody(self.worker_id, chunk_id, epoch, repr(exc)[:2000],
+                                                            failed=True))
             if isinstance(exc, EngineDead):  # nothing more can run here: exit, to be restarted
                 self.fatal = exc
                 self.done.set()
