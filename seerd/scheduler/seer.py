@@ -93,6 +93,8 @@ class SeerPolicy:
             # Its previous worker holds its prefix: leave it there unless that one is much busier.
             if request.last_worker is None or request.last_worker == asking.worker_id:
                 return False
+            if request.last_worker in request.failed_on:  # its engine failed it: no home there
+                return False
             home = loads.get(request.last_worker)
             if home is None or home.running_chunks >= home.max_chunks:
                 return False

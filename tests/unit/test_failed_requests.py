@@ -135,3 +135,15 @@ def test_status_and_report_show_the_failed_requests(tmp_path):
     write_report(tmp_path, tmp_path / "report")
     summary = (tmp_path / "report" / SUMMARY_FILE).read_text()
     assert "| requests | 4 (3 finished, 1 failed: finish_reason error in the export) |" in summary
+
+
+def test_seer_leaves_no_request_between_affinity_and_a_failed_engine(tmp_path):
+    """Affinity keeps a request for the worker that ran it last; when that worker's engine failed
+    it, the request must go to the other worker (found on real engines: it waited forever)."""
+    book = make_book(tmp_path, policy="seer", chunk_tokens=16, prompt_rows=rows(groups=1, n=1, max_tokens=32))
+    a, b = register(book, "a", 0), register(book, "b", 1)
+    (grant,) = book.lease(a, wanted=8, now=1000.0)
+    assert book.release(a, grant.chunk_id, grant.epoch, ERROR, 1001.0, failed=True)
+    assert book.lease(a, wanted=8, now=1002.0) == []  # a failed it and b has not
+    (again,) = book.lease(b, wanted=8, now=1002.0)  # b's call is not left to a by affinity
+    assert again.request_id == grant.request_id
