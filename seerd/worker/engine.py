@@ -262,7 +262,12 @@ class SteppedEngine:
             except queue.Empty:
                 return
             if verb == "add":
-                self.llm.add_request(request_id, *payload)
+                try:
+                    self.llm.add_request(request_id, *payload)
+                except Exception as exc:  # noqa: BLE001 - vLLM refused this request (too long, bad
+                    # parameters) before it entered the scheduler: it alone fails, the engine goes on
+                    log.warning("engine refused %s: %r", request_id, exc)
+                    self._resolve(request_id, exc)
             elif self.llm.has_unfinished_requests():
                 self.llm.abort_request([request_id])
 
@@ -334,10 +339,15 @@ class AsyncEngine:
                   sampling: dict) -> ChunkResult:
         from vllm.inputs import TokensPrompt
 
+        from vllm.v1.engine.exceptions import EngineDeadError
+
         final = None
-        async for output in self.llm.generate(TokensPrompt(prompt_token_ids=prompt_token_ids),
-                                              sampling_params(max_tokens, sampling), request_id=request_id):
-            final = output
+        try:
+            async for output in self.llm.generate(TokensPrompt(prompt_token_ids=prompt_token_ids),
+                                                  sampling_params(max_tokens, sampling), request_id=request_id):
+                final = output
+        except EngineDeadError as exc:  # the core process is gone: nothing more runs here
+            raise EngineDead(f"engine failed: {exc!r}") from exc
         if final is None:
             raise EngineDead(f"engine returned nothing for {request_id}")
         return chunk_result(final)

@@ -1,0 +1,45 @@
+"""A request vLLM refuses fails alone: the stepped engine (vLLM's LLMEngine in the worker) goes on
+serving the others. Before, one refused request (a prompt longer than the engine's max_model_len)
+killed the engine, and the same request then killed every other worker's in turn."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.integration.harness import REPO_ROOT, test_env
+
+pytestmark = pytest.mark.vllm
+
+# Run in its own process: the engine sets process-wide vLLM settings (in-process engine core).
+SCRIPT = r"""
+import asyncio, json, sys
+from seerd.worker.engine import SteppedEngine
+
+async def main(model):
+    engine = SteppedEngine.start(model, {"kv_cache_gib": 0.1, "max_num_seqs": 4, "max_model_len": 64,
+                                         "dtype": "float32"}, seed=0)
+    greedy = {"temperature": 0.0}
+    too_long, fine = engine.run("c1e1g1r1p100", [5] * 100, 8, greedy), engine.run("c2e1g1r2p4", [5, 6, 7, 8], 8, greedy)
+    results = await asyncio.gather(too_long, fine, return_exceptions=True)
+    after = await engine.run("c3e1g1r3p4", [5, 6, 7, 8], 8, greedy)
+    print(json.dumps({"too_long": repr(results[0]), "fine": len(results[1].token_ids),
+                      "after": after.token_ids, "before": results[1].token_ids,
+                      "engine_failure": repr(engine.failure)}))
+    engine.shutdown()
+
+asyncio.run(main(sys.argv[1]))
+"""
+
+
+def test_a_prompt_the_engine_refuses_fails_alone(tiny_model_dir):
+    result = subprocess.run([sys.executable, "-c", SCRIPT, str(tiny_model_dir)], capture_output=True, text=True,
+                            timeout=300, env=test_env(), cwd=REPO_ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    answer = json.loads(result.stdout.strip().splitlines()[-1])
+    assert "maximum context length is 64" in answer["too_long"]
+    assert answer["fine"] == 8 and answer["engine_failure"] == "None"
+    assert answer["after"] == answer["before"]  # the engine still serves, greedy and the same
