@@ -30,16 +30,18 @@ from typing import NamedTuple
 from sqlalchemy import Connection, Engine, bindparam, insert, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from seerd.coordinator.reports import ReportOutcome, judge, validate
+from seerd.coordinator.reports import (
+    AcceptedReport, ReportOutcome, judge, judge_unleased, report_problem, write_results,
+)
 from seerd.db import (
     Chunk, ChunkStatus, Event, Group, Request, RequestStatus, RequestTarget, Rollout, RolloutStatus, Worker,
     WorkerStatus,
 )
 from seerd.db.event import event_row
 from seerd.db.transitions import ROW_EPOCH, ROW_ID, change_one, change_status, insert_with_status
-from seerd.io.codec import pack_floats, pack_ints, unpack_ints
-from seerd.protocol import ChunkGrant, ChunkReport
-from seerd.scheduler.state import ChunkResult, GroupRecord, RequestRecord, ResultsUpdate, SchedulerState
+from seerd.io.codec import unpack_ints
+from seerd.protocol import ChunkGrant, ChunkReport, UnreadableReport
+from seerd.scheduler.state import ChunkResult, GroupRecord, RequestRecord, SchedulerState
 from seerd.scheduler.views import Plan, Policy
 
 CHUNKS, REQUESTS, GROUPS, EVENTS = Chunk.__table__, Request.__table__, Group.__table__, Event.__table__
@@ -108,7 +110,7 @@ class _Requeue:
 
 class LeaseBook:
     def __init__(self, sessions: sessionmaker[Session], rollout_id: int, policy: Policy,
-                 *, chunk_tokens: int, lease_ttl_s: float, seed: int) -> None:
+                 *, chunk_tokens: int, lease_ttl_s: float, seed: int, vocab_size: int) -> None:
         self.sessions = sessions
         self.engine: Engine = sessions.kw["bind"]
         self.rollout_id = rollout_id
@@ -116,6 +118,7 @@ class LeaseBook:
         self.chunk_tokens = chunk_tokens
         self.lease_ttl_s = lease_ttl_s
         self.seed = seed
+        self.vocab_size = vocab_size  # the model's: a reported token id outside it is rejected
         self.state = SchedulerState(chunk_tokens=chunk_tokens)
         self.inputs: dict[int, GroupInputs] = {}  # group id ->
         self.progress: dict[int, RequestProgress] = {}  # request id ->
@@ -354,15 +357,21 @@ class LeaseBook:
                           group_id=request.group_id, prompt_len=group.prompt_len, is_probe=request.is_probe)
 
     # ----------------------------------------------------------------- reports
-    def report(self, worker_id: str, report: ChunkReport, now: float) -> ReportOutcome:
+    def report(self, worker_id: str, report: ChunkReport | UnreadableReport, now: float) -> ReportOutcome:
         return self.report_many(worker_id, [report], now)[0]
 
-    def report_many(self, worker_id: str, reports: Sequence[ChunkReport], now: float) -> list[ReportOutcome]:
-        """Commit every acceptable report of one call in one transaction, then acknowledge."""
+    def report_many(self, worker_id: str, reports: Sequence[ChunkReport | UnreadableReport],
+                    now: float) -> list[ReportOutcome]:
+        """Commit every acceptable report of one call in one transaction, then acknowledge.
+
+        A report that cannot be right (`report_problem`, or unreadable) is rejected alone: in the
+        same transaction its lease ends, with an event saying why, and its chunk runs again; the
+        rest of the batch is committed."""
         self._worker(worker_id)
         outcomes: list[ReportOutcome | None] = [None] * len(reports)
-        accepted: list[tuple[int, ChunkReport, str]] = []  # (position, report, request's finish reason)
+        accepted: list[AcceptedReport] = []
         results: list[ChunkResult] = []
+        rejected: list[tuple[int, str]] = []  # (position, problem)
         seen: set[int] = set()
         for i, report in enumerate(reports):
             lease, terms = self.state.leases.get(report.chunk_id), self.terms.get(report.chunk_id)
@@ -372,17 +381,27 @@ class LeaseBook:
             seen.add(report.chunk_id)
             request = self.state.requests[lease.request_id]
             target = self.worker_only_targets.get(request.id)
-            validate(report, lease.max_tokens, request.generated, target)
+            problem = (report.problem if isinstance(report, UnreadableReport) else
+                       report_problem(report, lease.max_tokens, request.generated, target, self.vocab_size))
+            if problem is not None:
+                rejected.append((i, problem))
+                continue
             verdict = judge(report, lease.max_tokens, request.generated, request.max_tokens, target)
-            accepted.append((i, report, verdict.finish_reason))
+            num_chunks = self.progress[request.id].num_chunks + 1
+            accepted.append(AcceptedReport(i, report, verdict.finish_reason, num_chunks))
             results.append(ChunkResult(report.chunk_id, len(report.token_ids), verdict.finished))
         prepared = self.state.prepare_results(results, now)
-        if results:
+        ending = self._ending([reports[i].chunk_id for i, _ in rejected])
+        if results or rejected:
             with self.engine.begin() as conn:
-                self._write_results(conn, worker_id, prepared, accepted, now)
+                if results:
+                    write_results(conn, self.rollout_id, worker_id, prepared, accepted, now)
+                for requeue, (_, problem) in zip(ending, rejected):
+                    self._write_requeue(conn, [requeue], now, kind="report_rejected", reason=problem)
         # Committed: now the state follows.
         self.state.apply_results(prepared)
-        for (i, report, _), outcome in zip(accepted, prepared.requests):
+        self._forget_leases(ending)
+        for (i, report, _, _), outcome in zip(accepted, prepared.requests):
             del self.terms[report.chunk_id]
             request = self.state.requests[outcome.request_id]
             progress = self.progress[request.id]
@@ -400,60 +419,14 @@ class LeaseBook:
         for group in prepared.groups:
             if group.complete and self.on_group_finished is not None:
                 self.on_group_finished(group.group_id)
-        for i, report in enumerate(reports):
-            if outcomes[i] is None:
-                outcomes[i] = self._judge_unleased(worker_id, report)
+        for i, problem in rejected:
+            outcomes[i] = ReportOutcome(False, reason=f"rejected, the chunk runs again: {problem}", rerun=True)
+        unleased = [i for i, outcome in enumerate(outcomes) if outcome is None]
+        if unleased:
+            with self.engine.connect() as conn:
+                for i in unleased:
+                    outcomes[i] = judge_unleased(conn, worker_id, reports[i])
         return outcomes
-
-    def _write_results(self, conn: Connection, worker_id: str, prepared: ResultsUpdate,
-                       accepted: Sequence[tuple[int, ChunkReport, str]], now: float) -> None:
-        """The rows of a prepared update (`SchedulerState.prepare_results`), in the caller's transaction."""
-        chunk_rows, finished_rows, requeued_rows, events = [], [], [], []
-        for (_, report, finish_reason), outcome in zip(accepted, prepared.requests):
-            n_tokens = len(report.token_ids)
-            chunk_rows.append({ROW_ID: report.chunk_id, ROW_EPOCH: report.epoch, "fin": now, "n": n_tokens,
-                               "tok": pack_ints(report.token_ids), "lp": pack_floats(report.logprobs),
-                               "fr": report.finish_reason, "cached": report.cached_tokens})
-            row = {ROW_ID: outcome.request_id, "gen": outcome.generated,
-                   "nc": self.progress[outcome.request_id].num_chunks + 1}
-            events.append(event_row(self.rollout_id, now, "chunk_done", worker_id, outcome.request_id,
-                                    report.chunk_id, {"tokens": n_tokens, "finish_reason": report.finish_reason,
-                                                      "cached_tokens": report.cached_tokens}))
-            if outcome.finished:
-                finished_rows.append({**row, "fr": finish_reason})
-                events.append(event_row(self.rollout_id, now, "request_finished", worker_id, outcome.request_id,
-                                        None, {"length": outcome.generated, "finish_reason": finish_reason,
-                                               "group_estimate": outcome.group_estimate}))
-            else:
-                requeued_rows.append(row)
-        change_status(conn, CHUNKS, ChunkStatus.LEASED, ChunkStatus.DONE, chunk_rows, guard_epoch=True, values={
-            "finished_at": bindparam("fin"), "num_tokens": bindparam("n"), "token_ids": bindparam("tok"),
-            "logprobs": bindparam("lp"), "finish_reason": bindparam("fr"), "cached_tokens": bindparam("cached"),
-            "lease_deadline": None})
-        counts = {"generated_tokens": bindparam("gen"), "num_chunks": bindparam("nc")}
-        change_status(conn, REQUESTS, RequestStatus.RUNNING, RequestStatus.FINISHED, finished_rows,
-                      values={**counts, "finish_reason": bindparam("fr"), "finished_at": now})
-        change_status(conn, REQUESTS, RequestStatus.RUNNING, RequestStatus.QUEUED, requeued_rows,
-                      values={**counts, "queued_at": now})
-        if prepared.groups:
-            conn.execute(update(GROUPS).where(GROUPS.c.id == bindparam("gid")).values(
-                finished_requests=bindparam("fr"), length_estimate=bindparam("est"), finished_at=bindparam("fa")),
-                [{"gid": g.group_id, "fr": g.finished, "est": g.estimate, "fa": now if g.complete else None}
-                 for g in prepared.groups])
-        conn.execute(insert(EVENTS), events)
-
-    def _judge_unleased(self, worker_id: str, report: ChunkReport) -> ReportOutcome:
-        """A report without a matching live lease: a harmless duplicate, or stale and rejected."""
-        with self.engine.connect() as conn:
-            chunk = conn.execute(select(CHUNKS.c.status, CHUNKS.c.lease_epoch, CHUNKS.c.lease_holder)
-                                 .where(CHUNKS.c.id == report.chunk_id)).first()
-        if chunk is None:
-            return ReportOutcome(False, reason=f"unknown chunk {report.chunk_id}")
-        if chunk.status == ChunkStatus.DONE and chunk.lease_epoch == report.epoch and chunk.lease_holder == worker_id:
-            return ReportOutcome(True, duplicate=True)
-        return ReportOutcome(False, reason=(
-            f"stale lease: chunk {report.chunk_id} is {chunk.status.value} at epoch {chunk.lease_epoch}, "
-            f"report is for epoch {report.epoch}"))
 
     def release(self, worker_id: str, chunk_id: int, epoch: int, reason: str, now: float) -> bool:
         """A worker gives a chunk back (engine error, shutdown): it runs again elsewhere."""
@@ -480,11 +453,18 @@ class LeaseBook:
         return len(expired)
 
     def _end_leases(self, chunk_ids: list[int], now: float, *, kind: str, reason: str | None = None) -> None:
-        ending = [_Requeue(cid, self.state.leases[cid].request_id, self.state.leases[cid].worker_id,
-                           self.terms[cid].epoch) for cid in chunk_ids]
+        ending = self._ending(chunk_ids)
         with self.engine.begin() as conn:
             self._write_requeue(conn, ending, now, kind=kind, reason=reason)
-        self.state.return_leases(chunk_ids)
+        self._forget_leases(ending)
+
+    def _ending(self, chunk_ids: list[int]) -> list[_Requeue]:
+        return [_Requeue(cid, self.state.leases[cid].request_id, self.state.leases[cid].worker_id,
+                         self.terms[cid].epoch) for cid in chunk_ids]
+
+    def _forget_leases(self, ending: list[_Requeue]) -> None:
+        """After the commit of `_write_requeue`: the state and the book follow."""
+        self.state.return_leases([lease.chunk_id for lease in ending])
         for lease in ending:
             del self.terms[lease.chunk_id]
             self.progress[lease.request_id].open_chunk = (lease.chunk_id, lease.epoch)

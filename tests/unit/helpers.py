@@ -33,6 +33,9 @@ def rows(groups: int = 2, n: int = 2, max_tokens: int = 40, prompt_len: int = 5)
             for g in range(groups)]
 
 
+VOCAB_SIZE = 1024  # the tiny model's (tools/make_tiny_model.py)
+
+
 def make_book(tmp_path: Path, *, policy: str = "divided", chunk_tokens: int = 16, lease_ttl_s: float = 10.0,
               prompt_rows: list[PromptRow] | None = None, now: float = 1000.0,
               db_name: str = "state.db", prior: PriorLengths | None = None) -> LeaseBook:
@@ -45,7 +48,7 @@ def make_book(tmp_path: Path, *, policy: str = "divided", chunk_tokens: int = 16
         rollout_id = create_rollout(session, config, prompt_rows or rows(), input_sha256="0" * 64, now=now,
                                     prior=prior)
     book = LeaseBook(sessions, rollout_id, make_policy(policy), chunk_tokens=chunk_tokens,
-                     lease_ttl_s=lease_ttl_s, seed=0)
+                     lease_ttl_s=lease_ttl_s, seed=0, vocab_size=VOCAB_SIZE)
     book.load(now)
     return book
 
@@ -53,7 +56,7 @@ def make_book(tmp_path: Path, *, policy: str = "divided", chunk_tokens: int = 16
 def reopen(book: LeaseBook, now: float) -> LeaseBook:
     """A new coordinator on the same database (what a restart does)."""
     again = LeaseBook(book.sessions, book.rollout_id, book.policy, chunk_tokens=book.chunk_tokens,
-                      lease_ttl_s=book.lease_ttl_s, seed=book.seed)
+                      lease_ttl_s=book.lease_ttl_s, seed=book.seed, vocab_size=book.vocab_size)
     again.load(now)
     return again
 
