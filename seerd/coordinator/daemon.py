@@ -26,7 +26,7 @@ from seerd.coordinator.book import LeaseBook
 from seerd.coordinator.drafts import REFRESH_S, DraftHost, book_sequences, history_sequences
 from seerd.coordinator.kvpool import PoolHost, model_revision, run_tag
 from seerd.db import Rollout, RolloutStatus, WorkerStatus, add_event, make_engine, make_sessionmaker
-from seerd.db.migrate import upgrade
+from seerd.db.migrate import upgrade_run_database
 from seerd.db.read import UnreadableDatabase
 from seerd.io.export import ExportResult, export_run
 from seerd.io.prompts import load_model_limits
@@ -64,8 +64,9 @@ class CoordinatorResult:
 
 
 def open_database(run_dir: RunDir, *, synchronous: str = "FULL") -> Engine:
+    """The run's database for writing, its schema brought to head (copied aside first when it moves)."""
     engine = make_engine(run_dir.db_path, synchronous=synchronous)
-    upgrade(engine)
+    upgrade_run_database(engine, run_dir.db_path)
     return engine
 
 
