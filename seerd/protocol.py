@@ -108,11 +108,52 @@ class ReportBody(msgspec.Struct):
     reports: list[ChunkReport]
 
 
+class ReportBatch(msgspec.Struct):
+    """A `ReportBody` as the coordinator reads it: each report kept raw and decoded on its own
+    (`decode_report`), so that one malformed report is rejected alone, not with its batch."""
+
+    worker_id: str
+    reports: list[msgspec.Raw]
+
+
+class _ChunkKey(msgspec.Struct):
+    chunk_id: int
+    epoch: int
+
+
+@dataclass(frozen=True)
+class UnreadableReport:
+    """A report that does not decode as a `ChunkReport`, named by its lease."""
+
+    chunk_id: int
+    epoch: int
+    problem: str
+
+
+def decode_report(raw: msgspec.Raw) -> ChunkReport | UnreadableReport:
+    """One report of a `ReportBatch`. One that is not a `ChunkReport` (msgspec writes a non-finite
+    float as null, so an infinite logprob arrives as one) is an `UnreadableReport` when its lease
+    can still be read; otherwise `msgspec.ValidationError`: the body is not a batch of reports."""
+    try:
+        return msgspec.json.decode(raw, type=ChunkReport)
+    except msgspec.ValidationError as exc:
+        key = msgspec.json.decode(raw, type=_ChunkKey)
+        return UnreadableReport(key.chunk_id, key.epoch, f"malformed report ({exc}; a null float is a non-finite one)")
+
+
+class ChunkKey(msgspec.Struct):
+    """What names a report's lease: read alone from a report that does not decode as a
+    `ChunkReport` (a logprob that is not a number, say), so that only that chunk is rejected."""
+
+    chunk_id: int
+    epoch: int
+
+
 class ReportResult(msgspec.Struct):
     chunk_id: int
     accepted: bool
     duplicate: bool  # already acknowledged before: counted nothing
-    reason: str  # why it was not accepted
+    reason: str  # why it was not accepted (a rejected chunk runs again; the worker drops it)
 
 
 class ReportReply(msgspec.Struct):
@@ -162,8 +203,13 @@ class StatusReply(msgspec.Struct):
     kv_pool: dict | None = None  # the pool's latest figures, when the run has one
 
 
+# ErrorReply codes a worker acts on.
+UNKNOWN_WORKER = "unknown_worker"  # 404: the coordinator does not know the worker (it restarted): register again
+
+
 class ErrorReply(msgspec.Struct):
     detail: str
+    code: str = ""  # one of the codes above, or empty
 
 
 # ----------------------------------------------------------------------------- drafts

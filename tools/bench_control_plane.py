@@ -66,9 +66,13 @@ HUGE_MAX_TOKENS = 1_000_000
 
 def build_run(path: Path, mode: str, groups: int, n: int) -> None:
     RunDir(path).create()
+    # No engine runs; the coordinator reads only the vocabulary it checks reported tokens against.
+    model = path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"vocab_size": 1000, "max_position_embeddings": 4096}))
     engine = make_engine(RunDir(path).db_path, synchronous=mode)
     upgrade(engine)
-    config = RunConfig(input_path="bench.jsonl", model_path="none", policy="divided",
+    config = RunConfig(input_path="bench.jsonl", model_path=str(model), policy="divided",
                        chunk_tokens=CHUNK_TOKENS, sqlite_synchronous=mode, lease_ttl_s=60)
     rows = [PromptRow(f"p{g}", tuple((g * 7 + i) % 1000 for i in range(PROMPT_TOKENS)), n,
                       HUGE_MAX_TOKENS, {}, g + 1) for g in range(groups)]

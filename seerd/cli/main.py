@@ -21,8 +21,9 @@ from seerd.cli.sim import sim
 from seerd.cli.slurm import slurm_run, submit
 from seerd.cli.status import status
 from seerd.config import RunConfig
-from seerd.db import RolloutStatus, make_engine, make_sessionmaker
-from seerd.db.migrate import current_revision, head_revisions, upgrade
+from seerd.db import RolloutStatus, make_engine
+from seerd.db.migrate import UpgradeFailed, head_revisions, upgrade_run_database
+from seerd.db.read import UnreadableDatabase
 from seerd.launch.prepare import read_rollout
 from seerd.rundir import RunDir
 
@@ -76,20 +77,25 @@ def resume(run_dir: Path, workers: int | None, progress: bool | None) -> None:
 @cli.command()
 @click.argument("run_dir", type=click.Path(path_type=Path))
 def export(run_dir: Path) -> None:
-    """Write rollouts.parquet and rollouts.jsonl again (partial for an unfinished run)."""
-    from seerd.io.export import export_run
+    """Write rollouts.parquet and rollouts.jsonl again (partial for an unfinished run).
+
+    Reads one snapshot of the database read-only: safe while the run's coordinator is live."""
+    from seerd.io.export import export_snapshot
 
     rundir = _existing_run(run_dir)
-    rollout = read_rollout(rundir)
-    engine = make_engine(rundir.db_path)
-    with make_sessionmaker(engine).begin() as session:
-        result = export_run(session, rollout.id, rundir)
-    engine.dispose()
+    try:
+        result, status = export_snapshot(rundir)
+    except UnreadableDatabase as exc:
+        ui.error(str(exc))
+        raise SystemExit(EXIT_BAD_INPUT) from None
     if result.complete:
         ui.info(f"exported {result.responses} responses to {rundir.parquet_path} and {rundir.jsonl_path}")
+    elif not result.written:
+        ui.info(f"the run finished while this export read it: its complete outputs are kept ({rundir.parquet_path}, "
+                f"{rundir.jsonl_path})")
     else:
         ui.warn(f"PARTIAL export: {result.responses} of {result.responses_total} responses have ended "
-                f"(run is {rollout.status.value}); wrote {rundir.parquet_path} and {rundir.jsonl_path}")
+                f"(run is {status.value}); wrote {rundir.parquet_path} and {rundir.jsonl_path}")
 
 
 @cli.command()
@@ -122,14 +128,17 @@ def db() -> None:
 @db.command("upgrade")
 @click.argument("run_dir", type=click.Path(path_type=Path))
 def db_upgrade(run_dir: Path) -> None:
-    """Apply Alembic migrations to RUN_DIR's database."""
+    """Apply Alembic migrations to RUN_DIR's database, after copying it aside (removed on success)."""
     rundir = _existing_run(run_dir)
     engine = make_engine(rundir.db_path)
-    before = current_revision(engine)
-    upgrade(engine)
-    after = current_revision(engine)
-    engine.dispose()
-    ui.info(f"{rundir.db_path}: {before or 'empty'} -> {after} (head {', '.join(head_revisions())})")
+    try:
+        done = upgrade_run_database(engine, rundir.db_path)
+    except UpgradeFailed as exc:
+        ui.error(str(exc))
+        raise SystemExit(EXIT_INCOMPLETE) from None
+    finally:
+        engine.dispose()
+    ui.info(f"{rundir.db_path}: {done.before or 'empty'} -> {done.after} (head {', '.join(head_revisions())})")
 
 
 def _existing_run(run_dir: Path) -> RunDir:

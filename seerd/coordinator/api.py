@@ -1,7 +1,8 @@
 """The coordinator's HTTP API for workers and monitors.
 
 Every request, on every path, must carry the run's secret (`Authorization: Bearer <secret>`);
-anything else gets 401 before routing (a plain ASGI middleware). Handlers hand every call into the
+anything else gets 401 before routing (a plain ASGI middleware), and a body larger than the run's
+limit gets 413 before it is read. Handlers hand every call into the
 lease book to one state thread (`CoordinatorControl.run`) and await it: the book has a single
 owner, so its transactions never interleave, and a commit's fsync never blocks the event loop. Bodies and replies are the message types of `seerd.protocol`, decoded, validated
 and encoded with msgspec: token lists are the bulk of the traffic and pydantic's per-element
@@ -23,16 +24,29 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from seerd.coordinator.book import LeaseBook
-from seerd.coordinator.reports import BadReport
+from seerd.config import EngineConfig
+from seerd.coordinator.book import LeaseBook, UnknownWorker
 from seerd.coordinator.drafts import DraftHost, append_items
 from seerd.coordinator.metrics import RolloutCollector, metrics_registry
 from seerd.drafts.server import DraftError
 from seerd.protocol import (
     CONFIG, DRAFTS_APPEND, DRAFTS_FETCH, DRAFTS_STATS, HEARTBEAT, LEASE, LONG_POLL_MAX_S, REGISTER, RELEASE,
-    REPORT, STATUS, DraftAppendReply, DraftStats, Endpoint, ErrorReply, HeartbeatReply, LeaseReply, RegisterReply,
-    ReleaseReply, ReportReply, ReportResult, StatusReply, heartbeat_interval,
+    REPORT, STATUS, UNKNOWN_WORKER, DraftAppendReply, DraftStats, ErrorReply, HeartbeatReply, LeaseReply,
+    RegisterReply, ReleaseReply, ReportBatch, ReportReply, ReportResult, StatusReply, decode_report,
+    heartbeat_interval,
 )
+
+# The JSON of one reported token at most: an int32 id (11 characters with its sign) and a float64
+# logprob as msgspec writes it (up to 24, "-1.2345678901234567e-308"), each with its comma.
+REPORT_BYTES_PER_TOKEN = 37
+
+
+def body_limit(engine: EngineConfig, chunk_tokens: int) -> int:
+    """The API's body size limit: twice the largest legitimate call, a report of a worker's every
+    chunk at once (one per engine sequence, `chunk_tokens` tokens each), plus 1 MiB for the rest.
+    A draft append of the same chunks' tokens is smaller; every other body is tiny."""
+    max_chunks = int(engine.extra_args.get("max_num_seqs", engine.max_num_seqs))
+    return 2 * max_chunks * chunk_tokens * REPORT_BYTES_PER_TOKEN + (1 << 20)
 
 
 class CoordinatorControl:
@@ -72,10 +86,11 @@ class CoordinatorControl:
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, detail: str) -> None:
+    def __init__(self, status: int, detail: str, code: str = "") -> None:
         super().__init__(detail)
         self.status = status
         self.detail = detail
+        self.code = code  # a `seerd.protocol` error code the worker acts on
 
 
 class SecretMiddleware:
@@ -102,13 +117,36 @@ class SecretMiddleware:
         return None
 
 
+class BodyLimitMiddleware:
+    """413 for a body over `limit` bytes, by its Content-Length, before a byte of it is read; a body
+    without one (chunked) gets 411: the workers' client always says the length."""
+
+    def __init__(self, app, limit: int) -> None:  # noqa: ANN001
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if headers.get(b"transfer-encoding", b"").lower() == b"chunked":
+            await _json(ErrorReply("a body needs a Content-Length"), 411)(scope, receive, send)
+            return None
+        length = headers.get(b"content-length", b"0")
+        if not length.isdigit() or int(length) > self.limit:
+            await _json(ErrorReply(f"a body of {length.decode(errors='replace')} bytes; the limit is "
+                                   f"{self.limit}"), 413)(scope, receive, send)
+            return None
+        return await self.app(scope, receive, send)
+
+
 def _json(payload: msgspec.Struct, status: int = 200) -> Response:
     return Response(msgspec.json.encode(payload), status, media_type="application/json")
 
 
-async def _decode(request: Request, endpoint: Endpoint):  # noqa: ANN202
+async def _decode(request: Request, body_type: type):  # noqa: ANN202
     try:
-        return msgspec.json.decode(await request.body(), type=endpoint.body)
+        return msgspec.json.decode(await request.body(), type=body_type)
     except msgspec.ValidationError as exc:
         raise ApiError(422, f"invalid body: {exc}") from None
     except msgspec.DecodeError as exc:
@@ -116,17 +154,24 @@ async def _decode(request: Request, endpoint: Endpoint):  # noqa: ANN202
 
 
 def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
-               clock: Callable[[], float] = time.time, drafts: DraftHost | None = None) -> FastAPI:
+               clock: Callable[[], float] = time.time, drafts: DraftHost | None = None, *,
+               max_body_bytes: int | None = None) -> FastAPI:
+    """The API; `max_body_bytes` defaults to the `body_limit` of default engines."""
     app = FastAPI(title="seerd coordinator", docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(SecretMiddleware, secret=secret, control=control)
+    app.add_middleware(BodyLimitMiddleware, limit=max_body_bytes or body_limit(EngineConfig(), book.chunk_tokens))
+    app.add_middleware(SecretMiddleware, secret=secret, control=control)  # the outermost: 401 first
 
     @app.exception_handler(ApiError)
     async def api_error(_request: Request, exc: ApiError) -> Response:
-        return _json(ErrorReply(exc.detail), exc.status)
+        return _json(ErrorReply(exc.detail, exc.code), exc.status)
+
+    @app.exception_handler(UnknownWorker)  # retired between `known` and the book's call
+    async def unknown_worker(_request: Request, exc: UnknownWorker) -> Response:
+        return _json(ErrorReply(f"unknown worker {exc}; register again", UNKNOWN_WORKER), 404)
 
     def known(worker_id: str) -> None:
         if not book.known_worker(worker_id):
-            raise ApiError(404, f"unknown worker {worker_id}; register again")
+            raise ApiError(404, f"unknown worker {worker_id}; register again", UNKNOWN_WORKER)
 
     def done_for(worker_id: str) -> bool:
         """Whether the rollout is complete, noting that this worker has heard it."""
@@ -141,7 +186,7 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
 
     @app.post(REGISTER.path)
     async def register(request: Request) -> Response:
-        body = await _decode(request, REGISTER)
+        body = await _decode(request, REGISTER.body)
         if body.rank < 0 or body.max_chunks < 1 or body.kv_capacity_tokens < 1 or not body.worker_id:
             raise ApiError(422, "rank >= 0, max_chunks >= 1, kv_capacity_tokens >= 1 and a worker_id are required")
         worker = await control.run(book.register, rank=body.rank, address=body.address, max_chunks=body.max_chunks,
@@ -151,7 +196,7 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
 
     @app.post(LEASE.path)
     async def lease(request: Request) -> Response:
-        body = await _decode(request, LEASE)
+        body = await _decode(request, LEASE.body)
         known(body.worker_id)
         if done_for(body.worker_id):
             return _json(LeaseReply([], done=True))
@@ -172,20 +217,23 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
 
     @app.post(REPORT.path)
     async def report(request: Request) -> Response:
-        body = await _decode(request, REPORT)
+        body = await _decode(request, ReportBatch)
+        try:  # each report on its own: a malformed one is rejected alone (`book.report_many`)
+            reports = [decode_report(raw) for raw in body.reports]
+        except msgspec.ValidationError as exc:
+            raise ApiError(422, f"invalid body: a report without an integer chunk_id and epoch ({exc})") from None
         known(body.worker_id)
-        try:
-            outcomes = await control.run(book.report_many, body.worker_id, body.reports, clock())
-        except BadReport as exc:
-            raise ApiError(422, str(exc)) from None
-        if any(o.accepted and not o.request_finished and not o.duplicate for o in outcomes) or book.is_complete():
+        outcomes = await control.run(book.report_many, body.worker_id, reports, clock())
+        # Work for lease calls waiting: a request to continue, a rejected chunk to run again.
+        if any(o.rerun or (o.accepted and not o.request_finished and not o.duplicate) for o in outcomes) \
+                or book.is_complete():
             control.work_queued()
-        results = [ReportResult(r.chunk_id, o.accepted, o.duplicate, o.reason) for r, o in zip(body.reports, outcomes)]
+        results = [ReportResult(r.chunk_id, o.accepted, o.duplicate, o.reason) for r, o in zip(reports, outcomes)]
         return _json(ReportReply(results, done=book.is_complete()))
 
     @app.post(RELEASE.path)
     async def release(request: Request) -> Response:
-        body = await _decode(request, RELEASE)
+        body = await _decode(request, RELEASE.body)
         known(body.worker_id)
         released = await control.run(book.release, body.worker_id, body.chunk_id, body.epoch, body.reason, clock(),
                                      failed=body.failed)
@@ -195,7 +243,7 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
 
     @app.post(HEARTBEAT.path)
     async def heartbeat(request: Request) -> Response:
-        body = await _decode(request, HEARTBEAT)
+        body = await _decode(request, HEARTBEAT.body)
         known(body.worker_id)
         abort = await control.run(book.heartbeat, body.worker_id, body.running, clock(), body.stats)
         control.worker_stats[body.worker_id] = body.stats
@@ -208,12 +256,12 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
 
     @app.post(DRAFTS_APPEND.path)
     async def drafts_append(request: Request) -> Response:
-        host, body = draft_host(), await _decode(request, DRAFTS_APPEND)
+        host, body = draft_host(), await _decode(request, DRAFTS_APPEND.body)
         return _json(DraftAppendReply(await host.run(append_items, host.server, body.items)))
 
     @app.post(DRAFTS_FETCH.path)
     async def drafts_fetch(request: Request) -> Response:
-        host, body = draft_host(), await _decode(request, DRAFTS_FETCH)
+        host, body = draft_host(), await _decode(request, DRAFTS_FETCH.body)
         try:
             return _json(await host.run(host.server.fetch, body.cursors))
         except DraftError as exc:

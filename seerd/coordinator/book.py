@@ -30,22 +30,24 @@ from typing import NamedTuple
 from sqlalchemy import Connection, Engine, bindparam, insert, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from seerd.coordinator.reports import ReportOutcome, judge, validate
+from seerd.coordinator.reports import (
+    AcceptedReport, ReportOutcome, judge, judge_unleased, report_problem, write_results,
+)
 from seerd.db import (
     Chunk, ChunkStatus, Event, Group, Request, RequestStatus, RequestTarget, Rollout, RolloutStatus, Worker,
     WorkerStatus,
 )
 from seerd.db.event import event_row
 from seerd.db.transitions import ROW_EPOCH, ROW_ID, change_one, change_status, insert_with_status
-from seerd.io.codec import pack_floats, pack_ints, unpack_ints
-from seerd.protocol import ChunkGrant, ChunkReport
-from seerd.scheduler.state import ChunkResult, GroupRecord, RequestRecord, ResultsUpdate, SchedulerState
+from seerd.io.codec import unpack_ints
+from seerd.protocol import ChunkGrant, ChunkReport, UnreadableReport
+from seerd.scheduler.state import ChunkResult, GroupRecord, RequestRecord, SchedulerState
 from seerd.scheduler.views import Plan, Policy
 
 CHUNKS, REQUESTS, GROUPS, EVENTS = Chunk.__table__, Request.__table__, Group.__table__, Event.__table__
 ROLLOUTS, WORKERS, TARGETS = Rollout.__table__, Worker.__table__, RequestTarget.__table__
-# Chunks of one request its engines may fail before the request ends failed (a poison request: the
-# engine rejects it whatever runs it). The retries go to other workers' engines where there are.
+# Failed chunks of one request before the request ends failed (a poison request: every engine
+# refuses it, or its output is never right). The retries go to other workers' engines where there are.
 MAX_FAILED_ATTEMPTS = 3
 
 
@@ -67,7 +69,7 @@ class RequestProgress:
     """What the book keeps of a request besides the scheduler's view."""
 
     num_chunks: int  # done chunks
-    failed_attempts: int = 0  # chunks of it the engine failed
+    failed_attempts: int = 0  # chunks of it that failed: refused by the engine, or a report rejected
     open_chunk: tuple[int, int] | None = None  # (chunk id, epoch) of a QUEUED row left by a lease that ended
     tokens: array | None = None  # generated tokens while unfinished (None: not loaded yet)
 
@@ -110,9 +112,16 @@ class _Requeue:
     epoch: int
 
 
+@dataclass(frozen=True)
+class _Failure:
+    lease: _Requeue
+    attempts: int  # failed chunks of its request, this one included
+    fatal: bool  # the request ends failed
+
+
 class LeaseBook:
     def __init__(self, sessions: sessionmaker[Session], rollout_id: int, policy: Policy,
-                 *, chunk_tokens: int, lease_ttl_s: float, seed: int) -> None:
+                 *, chunk_tokens: int, lease_ttl_s: float, seed: int, vocab_size: int) -> None:
         self.sessions = sessions
         self.engine: Engine = sessions.kw["bind"]
         self.rollout_id = rollout_id
@@ -120,6 +129,7 @@ class LeaseBook:
         self.chunk_tokens = chunk_tokens
         self.lease_ttl_s = lease_ttl_s
         self.seed = seed
+        self.vocab_size = vocab_size  # the model's: a reported token id outside it is rejected
         self.state = SchedulerState(chunk_tokens=chunk_tokens)
         self.inputs: dict[int, GroupInputs] = {}  # group id ->
         self.progress: dict[int, RequestProgress] = {}  # request id ->
@@ -359,15 +369,21 @@ class LeaseBook:
                           group_id=request.group_id, prompt_len=group.prompt_len, is_probe=request.is_probe)
 
     # ----------------------------------------------------------------- reports
-    def report(self, worker_id: str, report: ChunkReport, now: float) -> ReportOutcome:
+    def report(self, worker_id: str, report: ChunkReport | UnreadableReport, now: float) -> ReportOutcome:
         return self.report_many(worker_id, [report], now)[0]
 
-    def report_many(self, worker_id: str, reports: Sequence[ChunkReport], now: float) -> list[ReportOutcome]:
-        """Commit every acceptable report of one call in one transaction, then acknowledge."""
+    def report_many(self, worker_id: str, reports: Sequence[ChunkReport | UnreadableReport],
+                    now: float) -> list[ReportOutcome]:
+        """Commit every acceptable report of one call in one transaction, then acknowledge.
+
+        A report that cannot be right (`report_problem`, or unreadable) is rejected alone: in the
+        same transaction its lease ends, with an event saying why, and its chunk runs again; the
+        rest of the batch is committed."""
         self._worker(worker_id)
         outcomes: list[ReportOutcome | None] = [None] * len(reports)
-        accepted: list[tuple[int, ChunkReport, str]] = []  # (position, report, request's finish reason)
+        accepted: list[AcceptedReport] = []
         results: list[ChunkResult] = []
+        rejected: list[tuple[int, str]] = []  # (position, problem)
         seen: set[int] = set()
         for i, report in enumerate(reports):
             lease, terms = self.state.leases.get(report.chunk_id), self.terms.get(report.chunk_id)
@@ -377,17 +393,28 @@ class LeaseBook:
             seen.add(report.chunk_id)
             request = self.state.requests[lease.request_id]
             target = self.worker_only_targets.get(request.id)
-            validate(report, lease.max_tokens, request.generated, target)
+            problem = (report.problem if isinstance(report, UnreadableReport) else
+                       report_problem(report, lease.max_tokens, request.generated, target, self.vocab_size))
+            if problem is not None:
+                rejected.append((i, problem))
+                continue
             verdict = judge(report, lease.max_tokens, request.generated, request.max_tokens, target)
-            accepted.append((i, report, verdict.finish_reason))
+            num_chunks = self.progress[request.id].num_chunks + 1
+            accepted.append(AcceptedReport(i, report, verdict.finish_reason, num_chunks))
             results.append(ChunkResult(report.chunk_id, len(report.token_ids), verdict.finished))
         prepared = self.state.prepare_results(results, now)
-        if results:
+        failures = []
+        if results or rejected:
             with self.engine.begin() as conn:
-                self._write_results(conn, worker_id, prepared, accepted, now)
+                if results:
+                    write_results(conn, self.rollout_id, worker_id, prepared, accepted, now)
+                failures = [self._write_failure(conn, reports[i].chunk_id, f"report rejected: {problem}", now,
+                                                kind="report_rejected") for i, problem in rejected]
         # Committed: now the state follows.
         self.state.apply_results(prepared)
-        for (i, report, _), outcome in zip(accepted, prepared.requests):
+        for failure in failures:
+            self._apply_failure(failure)
+        for (i, report, _, _), outcome in zip(accepted, prepared.requests):
             del self.terms[report.chunk_id]
             request = self.state.requests[outcome.request_id]
             progress = self.progress[request.id]
@@ -405,104 +432,66 @@ class LeaseBook:
         for group in prepared.groups:
             if group.complete and self.on_group_finished is not None:
                 self.on_group_finished(group.group_id)
-        for i, report in enumerate(reports):
-            if outcomes[i] is None:
-                outcomes[i] = self._judge_unleased(worker_id, report)
+        for (i, problem), failure in zip(rejected, failures):
+            again = "its request failed" if failure.fatal else "the chunk runs again"
+            outcomes[i] = ReportOutcome(False, reason=f"rejected, {again}: {problem}", rerun=not failure.fatal)
+        unleased = [i for i, outcome in enumerate(outcomes) if outcome is None]
+        if unleased:
+            with self.engine.connect() as conn:
+                for i in unleased:
+                    outcomes[i] = judge_unleased(conn, worker_id, reports[i])
         return outcomes
-
-    def _write_results(self, conn: Connection, worker_id: str, prepared: ResultsUpdate,
-                       accepted: Sequence[tuple[int, ChunkReport, str]], now: float) -> None:
-        """The rows of a prepared update (`SchedulerState.prepare_results`), in the caller's transaction."""
-        chunk_rows, finished_rows, requeued_rows, events = [], [], [], []
-        for (_, report, finish_reason), outcome in zip(accepted, prepared.requests):
-            n_tokens = len(report.token_ids)
-            chunk_rows.append({ROW_ID: report.chunk_id, ROW_EPOCH: report.epoch, "fin": now, "n": n_tokens,
-                               "tok": pack_ints(report.token_ids), "lp": pack_floats(report.logprobs),
-                               "fr": report.finish_reason, "cached": report.cached_tokens})
-            row = {ROW_ID: outcome.request_id, "gen": outcome.generated,
-                   "nc": self.progress[outcome.request_id].num_chunks + 1}
-            events.append(event_row(self.rollout_id, now, "chunk_done", worker_id, outcome.request_id,
-                                    report.chunk_id, {"tokens": n_tokens, "finish_reason": report.finish_reason,
-                                                      "cached_tokens": report.cached_tokens}))
-            if outcome.finished:
-                finished_rows.append({**row, "fr": finish_reason})
-                events.append(event_row(self.rollout_id, now, "request_finished", worker_id, outcome.request_id,
-                                        None, {"length": outcome.generated, "finish_reason": finish_reason,
-                                               "group_estimate": outcome.group_estimate}))
-            else:
-                requeued_rows.append(row)
-        change_status(conn, CHUNKS, ChunkStatus.LEASED, ChunkStatus.DONE, chunk_rows, guard_epoch=True, values={
-            "finished_at": bindparam("fin"), "num_tokens": bindparam("n"), "token_ids": bindparam("tok"),
-            "logprobs": bindparam("lp"), "finish_reason": bindparam("fr"), "cached_tokens": bindparam("cached"),
-            "lease_deadline": None})
-        counts = {"generated_tokens": bindparam("gen"), "num_chunks": bindparam("nc")}
-        change_status(conn, REQUESTS, RequestStatus.RUNNING, RequestStatus.FINISHED, finished_rows,
-                      values={**counts, "finish_reason": bindparam("fr"), "finished_at": now})
-        change_status(conn, REQUESTS, RequestStatus.RUNNING, RequestStatus.QUEUED, requeued_rows,
-                      values={**counts, "queued_at": now})
-        if prepared.groups:
-            conn.execute(update(GROUPS).where(GROUPS.c.id == bindparam("gid")).values(
-                finished_requests=bindparam("fr"), length_estimate=bindparam("est"), finished_at=bindparam("fa")),
-                [{"gid": g.group_id, "fr": g.finished, "est": g.estimate, "fa": now if g.complete else None}
-                 for g in prepared.groups])
-        conn.execute(insert(EVENTS), events)
-
-    def _judge_unleased(self, worker_id: str, report: ChunkReport) -> ReportOutcome:
-        """A report without a matching live lease: a harmless duplicate, or stale and rejected."""
-        with self.engine.connect() as conn:
-            chunk = conn.execute(select(CHUNKS.c.status, CHUNKS.c.lease_epoch, CHUNKS.c.lease_holder)
-                                 .where(CHUNKS.c.id == report.chunk_id)).first()
-        if chunk is None:
-            return ReportOutcome(False, reason=f"unknown chunk {report.chunk_id}")
-        if chunk.status == ChunkStatus.DONE and chunk.lease_epoch == report.epoch and chunk.lease_holder == worker_id:
-            return ReportOutcome(True, duplicate=True)
-        return ReportOutcome(False, reason=(
-            f"stale lease: chunk {report.chunk_id} is {chunk.status.value} at epoch {chunk.lease_epoch}, "
-            f"report is for epoch {report.epoch}"))
 
     def release(self, worker_id: str, chunk_id: int, epoch: int, reason: str, now: float,
                 *, failed: bool = False) -> bool:
         """A worker gives a chunk back: unrun (shutdown), it runs again elsewhere; `failed` by its
-        engine, it counts toward its request's `MAX_FAILED_ATTEMPTS`, and runs again on another
-        worker's engine where there is one, or its request ends failed with the engine's message."""
+        engine, it is a failed chunk (`_write_failure`)."""
         lease, terms = self.state.leases.get(chunk_id), self.terms.get(chunk_id)
         if lease is None or terms.epoch != epoch or lease.worker_id != worker_id:
             return False
         if not failed:
             self._end_leases([chunk_id], now, kind="lease_released", reason=reason)
             return True
-        progress = self.progress[lease.request_id]
-        attempts = progress.failed_attempts + 1
-        fatal = attempts >= MAX_FAILED_ATTEMPTS
         with self.engine.begin() as conn:
-            if fatal:
-                change_one(conn, CHUNKS, chunk_id, ChunkStatus.LEASED, ChunkStatus.FAILED, finished_at=now,
-                           finish_reason="error", lease_deadline=None)
-                change_one(conn, REQUESTS, lease.request_id, RequestStatus.RUNNING, RequestStatus.FAILED,
-                           failed_attempts=attempts, error=reason, finish_reason="error", finished_at=now)
-            else:
-                self._write_requeue(conn, [_Requeue(chunk_id, lease.request_id, worker_id, terms.epoch)], now,
-                                    kind="chunk_failed", reason=reason)
-                conn.execute(update(REQUESTS).where(REQUESTS.c.id == lease.request_id).values(
-                    failed_attempts=attempts))
-            if fatal:
-                conn.execute(insert(EVENTS), [event_row(self.rollout_id, now, "request_failed", worker_id,
-                                                        lease.request_id, chunk_id,
-                                                        {"reason": reason, "attempts": attempts})])
-        self.state.fail_chunk(chunk_id, request_failed=fatal)
-        del self.terms[chunk_id]
-        progress.failed_attempts = attempts
-        if fatal:
-            progress.tokens = None
-            self._request_ended(lease.request_id)
-        else:
-            progress.open_chunk = (chunk_id, terms.epoch)
+            failure = self._write_failure(conn, chunk_id, reason, now)
+        self._apply_failure(failure)
         return True
 
-    def _request_ended(self, request_id: int) -> None:
-        """After the commit: listeners forget a finished or failed request, and its group once all ended."""
-        request = self.state.requests[request_id]
-        if self.on_request_finished is not None:
+    def _write_failure(self, conn: Connection, chunk_id: int, reason: str, now: float,
+                       *, kind: str = "chunk_failed") -> _Failure:
+        """A leased chunk failed (its engine refused it, or its report was rejected), in the
+        caller's transaction. It counts toward its request's `MAX_FAILED_ATTEMPTS`: before that,
+        the chunk goes back to be leased again, on another worker's engine where there is one
+        (`base.failed_here`); at that, the request ends `failed` with `reason`."""
+        lease, terms = self.state.leases[chunk_id], self.terms[chunk_id]
+        attempts = self.progress[lease.request_id].failed_attempts + 1
+        failure = _Failure(_Requeue(chunk_id, lease.request_id, lease.worker_id, terms.epoch), attempts,
+                           attempts >= MAX_FAILED_ATTEMPTS)
+        if failure.fatal:
+            change_one(conn, CHUNKS, chunk_id, ChunkStatus.LEASED, ChunkStatus.FAILED, finished_at=now,
+                       finish_reason="error", lease_deadline=None)
+            change_one(conn, REQUESTS, lease.request_id, RequestStatus.RUNNING, RequestStatus.FAILED,
+                       failed_attempts=attempts, error=reason, finish_reason="error", finished_at=now)
+            conn.execute(insert(EVENTS), [event_row(self.rollout_id, now, "request_failed", lease.worker_id,
+                                                    lease.request_id, chunk_id, {"reason": reason, "attempts": attempts})])
+        else:
+            self._write_requeue(conn, [failure.lease], now, kind=kind, reason=reason)
+            conn.execute(update(REQUESTS).where(REQUESTS.c.id == lease.request_id).values(failed_attempts=attempts))
+        return failure
+
+    def _apply_failure(self, failure: _Failure) -> None:
+        """After the commit of `_write_failure`: the state and the book follow."""
+        lease = failure.lease
+        self.state.fail_chunk(lease.chunk_id, request_failed=failure.fatal)
+        del self.terms[lease.chunk_id]
+        progress = self.progress[lease.request_id]
+        progress.failed_attempts = failure.attempts
+        if not failure.fatal:
+            progress.open_chunk = (lease.chunk_id, lease.epoch)
+            return
+        progress.tokens = None
+        request = self.state.requests[lease.request_id]
+        if self.on_request_finished is not None:  # ended: listeners forget it, and its group once all ended
             self.on_request_finished(request.group_id, request.id)
         if request.group_id not in self.state.unfinished_groups and self.on_group_finished is not None:
             self.on_group_finished(request.group_id)
@@ -524,11 +513,18 @@ class LeaseBook:
         return len(expired)
 
     def _end_leases(self, chunk_ids: list[int], now: float, *, kind: str, reason: str | None = None) -> None:
-        ending = [_Requeue(cid, self.state.leases[cid].request_id, self.state.leases[cid].worker_id,
-                           self.terms[cid].epoch) for cid in chunk_ids]
+        ending = self._ending(chunk_ids)
         with self.engine.begin() as conn:
             self._write_requeue(conn, ending, now, kind=kind, reason=reason)
-        self.state.return_leases(chunk_ids)
+        self._forget_leases(ending)
+
+    def _ending(self, chunk_ids: list[int]) -> list[_Requeue]:
+        return [_Requeue(cid, self.state.leases[cid].request_id, self.state.leases[cid].worker_id,
+                         self.terms[cid].epoch) for cid in chunk_ids]
+
+    def _forget_leases(self, ending: list[_Requeue]) -> None:
+        """After the commit of `_write_requeue`: the state and the book follow."""
+        self.state.return_leases([lease.chunk_id for lease in ending])
         for lease in ending:
             del self.terms[lease.chunk_id]
             self.progress[lease.request_id].open_chunk = (lease.chunk_id, lease.epoch)

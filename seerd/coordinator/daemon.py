@@ -21,14 +21,15 @@ import uvicorn
 from sqlalchemy import Engine, select
 
 from seerd.config import RunConfig
-from seerd.coordinator.api import CoordinatorControl, create_app
+from seerd.coordinator.api import CoordinatorControl, body_limit, create_app
 from seerd.coordinator.book import LeaseBook
 from seerd.coordinator.drafts import REFRESH_S, DraftHost, book_sequences, history_sequences
 from seerd.coordinator.kvpool import PoolHost, model_revision, run_tag
 from seerd.db import Rollout, RolloutStatus, WorkerStatus, add_event, make_engine, make_sessionmaker
-from seerd.db.migrate import upgrade
+from seerd.db.migrate import upgrade_run_database
 from seerd.db.read import UnreadableDatabase
 from seerd.io.export import ExportResult, export_run
+from seerd.io.prompts import load_model_limits
 from seerd.protocol import EngineSettings
 from seerd.rundir import RunDir
 from seerd.scheduler import make_policy
@@ -63,8 +64,9 @@ class CoordinatorResult:
 
 
 def open_database(run_dir: RunDir, *, synchronous: str = "FULL") -> Engine:
+    """The run's database for writing, its schema brought to head (copied aside first when it moves)."""
     engine = make_engine(run_dir.db_path, synchronous=synchronous)
-    upgrade(engine)
+    upgrade_run_database(engine, run_dir.db_path)
     return engine
 
 
@@ -93,9 +95,12 @@ class Coordinator:
             self.engine = make_engine(run_dir.db_path, synchronous=self.config.sqlite_synchronous)
         self.sessions = make_sessionmaker(self.engine)
         self.rollout_id = rollout.id
+        # Reported tokens are checked against the model's own vocabulary, read here rather than
+        # taken from the workers whose reports it checks (the prompts were checked against it too).
+        vocab_size = load_model_limits(Path(self.config.model_path)).vocab_size
         self.book = LeaseBook(self.sessions, rollout.id, make_policy(self.config.policy),
                               chunk_tokens=self.config.chunk_tokens, lease_ttl_s=self.config.lease_ttl_s,
-                              seed=self.config.seed)
+                              seed=self.config.seed, vocab_size=vocab_size)
         self.control = CoordinatorControl()
         # The job's grouped draft server (Seer's DGDS), only when workers draft from it.
         self.drafts = DraftHost() if self.config.spec.mode == "grouped" else None
@@ -222,7 +227,8 @@ class Coordinator:
             address = await asyncio.get_running_loop().run_in_executor(None, self.pool.start)
             await self.control.run(self.record_event, "kv_pool_started",
                                    {"master": address.master, "generation": address.generation})
-        app = create_app(self.book, self.run_dir.read_secret(), self.control, self.clock, self.drafts)
+        app = create_app(self.book, self.run_dir.read_secret(), self.control, self.clock, self.drafts,
+                         max_body_bytes=body_limit(self.config.engine, self.config.chunk_tokens))
         app.state.engine_settings = self.engine_settings()
         app.state.kv_pool = self.pool
         self.control.scheduling_gate = self._gate

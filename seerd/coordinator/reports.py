@@ -1,20 +1,36 @@
-"""What a worker's chunk report means: is it well-formed, and does it finish its request?
+"""What a worker's chunk report means, and what it writes.
 
-Pure functions of the report and what the lease book knows of the chunk, so the rules live in
-one place and are tested without a database.
+The rules (is it well-formed, does it finish its request) are pure functions of the report and
+what the lease book knows of the chunk, so they live in one place and are tested without a
+database. The rows an accepted report writes, and the verdict on a report without a live lease,
+take the lease book's connection: the book runs them in its transactions.
 """
 
 from __future__ import annotations
 
+import math
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
+
+from sqlalchemy import Connection, bindparam, insert, select, update
+
+from seerd.db import Chunk, ChunkStatus, Event, Group, Request, RequestStatus
+from seerd.db.event import event_row
+from seerd.db.transitions import ROW_EPOCH, ROW_ID, change_status
+from seerd.io.codec import pack_floats, pack_ints
+from seerd.protocol import ChunkReport, UnreadableReport
+from seerd.scheduler.state import ResultsUpdate
+
+_CHUNKS, _REQUESTS, _GROUPS, _EVENTS = Chunk.__table__, Request.__table__, Group.__table__, Event.__table__
 
 # "length_target": the worker ended the response at its target length (benchmark rows).
 FINISH_REASONS = frozenset({"stop", "length", "length_target"})
-
-
-class BadReport(ValueError):
-    """A report that cannot be right whatever the lease state (too many tokens, bad fields)."""
+# A sampled token's logprob is <= 0; vLLM computes it in float32 (log_softmax), whose rounding
+# near 0 is ~1e-6 for logits of ordinary size. Up to this much above 0 is rounding, stored as
+# reported; anything larger is a probability above 1.
+LOGPROB_ROUNDING = 1e-3
 
 
 class Report(Protocol):
@@ -29,6 +45,14 @@ class ReportOutcome:
     duplicate: bool = False
     reason: str = ""
     request_finished: bool = False
+    rerun: bool = False  # rejected as wrong: its chunk is queued to run again
+
+
+class AcceptedReport(NamedTuple):
+    position: int  # in its call's batch
+    report: ChunkReport
+    finish_reason: str  # the request's, should this chunk finish it
+    num_chunks: int  # the request's done chunks, this one included
 
 
 @dataclass(frozen=True)
@@ -37,24 +61,36 @@ class Verdict:
     finish_reason: str  # the request's, if finished (the chunk keeps the worker's own)
 
 
-def validate(report: Report, budget: int, generated: int, target: int | None) -> None:
-    """Raise `BadReport` unless the report can be right for a chunk of `budget` tokens of a
-    request with `generated` tokens so far and, for benchmark rows, a `target` length."""
+def report_problem(report: Report, budget: int, generated: int, target: int | None, vocab_size: int) -> str | None:
+    """Why the report cannot be right for a chunk of `budget` tokens of a request with `generated`
+    tokens so far and, for benchmark rows, a `target` length, from a model of `vocab_size`
+    tokens; None when it can."""
     if report.finish_reason not in FINISH_REASONS:
-        raise BadReport(f"finish_reason must be one of {sorted(FINISH_REASONS)}, got {report.finish_reason!r}")
+        return f"finish_reason must be one of {sorted(FINISH_REASONS)}, got {report.finish_reason!r}"
     if len(report.logprobs) != len(report.token_ids):
-        raise BadReport(f"{len(report.token_ids)} token ids but {len(report.logprobs)} logprobs")
+        return f"{len(report.token_ids)} token ids but {len(report.logprobs)} logprobs"
     if len(report.token_ids) > budget:
-        raise BadReport(f"{len(report.token_ids)} tokens exceed the chunk budget {budget}")
-    if not report.token_ids and report.finish_reason != "stop":
-        raise BadReport("an empty chunk must end with finish_reason 'stop'")
+        return f"{len(report.token_ids)} tokens exceed the chunk budget {budget}"
+    if not report.token_ids:
+        return None if report.finish_reason == "stop" else "an empty chunk must end with finish_reason 'stop'"
     total = generated + len(report.token_ids)
     if target is not None and total > target:
-        raise BadReport(f"{total} tokens pass the response's target length {target}")
+        return f"{total} tokens pass the response's target length {target}"
     if report.finish_reason == "length_target" and target is None:
-        raise BadReport("finish_reason 'length_target' for a request without a target length")
+        return "finish_reason 'length_target' for a request without a target length"
     if report.finish_reason == "length_target" and total != target:
-        raise BadReport(f"finish_reason 'length_target' at {total} tokens, but the target is {target}")
+        return f"finish_reason 'length_target' at {total} tokens, but the target is {target}"
+    if min(report.token_ids) < 0 or max(report.token_ids) >= vocab_size:
+        at, token = next((i, t) for i, t in enumerate(report.token_ids) if not 0 <= t < vocab_size)
+        return f"token_ids[{at}] = {token} is outside the model's vocabulary (0..{vocab_size - 1})"
+    stored = array("f", report.logprobs)  # float32, as stored: a float64 past its range becomes infinite
+    if not all(map(math.isfinite, stored)):
+        at, logprob = next((i, x) for i, x in enumerate(stored) if not math.isfinite(x))
+        return f"logprobs[{at}] = {logprob} is not finite (as float32)"
+    if max(report.logprobs) > LOGPROB_ROUNDING:
+        at, logprob = next((i, x) for i, x in enumerate(report.logprobs) if x > LOGPROB_ROUNDING)
+        return f"logprobs[{at}] = {logprob} is positive (a probability above 1)"
+    return None
 
 
 def judge(report: Report, budget: int, generated: int, max_tokens: int, target: int | None) -> Verdict:
@@ -69,3 +105,61 @@ def judge(report: Report, budget: int, generated: int, max_tokens: int, target: 
                 or n_tokens < budget or at_target)
     reason = "length_target" if at_target and report.finish_reason == "length" else report.finish_reason
     return Verdict(finished, reason)
+
+
+def write_results(conn: Connection, rollout_id: int, worker_id: str, prepared: ResultsUpdate,
+                  accepted: Sequence[AcceptedReport], now: float) -> None:
+    """The rows of a prepared update (`SchedulerState.prepare_results`) of `accepted`, in the
+    caller's transaction: each chunk `leased` -> `done` (guarded by its lease epoch, with its
+    tokens), its request `running` -> `finished` or `queued`, the groups' counts and estimates."""
+    chunk_rows, finished_rows, requeued_rows, events = [], [], [], []
+    for (_, report, finish_reason, num_chunks), outcome in zip(accepted, prepared.requests):
+        n_tokens = len(report.token_ids)
+        chunk_rows.append({ROW_ID: report.chunk_id, ROW_EPOCH: report.epoch, "fin": now, "n": n_tokens,
+                           "tok": pack_ints(report.token_ids), "lp": pack_floats(report.logprobs),
+                           "fr": report.finish_reason, "cached": report.cached_tokens})
+        row = {ROW_ID: outcome.request_id, "gen": outcome.generated, "nc": num_chunks}
+        events.append(event_row(rollout_id, now, "chunk_done", worker_id, outcome.request_id,
+                                report.chunk_id, {"tokens": n_tokens, "finish_reason": report.finish_reason,
+                                                  "cached_tokens": report.cached_tokens}))
+        if outcome.finished:
+            finished_rows.append({**row, "fr": finish_reason})
+            events.append(event_row(rollout_id, now, "request_finished", worker_id, outcome.request_id,
+                                    None, {"length": outcome.generated, "finish_reason": finish_reason,
+                                           "group_estimate": outcome.group_estimate}))
+        else:
+            requeued_rows.append(row)
+    change_status(conn, _CHUNKS, ChunkStatus.LEASED, ChunkStatus.DONE, chunk_rows, guard_epoch=True, values={
+        "finished_at": bindparam("fin"), "num_tokens": bindparam("n"), "token_ids": bindparam("tok"),
+        "logprobs": bindparam("lp"), "finish_reason": bindparam("fr"), "cached_tokens": bindparam("cached"),
+        "lease_deadline": None})
+    counts = {"generated_tokens": bindparam("gen"), "num_chunks": bindparam("nc")}
+    change_status(conn, _REQUESTS, RequestStatus.RUNNING, RequestStatus.FINISHED, finished_rows,
+                  values={**counts, "finish_reason": bindparam("fr"), "finished_at": now})
+    change_status(conn, _REQUESTS, RequestStatus.RUNNING, RequestStatus.QUEUED, requeued_rows,
+                  values={**counts, "queued_at": now})
+    if prepared.groups:
+        conn.execute(update(_GROUPS).where(_GROUPS.c.id == bindparam("gid")).values(
+            finished_requests=bindparam("fr"), length_estimate=bindparam("est"), finished_at=bindparam("fa")),
+            [{"gid": g.group_id, "fr": g.finished, "est": g.estimate, "fa": now if g.complete else None}
+             for g in prepared.groups])
+    conn.execute(insert(_EVENTS), events)
+
+
+def judge_unleased(conn: Connection, worker_id: str, report: ChunkReport | UnreadableReport) -> ReportOutcome:
+    """A report without a matching live lease: a harmless duplicate, or stale and rejected.
+
+    Reports are idempotent per lease epoch: a chunk row, once `done`, never changes again (the
+    request's next chunk is a new row), so the same report sent again (its answer lost, or a
+    5xx) finds its chunk `done` at its epoch by its worker and is acknowledged as a duplicate
+    without counting twice; a report for a lease that ended meanwhile finds another epoch or
+    status and is rejected."""
+    chunk = conn.execute(select(_CHUNKS.c.status, _CHUNKS.c.lease_epoch, _CHUNKS.c.lease_holder)
+                         .where(_CHUNKS.c.id == report.chunk_id)).first()
+    if chunk is None:
+        return ReportOutcome(False, reason=f"unknown chunk {report.chunk_id}")
+    if chunk.status == ChunkStatus.DONE and chunk.lease_epoch == report.epoch and chunk.lease_holder == worker_id:
+        return ReportOutcome(True, duplicate=True)
+    return ReportOutcome(False, reason=(
+        f"stale lease: chunk {report.chunk_id} is {chunk.status.value} at epoch {chunk.lease_epoch}, "
+        f"report is for epoch {report.epoch}"))

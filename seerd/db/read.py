@@ -1,5 +1,6 @@
-"""Read-only access to a run's database, for its readers: `seerd status`, `seerd report` and the
-draft server's history (`--spec-history`).
+"""Read-only access to a run's database, for its readers: `seerd status`, `seerd report`, `seerd
+export`, the look at a run before it is resumed (`launch.prepare.read_rollout`) and the draft
+server's history (`--spec-history`).
 
 A reader never writes to the run and never takes a lock a writer waits on. SQLite's `mode=ro` on
 a database in WAL mode needs the `-wal` and `-shm` files beside it (the WAL index lives in
@@ -136,7 +137,7 @@ def latest_rollout(conn: Connection) -> Row | None:
     """The run's rollout (the newest, should a database hold several)."""
     return conn.execute(select(Rollout.id, Rollout.status, Rollout.policy, Rollout.status_reason,
                                Rollout.created_at, Rollout.started_at, Rollout.finished_at,
-                               Rollout.config_json)
+                               Rollout.config_json, Rollout.input_path, Rollout.input_sha256)
                         .order_by(Rollout.id.desc()).limit(1)).first()
 
 

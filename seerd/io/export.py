@@ -3,14 +3,21 @@
 One row per ended response: finished, or failed (`finish_reason` "error", the engine's message in
 `error`, the tokens it had generated). An unfinished run exports what has ended and says so, in
 the returned result and in `rollouts.meta.json` (`"complete": false`).
+
+Two exporters may meet: the coordinator's at the end of the run, and `seerd export` of the live
+run (`export_snapshot`, which reads without the write lock and so no longer waits for the
+coordinator). They write under one lock file, and a partial export never replaces a complete one.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pyarrow as pa
@@ -18,7 +25,9 @@ import pyarrow.parquet as pq
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from seerd.db import Chunk, ChunkStatus, Group, Request, RequestStatus
+from seerd.db import Chunk, ChunkStatus, Group, Request, RequestStatus, RolloutStatus
+from seerd.db.migrate import head_revisions
+from seerd.db.read import UnreadableDatabase, latest_rollout, reading, schema_revision
 from seerd.io.codec import unpack_floats, unpack_ints
 from seerd.rundir import RunDir
 
@@ -44,6 +53,8 @@ class ExportResult:
     responses: int  # ended: finished or failed
     responses_total: int
     failed: int = 0
+    # False: a partial export found the complete one already written (the run finished meanwhile) and kept it.
+    written: bool = True
 
     @property
     def complete(self) -> bool:
@@ -92,20 +103,60 @@ def collect_rows(session: Session, rollout_id: int) -> tuple[list[dict], int]:
 
 
 def write_outputs(run_dir: RunDir, rows: list[dict], total: int) -> ExportResult:
-    table = pa.Table.from_pylist(rows, schema=SCHEMA)
-    _atomic(run_dir.parquet_path, lambda tmp: pq.write_table(table, tmp))
-    _atomic(run_dir.jsonl_path, lambda tmp: tmp.write_text(
-        "".join(json.dumps(row, separators=(",", ":")) + "\n" for row in rows)))
     result = ExportResult(len(rows), total, sum(row["finish_reason"] == "error" for row in rows))
-    meta = {"complete": result.complete, "responses": len(rows), "responses_total": total,
-            "failed": result.failed, "exported_at": time.time()}
-    _atomic(run_dir.meta_path, lambda tmp: tmp.write_text(json.dumps(meta, indent=1) + "\n"))
+    with _export_lock(run_dir):
+        if not result.complete and _complete_export_written(run_dir):
+            return replace(result, written=False)
+        table = pa.Table.from_pylist(rows, schema=SCHEMA)
+        _atomic(run_dir.parquet_path, lambda tmp: pq.write_table(table, tmp))
+        _atomic(run_dir.jsonl_path, lambda tmp: tmp.write_text(
+            "".join(json.dumps(row, separators=(",", ":")) + "\n" for row in rows)))
+        meta = {"complete": result.complete, "responses": len(rows), "responses_total": total,
+                "failed": result.failed, "exported_at": time.time()}
+        _atomic(run_dir.meta_path, lambda tmp: tmp.write_text(json.dumps(meta, indent=1) + "\n"))
     return result
 
 
 def export_run(session: Session, rollout_id: int, run_dir: RunDir) -> ExportResult:
     rows, total = collect_rows(session, rollout_id)
     return write_outputs(run_dir, rows, total)
+
+
+def export_snapshot(run_dir: RunDir) -> tuple[ExportResult, RolloutStatus]:
+    """Export a run, live or not, from one read transaction on its database opened read-only
+    (`seerd.db.read`): never the write lock, so a live run's coordinator keeps committing. Returns
+    the result and the run's status in that snapshot. UnreadableDatabase for a database this
+    seerd cannot read, one of another schema included (readers never migrate)."""
+    with reading(run_dir.db_path) as conn:
+        revision, heads = schema_revision(conn), head_revisions()
+        if revision not in heads:
+            raise UnreadableDatabase(
+                f"{run_dir.db_path} has schema {revision or 'none'}, this seerd reads {', '.join(heads)}: "
+                f"bring it up with `seerd db upgrade {run_dir.path}` (or export with the seerd that made it)")
+        rollout = latest_rollout(conn)
+        if rollout is None:
+            raise UnreadableDatabase(f"{run_dir.db_path} holds no rollout")
+        with Session(bind=conn) as session:
+            rows, total = collect_rows(session, rollout.id)
+    return write_outputs(run_dir, rows, total), rollout.status
+
+
+@contextlib.contextmanager
+def _export_lock(run_dir: RunDir) -> Iterator[None]:
+    """One exporter at a time (an fcntl lock on a file of the run directory; NFS locks it too)."""
+    fd = os.open(run_dir.path / ".export.lock", os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _complete_export_written(run_dir: RunDir) -> bool:
+    try:
+        return json.loads(run_dir.meta_path.read_text()).get("complete") is True
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _atomic(path: Path, write) -> None:  # noqa: ANN001

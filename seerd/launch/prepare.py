@@ -11,9 +11,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sqlalchemy import Row
+
 from seerd.config import ConfigError, RunConfig
-from seerd.db import Rollout, RolloutStatus, make_engine, make_sessionmaker
+from seerd.db import RolloutStatus, make_engine, make_sessionmaker
 from seerd.db.migrate import upgrade
+from seerd.db.read import latest_rollout, reading
 from seerd.rundir import RunDir
 
 
@@ -42,16 +45,16 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def read_rollout(rundir: RunDir) -> Rollout:
-    """The run's rollout row, after bringing its schema up to date."""
-    from seerd.coordinator.daemon import load_rollout
+def read_rollout(rundir: RunDir) -> Row:
+    """The run's rollout (id, status, config, input), read-only: looking at a run never migrates
+    it or takes its write lock (its coordinator may be running)."""
+    from seerd.coordinator.daemon import RunNotFound
 
-    engine = make_engine(rundir.db_path)
-    try:
-        upgrade(engine)
-        return load_rollout(engine)
-    finally:
-        engine.dispose()
+    with reading(rundir.db_path) as conn:
+        rollout = latest_rollout(conn)
+    if rollout is None:
+        raise RunNotFound("the run's database holds no rollout")
+    return rollout
 
 
 def prepare_run(rundir: RunDir, config: RunConfig, input_path: Path, prior_dir: Path | None = None) -> PreparedRun:

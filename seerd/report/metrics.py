@@ -3,8 +3,8 @@
 Times inside the results are seconds since the run's first lease (when generation starts; engine
 start-up before it is not the scheduler's doing), except where a field says "absolute".
 A lease is one hand-out of a chunk to a worker, from its `chunk_leased` event to the event that
-ended it: `chunk_done`, or `lease_expired` / `lease_released` / `lease_orphaned` / `chunk_failed`
-(the chunk went back to the queue and was leased again later, as a new lease with a higher epoch),
+ended it: `chunk_done`, or `lease_expired` / `lease_released` / `lease_orphaned` / `chunk_failed` /
+`report_rejected` (the chunk went back to the queue and was leased again later, as a new lease with a higher epoch),
 or `request_failed` (its engine failed it for the last time: the request ended failed).
 """
 
@@ -22,7 +22,8 @@ from seerd.tail import tail_start
 # How a lease ended. "open": still held when the data was read (a live or crashed run).
 LEASE_OUTCOMES = ("done", "expired", "released", "orphaned", "failed", "open")
 _ENDING_KINDS = {"chunk_done": "done", "lease_expired": "expired", "lease_released": "released",
-                 "lease_orphaned": "orphaned", "chunk_failed": "failed", "request_failed": "failed"}
+                 "lease_orphaned": "orphaned", "chunk_failed": "failed", "report_rejected": "failed",
+                 "request_failed": "failed"}
 # Times at which the estimate tracking is sampled, evenly from the first lease to the last finish.
 ESTIMATE_SAMPLES = 101
 

@@ -1,5 +1,10 @@
-"""The worker's HTTP client for the coordinator: the secret on every call, retries on network errors,
-replies decoded into their `seerd.protocol` types."""
+"""The worker's HTTP client for the coordinator: the secret on every call, retries on network errors
+and 5xx answers, replies decoded into their `seerd.protocol` types.
+
+What ends a worker is the coordinator gone (no answer at all) for longer than its patience
+(`CoordinatorGone`); an answer, whatever its status, never does: a 5xx is retried, a 4xx is the
+caller's to handle (`NotRegistered`, `CoordinatorRefused`).
+"""
 
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ from typing import Any
 import httpx
 import msgspec
 
-from seerd.protocol import Endpoint, ErrorReply, ReplyT, decode_reply
+from seerd.protocol import UNKNOWN_WORKER, Endpoint, ErrorReply, ReplyT, decode_reply
 from seerd.rundir import RunDir, RunDirError
 
 log = logging.getLogger("seerd.worker")
@@ -23,6 +28,30 @@ class CoordinatorGone(RuntimeError):
 
 class NotRegistered(RuntimeError):
     """The coordinator does not know this worker (it restarted): register again."""
+
+
+class CoordinatorRefused(RuntimeError):
+    """A 4xx answer other than `NotRegistered`: the call as sent will not succeed (a malformed or
+    too large body, a wrong secret). The caller logs it and carries on without it."""
+
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(f"{status}: {detail}")
+        self.status = status
+
+
+class Backoff:
+    """Bounded exponential waits: `first_s`, doubling up to `cap_s`, until `reset`."""
+
+    def __init__(self, first_s: float = 0.1, cap_s: float = 2.0) -> None:
+        self.first_s, self.cap_s = first_s, cap_s
+        self._next_s = first_s
+
+    def next(self) -> float:
+        wait, self._next_s = self._next_s, min(self._next_s * 2, self.cap_s)
+        return wait
+
+    def reset(self) -> None:
+        self._next_s = self.first_s
 
 
 async def wait_for_address(run_dir: RunDir, timeout_s: float) -> tuple[str, int]:
@@ -57,24 +86,59 @@ class CoordinatorClient:
         await self._http.aclose()
 
     async def call(self, endpoint: Endpoint[Any, ReplyT], body: msgspec.Struct | None = None) -> ReplyT:
-        """One API call, retried on network errors until the coordinator's patience runs out; the
-        reply decoded as the endpoint's type (`BadReply` if it is not one)."""
-        started = time.monotonic()
-        delay = 0.1
+        """One API call; the reply decoded as the endpoint's type (`BadReply` if it is not one).
+
+        Retried, with a bounded exponential backoff, on network errors until the coordinator has
+        been unreachable for its patience (`CoordinatorGone`), and on 5xx answers (the coordinator
+        is there but failed the call, a commit say) for as long as they come. Sending a call again
+        is safe for every endpoint: reports are idempotent per lease epoch
+        (`coordinator.reports.judge_unleased`), a lease granted but never heard of expires, a
+        heartbeat or release repeats harmlessly, a registration repeated makes a second identity
+        whose row goes stale. A 4xx raises `NotRegistered` or `CoordinatorRefused`."""
+        backoff = Backoff()
+        unreachable_since: float | None = None
         content = None if body is None else msgspec.json.encode(body)
         while True:
             try:
                 response = await self._http.request(endpoint.method, endpoint.path, content=content)
             except httpx.TransportError as exc:
-                if time.monotonic() - started > self.patience_s:
+                if unreachable_since is None:
+                    unreachable_since = time.monotonic()
+                if time.monotonic() - unreachable_since > self.patience_s:
                     raise CoordinatorGone(f"coordinator at {self.base_url} unreachable for "
                                           f"{self.patience_s:.0f}s: {exc}") from exc
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+                await asyncio.sleep(backoff.next())
                 continue
-            if response.status_code == 404 and "register again" in response.text:
-                raise NotRegistered(msgspec.json.decode(response.content, type=ErrorReply).detail)
+            unreachable_since = None
+            if response.status_code >= 500:
+                wait = backoff.next()
+                log.warning("%s %s -> %d (%s); again in %.1fs", endpoint.method, endpoint.path,
+                            response.status_code, response.text[:200], wait)
+                await asyncio.sleep(wait)
+                continue
             if response.status_code >= 400:
-                raise RuntimeError(f"{endpoint.method} {endpoint.path} -> {response.status_code}: "
-                                   f"{response.text[:500]}")
+                error = _error_reply(response)
+                if error.code == UNKNOWN_WORKER:
+                    raise NotRegistered(error.detail)
+                raise CoordinatorRefused(response.status_code, f"{endpoint.method} {endpoint.path}: {error.detail}")
             return decode_reply(endpoint, response.content)
+
+    async def call_until_answered(self, endpoint: Endpoint[Any, ReplyT], body: msgspec.Struct | None = None) -> ReplyT:
+        """`call`, with a 4xx logged and the call sent again after a backoff: for the calls a
+        worker cannot go on without (its engine's settings, its registration)."""
+        backoff = Backoff(cap_s=10.0)
+        while True:
+            try:
+                return await self.call(endpoint, body)
+            except CoordinatorRefused as exc:
+                wait = backoff.next()
+                log.error("%s; again in %.1fs", exc, wait)
+                await asyncio.sleep(wait)
+
+
+def _error_reply(response: httpx.Response) -> ErrorReply:
+    """A 4xx answer's `ErrorReply`, or its text when it is not one (a proxy's page, say)."""
+    try:
+        return msgspec.json.decode(response.content, type=ErrorReply)
+    except msgspec.DecodeError:
+        return ErrorReply(response.text[:500])

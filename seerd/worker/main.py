@@ -1,7 +1,9 @@
 """A worker process: one engine, leasing chunks up to its capacity until the rollout is done.
 
-Workers hold no state that matters: a report is retried until acknowledged (reports are
-idempotent), and a killed worker's leases expire and run elsewhere.
+Workers hold no state that matters: a report is retried until answered (reports are idempotent),
+and a killed worker's leases expire and run elsewhere. No answer of the coordinator ends a worker
+(`seerd.worker.client`): a 4xx is logged and the worker carries on, registering again when the
+coordinator no longer knows it; only a coordinator gone for longer than the patience does (exit 3).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from seerd.protocol import (
     LeaseBody, RegisterBody, ReleaseBody, ReportBody, ReportReply,
 )
 from seerd.rundir import RunDir
-from seerd.worker.client import CoordinatorClient, CoordinatorGone, NotRegistered
+from seerd.worker.client import Backoff, CoordinatorClient, CoordinatorGone, CoordinatorRefused, NotRegistered
 from seerd.worker.engine import EngineDead, start_engine
 from seerd.worker.stats import WorkerStats
 
@@ -78,7 +80,7 @@ class Worker:
                 return
 
     async def register(self) -> None:
-        reply = await self.client.call(REGISTER, RegisterBody(
+        reply = await self.client.call_until_answered(REGISTER, RegisterBody(
             self.worker_id, self.rank, address=f"{socket.gethostname()}:{os.getpid()}",
             max_chunks=self.engine.max_chunks, kv_capacity_tokens=self.engine.kv_capacity_tokens))
         self.worker_id = reply.worker_id
@@ -99,6 +101,7 @@ class Worker:
                 raise task.exception()
 
     async def _lease_loop(self) -> None:
+        refused = Backoff(cap_s=10.0)
         while not self.done.is_set():
             wanted = self.engine.max_chunks - len(self.running)
             retry_after = 0.2
@@ -108,6 +111,12 @@ class Worker:
                 except NotRegistered:
                     await self._reregister()
                     continue
+                except CoordinatorRefused as exc:
+                    wait = refused.next()
+                    log.error("lease call refused (%s); again in %.1fs", exc, wait)
+                    await asyncio.sleep(wait)
+                    continue
+                refused.reset()
                 if reply.done:
                     self.done.set()
                     return
@@ -133,7 +142,8 @@ class Worker:
             self.running.pop(chunk_id, None)
             self.engine_ids.pop(chunk_id, None)
             self.slot_freed.set()
-            with contextlib.suppress(NotRegistered):  # a restarted coordinator already voided the lease
+            # Not taken (a restarted coordinator already voided the lease; a refusal): it expires.
+            with contextlib.suppress(NotRegistered, CoordinatorRefused):
                 await self.client.call(RELEASE, ReleaseBody(self.worker_id, chunk_id, epoch, repr(exc)[:2000],
                                                             failed=True))
             if isinstance(exc, EngineDead):  # nothing more can run here: exit, to be restarted
@@ -156,6 +166,13 @@ class Worker:
                 log.warning("coordinator restarted: dropping %d reports of void leases", len(batch))
                 reply = ReportReply(results=[], done=False)
                 await self._reregister()
+            except CoordinatorRefused as exc:
+                log.error("report of %d chunks refused (%s): giving them back to run again", len(batch), exc)
+                reply = ReportReply(results=[], done=False)
+                for report in batch:  # best effort: a lease not given back expires
+                    with contextlib.suppress(NotRegistered, CoordinatorRefused):
+                        await self.client.call(RELEASE, ReleaseBody(self.worker_id, report.chunk_id, report.epoch,
+                                                                    f"report refused: {exc}"[:200]))
             for result in reply.results:
                 if not result.accepted:
                     log.warning("report of chunk %d rejected: %s", result.chunk_id, result.reason)
@@ -175,6 +192,9 @@ class Worker:
                 reply = await self.client.call(HEARTBEAT, HeartbeatBody(self.worker_id, list(self.running), stats))
             except NotRegistered:
                 await self._reregister()
+                continue
+            except CoordinatorRefused as exc:  # the next one may pass; leases not extended meanwhile expire
+                log.error("heartbeat refused (%s)", exc)
                 continue
             for chunk_id in reply.abort:
                 await self._abort(chunk_id)
@@ -201,7 +221,7 @@ class Worker:
 async def amain(run_dir: RunDir, rank: int, patience_s: float, address_timeout_s: float = 120.0) -> int:
     client = await CoordinatorClient.from_run_dir(run_dir, patience_s=patience_s,
                                                   address_timeout_s=address_timeout_s)
-    settings = await client.call(CONFIG)
+    settings = await client.call_until_answered(CONFIG)
     started = time.monotonic()
     engine = start_engine(settings.model_path, settings.engine, settings.seed, settings.spec, str(run_dir.path),
                           settings.kv_pool)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
 from pathlib import Path
 
 from seerd.config import RunConfig
@@ -11,7 +13,9 @@ from seerd.coordinator.prior import PriorLengths
 from seerd.db import make_engine, make_sessionmaker
 from seerd.db.migrate import upgrade
 from seerd.io.prompts import PromptRow
+from seerd.protocol import parse_engine_id
 from seerd.scheduler import make_policy
+from seerd.worker.engine import ChunkResult
 
 
 class FakeClock:
@@ -33,6 +37,9 @@ def rows(groups: int = 2, n: int = 2, max_tokens: int = 40, prompt_len: int = 5)
             for g in range(groups)]
 
 
+VOCAB_SIZE = 1024  # the tiny model's (tools/make_tiny_model.py)
+
+
 def make_book(tmp_path: Path, *, policy: str = "divided", chunk_tokens: int = 16, lease_ttl_s: float = 10.0,
               prompt_rows: list[PromptRow] | None = None, now: float = 1000.0,
               db_name: str = "state.db", prior: PriorLengths | None = None) -> LeaseBook:
@@ -45,15 +52,48 @@ def make_book(tmp_path: Path, *, policy: str = "divided", chunk_tokens: int = 16
         rollout_id = create_rollout(session, config, prompt_rows or rows(), input_sha256="0" * 64, now=now,
                                     prior=prior)
     book = LeaseBook(sessions, rollout_id, make_policy(policy), chunk_tokens=chunk_tokens,
-                     lease_ttl_s=lease_ttl_s, seed=0)
+                     lease_ttl_s=lease_ttl_s, seed=0, vocab_size=VOCAB_SIZE)
     book.load(now)
     return book
+
+
+def scripted_tokens(request_id: int, start: int, count: int) -> list[int]:
+    """The tokens `ScriptedEngine` generates for a request from position `start` on."""
+    return [(request_id * 7 + position) % VOCAB_SIZE for position in range(start, start + count)]
+
+
+class ScriptedEngine:
+    """A worker's engine without vLLM (what `seerd.worker.main.Worker` drives): each response is
+    `length_of(request id)` tokens long, `scripted_tokens`, each chunk after a short pause."""
+
+    live = None  # no live figures for the heartbeat
+
+    def __init__(self, length_of: Callable[[int], int], *, max_chunks: int = 4, pause_s: float = 0.01) -> None:
+        self.length_of = length_of
+        self.max_chunks = max_chunks
+        self.kv_capacity_tokens = 1_000_000
+        self.pause_s = pause_s
+
+    async def run(self, engine_id: str, prompt_token_ids: list[int], max_tokens: int, _sampling: dict) -> ChunkResult:
+        chunk = parse_engine_id(engine_id)
+        generated = len(prompt_token_ids) - chunk.prompt_len
+        left = self.length_of(chunk.request_id) - generated
+        count = min(max_tokens, left)
+        await asyncio.sleep(self.pause_s)
+        return ChunkResult(scripted_tokens(chunk.request_id, generated, count), [-0.5] * count,
+                           "stop" if count == left else "length", None)
+
+    async def abort(self, _engine_id: str) -> None:
+        return None
+
+    def shutdown(self) -> None:
+        return None
 
 
 def reopen(book: LeaseBook, now: float) -> LeaseBook:
     """A new coordinator on the same database (what a restart does)."""
     again = LeaseBook(book.sessions, book.rollout_id, book.policy, chunk_tokens=book.chunk_tokens,
-                      lease_ttl_s=book.lease_ttl_s, seed=book.seed)
+                      lease_ttl_s=book.lease_ttl_s, seed=book.seed, vocab_size=book.vocab_size)
     again.load(now)
     return again
 

@@ -104,10 +104,10 @@ def test_metrics_follow_the_book(client):
     assert after[("seerd_tail_requests", ())] == 0  # all done: nothing left in the tail
 
 
-def test_unknown_worker_gets_404_and_bad_report_422(client):
+def test_unknown_worker_gets_404_with_its_code_and_a_bad_report_is_rejected_alone(client):
     auth = {"Authorization": f"Bearer {SECRET}"}
     response = client.post("/v1/lease", json={"worker_id": "ghost", "wanted": 1}, headers=auth)
-    assert response.status_code == 404 and "register again" in response.text
+    assert response.status_code == 404 and response.json()["code"] == protocol.UNKNOWN_WORKER
     reg = client.post("/v1/register", json=REGISTER, headers=auth).json()
     (grant,) = client.post("/v1/lease", json={"worker_id": reg["worker_id"], "wanted": 1},
                            headers=auth).json()["chunks"]
@@ -115,7 +115,9 @@ def test_unknown_worker_gets_404_and_bad_report_422(client):
                 "logprobs": [0.0] * 999, "finish_reason": "length"}
     response = client.post("/v1/report", json={"worker_id": reg["worker_id"], "reports": [too_long]},
                            headers=auth)
-    assert response.status_code == 422 and "budget" in response.text
+    assert response.status_code == 200
+    (result,) = response.json()["results"]
+    assert not result["accepted"] and "budget" in result["reason"]
 
 
 def test_long_poll_lease_wakes_when_a_chunk_is_requeued(tmp_path):

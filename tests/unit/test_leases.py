@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from sqlalchemy import func, select
 
-from seerd.coordinator.book import UnknownWorker
-from seerd.coordinator.reports import BadReport
+from seerd.coordinator.book import MAX_FAILED_ATTEMPTS, UnknownWorker
 from seerd.db import Chunk, ChunkStatus, Event, Group, Request, RequestStatus
 from seerd.protocol import ChunkReport
 from tests.unit.helpers import make_book, reopen, rows
@@ -115,18 +114,29 @@ def test_report_from_another_worker_with_the_right_epoch_is_rejected(tmp_path):
     assert book.report(w, full_report(grant), now=1001.0).accepted
 
 
-def test_bad_reports_raise_and_change_nothing(tmp_path):
+def test_a_bad_report_is_rejected_stores_nothing_and_its_chunk_runs_again_until_its_request_fails(tmp_path):
     book = make_book(tmp_path, prompt_rows=rows(groups=1, n=1))
     w = register(book)
-    (grant,) = book.lease(w, wanted=1, now=1000.0)
-    for bad in (
-        ChunkReport(grant.chunk_id, grant.epoch, [1] * 17, [0.0] * 17, "length"),  # over budget
-        ChunkReport(grant.chunk_id, grant.epoch, [1, 2], [0.0], "length"),  # logprob count
-        ChunkReport(grant.chunk_id, grant.epoch, [1], [0.0], "weird"),
-    ):
-        with pytest.raises(BadReport):
-            book.report(w, bad, now=1001.0)
-    assert grant.chunk_id in book.state.leases and book.state.output_tokens == 0
+    now = 1000.0
+    for attempt, (bad, why) in enumerate((
+        (lambda g: ChunkReport(g.chunk_id, g.epoch, [1] * 17, [0.0] * 17, "length"), "budget"),
+        (lambda g: ChunkReport(g.chunk_id, g.epoch, [1, 2], [0.0], "length"), "logprobs"),
+        (lambda g: ChunkReport(g.chunk_id, g.epoch, [1], [0.0], "weird"), "finish_reason"),
+    ), 1):
+        (grant,) = book.lease(w, wanted=1, now=now)
+        assert grant.epoch == attempt  # the same chunk row, leased again after each rejection
+        outcome = book.report(w, bad(grant), now=now)
+        assert not outcome.accepted and why in outcome.reason
+        assert outcome.rerun == (attempt < MAX_FAILED_ATTEMPTS)
+        assert grant.chunk_id not in book.state.leases and book.state.output_tokens == 0
+        now += 1
+    # The third rejection is the request's third failed chunk: it ends failed, and the run with it.
+    assert "its request failed" in outcome.reason and book.is_complete()
+    assert book.lease(w, wanted=1, now=now) == []
+    with book.sessions.begin() as s:
+        assert s.scalar(select(func.count()).select_from(Chunk)) == 1
+        kinds = s.scalars(select(Event.kind).where(Event.kind.in_(("report_rejected", "request_failed")))).all()
+        assert kinds == ["report_rejected", "report_rejected", "request_failed"]
 
 
 def test_stop_finishes_the_request_and_updates_the_group_estimate(tmp_path):

@@ -40,7 +40,7 @@ MESSAGES = [
     HeartbeatBody("w0", [11, 12], {"kv_usage": 0.5, "running": {"11": {"tokens": 3}}}),
     HeartbeatReply([12], done=False),
     StatusReply(1, "seer", 8, 2, 2, 0, 3, 99, 2, False, True, 0.25, 40, {"bytes_used": 10}),
-    ErrorReply("unknown worker w9; register again"),
+    ErrorReply("unknown worker w9; register again", protocol.UNKNOWN_WORKER),
     DraftAppendItem(3, 5, 2, [7, 8]),
     DraftAppendBody([DraftAppendItem(3, 5, 2, [7, 8])]),
     DraftAppendResult(True, 4, 17, 2, 1, True, [9], ""),
@@ -97,6 +97,18 @@ def test_every_api_route_is_a_protocol_endpoint(tmp_path):
     app = create_app(make_book(tmp_path, prompt_rows=rows(groups=1, n=1)), "s", CoordinatorControl())
     routes = {(method, route.path) for route in app.routes for method in route.methods - {"HEAD"}}
     assert routes - {("GET", "/metrics")} == {(e.method, e.path) for e in endpoints()}
+
+
+def test_each_report_of_a_batch_decodes_on_its_own():
+    wire = msgspec.json.encode({"worker_id": "w0", "reports": [
+        REPORT, ChunkReport(12, 1, [5], [float("inf")], "length"), {"chunk_id": 13, "epoch": 2, "token_ids": "x"}]})
+    batch = msgspec.json.decode(wire, type=protocol.ReportBatch)
+    good, infinite, wrong = (protocol.decode_report(raw) for raw in batch.reports)
+    assert good == REPORT
+    assert (infinite.chunk_id, infinite.epoch) == (12, 1) and "got `null`" in infinite.problem
+    assert (wrong.chunk_id, wrong.epoch) == (13, 2) and "token_ids" in wrong.problem
+    with pytest.raises(msgspec.ValidationError):  # not even its lease: the body is not a batch of reports
+        protocol.decode_report(msgspec.Raw(b'{"epoch": 1}'))
 
 
 @pytest.mark.parametrize("content", [

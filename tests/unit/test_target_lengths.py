@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import msgspec
 import pytest
 from sqlalchemy import select
 
-from seerd.coordinator.reports import BadReport
 from seerd.db import Group, Request, RequestTarget
 from seerd.io.export import collect_rows
 from seerd.io.prompts import PromptRow
@@ -90,9 +90,10 @@ def test_reports_that_contradict_the_target_are_refused(tmp_path, tokens, reason
     book = make_book(tmp_path, chunk_tokens=16, prompt_rows=target_rows())
     w = register(book, max_chunks=16)
     grant = next(g for g in book.lease(w, wanted=16, now=1001.0) if g.target_remaining == 5)
-    with pytest.raises(BadReport, match=message):
-        book.report(w, ChunkReport(grant.chunk_id, grant.epoch, [7] * tokens, [-1.0] * tokens, reason), now=1002.0)
-    assert grant.chunk_id in book.state.leases
+    outcome = book.report(w, ChunkReport(grant.chunk_id, grant.epoch, [7] * tokens, [-1.0] * tokens, reason),
+                          now=1002.0)
+    assert not outcome.accepted and re.search(message, outcome.reason)
+    assert grant.chunk_id not in book.state.leases and book.state.is_queued(grant.request_id)  # it runs again
 
 
 def test_length_target_without_a_target_is_refused(tmp_path):
@@ -100,8 +101,8 @@ def test_length_target_without_a_target_is_refused(tmp_path):
     w = register(book)
     grant = book.lease(w, wanted=1, now=1001.0)[0]
     assert grant.target_remaining is None
-    with pytest.raises(BadReport, match="without a target length"):
-        book.report(w, ChunkReport(grant.chunk_id, grant.epoch, [7], [-1.0], "length_target"), now=1002.0)
+    outcome = book.report(w, ChunkReport(grant.chunk_id, grant.epoch, [7], [-1.0], "length_target"), now=1002.0)
+    assert not outcome.accepted and "without a target length" in outcome.reason
 
 
 def test_no_scheduler_type_has_a_place_for_targets():
