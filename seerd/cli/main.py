@@ -1,7 +1,8 @@
 """`seerd` command line: thin commands over the coordinator, the launcher and the exporter.
 
 Exit codes: 0 the output is complete; 1 the run failed or was interrupted (resumable);
-2 bad input or settings (nothing was created).
+2 bad input or settings (nothing was created), a run that a live coordinator owns, or a model
+checkpoint that changed since the run was created; 3 the run finished with failed requests.
 """
 
 from __future__ import annotations
@@ -14,16 +15,18 @@ import click
 
 from seerd.cli import ui
 from seerd.cli.launching import (
-    EXIT_BAD_INPUT, EXIT_FAILED_REQUESTS, EXIT_INCOMPLETE, EXIT_OK, prepare_or_exit, report_result,
+    EXIT_BAD_INPUT, EXIT_FAILED_REQUESTS, EXIT_INCOMPLETE, EXIT_OK, own_or_exit, prepare_or_exit,
+    refused_model_exits, report_result,
 )
-from seerd.cli.options import rollout_options
+from seerd.cli.options import ALLOW_MODEL_CHANGE_OPTION, rollout_options
 from seerd.cli.sim import sim
 from seerd.cli.slurm import slurm_run, submit
 from seerd.cli.status import status
 from seerd.config import RunConfig
-from seerd.db import RolloutStatus, make_engine, make_sessionmaker
+from seerd.db import Rollout, RolloutStatus, make_engine, make_sessionmaker
 from seerd.db.migrate import current_revision, head_revisions, upgrade
-from seerd.launch.prepare import read_rollout
+from seerd.launch.prepare import BadRun, read_rollout
+from seerd.ownership import Ownership
 from seerd.rundir import RunDir
 
 __all__ = ["EXIT_BAD_INPUT", "EXIT_FAILED_REQUESTS", "EXIT_INCOMPLETE", "EXIT_OK", "cli", "main"]
@@ -41,20 +44,28 @@ def cli(verbose: bool) -> None:
 @rollout_options
 @click.option("--workers", default=2, show_default=True, help="Local vLLM worker processes.")
 @click.option("--progress/--no-progress", default=None, help="Progress bar (default: when on a terminal).")
-def run(workers: int, progress: bool | None, **options) -> None:  # noqa: ANN003
+@ALLOW_MODEL_CHANGE_OPTION
+def run(workers: int, progress: bool | None, allow_model_change: bool, **options) -> None:  # noqa: ANN003
     """Run a rollout on this machine: a coordinator and WORKERS local vLLM engines."""
-    prepared = prepare_or_exit(options, workers=workers, where=f"{workers} workers")
+    prepared = prepare_or_exit(options, workers=workers, where=f"{workers} workers",
+                               allow_model_change=allow_model_change)
     if prepared.finished:
         return
-    _drive(prepared.rundir, workers if prepared.created else prepared.config.workers, progress)
+    with prepared.ownership:
+        _drive(prepared.rundir, prepared.ownership, workers if prepared.created else prepared.config.workers,
+               progress, allow_model_change)
 
 
-def _drive(rundir: RunDir, workers: int, progress: bool | None) -> None:
+def _drive(rundir: RunDir, ownership: Ownership, workers: int, progress: bool | None,
+           allow_model_change: bool) -> None:
+    from seerd.coordinator.daemon import Coordinator
     from seerd.launch.local import run_local
 
+    with refused_model_exits():
+        coordinator = Coordinator(rundir, ownership, allow_model_change=allow_model_change, expected_workers=workers)
     started = time.monotonic()
     with ui.RunProgress(progress) as bar:
-        result = run_local(rundir, workers, on_tick=bar.update)
+        result = run_local(coordinator, workers, on_tick=bar.update)
     report_result(rundir, result, time.monotonic() - started)
 
 
@@ -62,15 +73,17 @@ def _drive(rundir: RunDir, workers: int, progress: bool | None) -> None:
 @click.argument("run_dir", type=click.Path(path_type=Path))
 @click.option("--workers", default=None, type=int, help="Override the number of local workers.")
 @click.option("--progress/--no-progress", default=None)
-def resume(run_dir: Path, workers: int | None, progress: bool | None) -> None:
+@ALLOW_MODEL_CHANGE_OPTION
+def resume(run_dir: Path, workers: int | None, progress: bool | None, allow_model_change: bool) -> None:
     """Continue an interrupted run from its database."""
     rundir = _existing_run(run_dir)
-    rollout = read_rollout(rundir)
-    if rollout.status == RolloutStatus.FINISHED:
-        ui.info(f"run {rundir.path} is already finished; nothing to do")
-        return
-    config = RunConfig.from_json(rollout.config_json)
-    _drive(rundir, workers or config.workers, progress)
+    with own_or_exit(rundir) as ownership:
+        rollout = _read_rollout(rundir)
+        if rollout.status == RolloutStatus.FINISHED:
+            ui.info(f"run {rundir.path} is already finished; nothing to do")
+            return
+        config = RunConfig.from_json(rollout.config_json)
+        _drive(rundir, ownership, workers or config.workers, progress, allow_model_change)
 
 
 @cli.command()
@@ -80,7 +93,7 @@ def export(run_dir: Path) -> None:
     from seerd.io.export import export_run
 
     rundir = _existing_run(run_dir)
-    rollout = read_rollout(rundir)
+    rollout = _read_rollout(rundir)
     engine = make_engine(rundir.db_path)
     with make_sessionmaker(engine).begin() as session:
         result = export_run(session, rollout.id, rundir)
@@ -124,12 +137,22 @@ def db() -> None:
 def db_upgrade(run_dir: Path) -> None:
     """Apply Alembic migrations to RUN_DIR's database."""
     rundir = _existing_run(run_dir)
-    engine = make_engine(rundir.db_path)
-    before = current_revision(engine)
-    upgrade(engine)
-    after = current_revision(engine)
-    engine.dispose()
+    with own_or_exit(rundir):  # never under a live coordinator
+        engine = make_engine(rundir.db_path)
+        before = current_revision(engine)
+        upgrade(engine)
+        after = current_revision(engine)
+        engine.dispose()
     ui.info(f"{rundir.db_path}: {before or 'empty'} -> {after} (head {', '.join(head_revisions())})")
+
+
+def _read_rollout(rundir: RunDir) -> Rollout:
+    """The run's rollout, or exit 2 when its creation never completed."""
+    try:
+        return read_rollout(rundir)
+    except BadRun as exc:
+        ui.error(str(exc))
+        raise SystemExit(EXIT_BAD_INPUT) from None
 
 
 def _existing_run(run_dir: Path) -> RunDir:
