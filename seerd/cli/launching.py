@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 
 from seerd.cli import ui
 from seerd.config import ConfigError, build_config
-from seerd.coordinator.model_identity import ModelChanged
 from seerd.db import RolloutStatus
 from seerd.launch.prepare import BadRun, PreparedRun, own, prepare_run
 from seerd.ownership import Ownership
@@ -32,13 +31,10 @@ def prepare_or_exit(options: dict, *, workers: int, where: str, allow_model_chan
     for bad input, with nothing created, or a run that cannot be resumed now). `where` says where its
     workers run. The caller releases `ownership` (None for a finished run)."""
     rundir = RunDir(options["run_dir"].resolve())
-    try:
+    with exit_2_on(BadRun, ConfigError):
         config = build_config(workers=workers, **options)
         prepared = prepare_run(rundir, config, options["input_path"], options["prior_dir"],
                                allow_model_change=allow_model_change)
-    except (BadRun, ConfigError) as exc:
-        ui.error(str(exc))
-        raise SystemExit(EXIT_BAD_INPUT) from None
     for note in prepared.notes:
         ui.warn(note)
     if prepared.finished:
@@ -55,23 +51,21 @@ def prepare_or_exit(options: dict, *, workers: int, where: str, allow_model_chan
     return prepared
 
 
-def own_or_exit(rundir: RunDir) -> Ownership:
-    """Own the run directory, or exit 2 naming the live coordinator that owns it."""
-    try:
-        return own(rundir)
-    except BadRun as exc:
-        ui.error(str(exc))
-        raise SystemExit(EXIT_BAD_INPUT) from None
-
-
 @contextmanager
-def refused_model_exits() -> Iterator[None]:
-    """Exit 2 when the coordinator refuses a changed model checkpoint as it starts."""
+def exit_2_on(*refusals: type[Exception]) -> Iterator[None]:
+    """Exit 2 with the message of any of `refusals` raised inside: bad input, or a run that cannot
+    start now (a live owner, a changed model checkpoint)."""
     try:
         yield
-    except ModelChanged as exc:
+    except refusals as exc:
         ui.error(str(exc))
         raise SystemExit(EXIT_BAD_INPUT) from None
+
+
+def own_or_exit(rundir: RunDir) -> Ownership:
+    """Own the run directory, or exit 2 naming the live coordinator that owns it."""
+    with exit_2_on(BadRun):
+        return own(rundir)
 
 
 def report_result(rundir: RunDir, result: CoordinatorResult, elapsed: float, *,

@@ -15,8 +15,8 @@ import click
 
 from seerd.cli import ui
 from seerd.cli.launching import (
-    EXIT_BAD_INPUT, EXIT_FAILED_REQUESTS, EXIT_INCOMPLETE, EXIT_OK, own_or_exit, prepare_or_exit,
-    refused_model_exits, report_result,
+    EXIT_BAD_INPUT, EXIT_FAILED_REQUESTS, EXIT_INCOMPLETE, EXIT_OK, exit_2_on, own_or_exit, prepare_or_exit,
+    report_result,
 )
 from seerd.cli.options import ALLOW_MODEL_CHANGE_OPTION, rollout_options
 from seerd.cli.sim import sim
@@ -59,9 +59,10 @@ def run(workers: int, progress: bool | None, allow_model_change: bool, **options
 def _drive(rundir: RunDir, ownership: Ownership, workers: int, progress: bool | None,
            allow_model_change: bool) -> None:
     from seerd.coordinator.daemon import Coordinator
+    from seerd.coordinator.model_identity import ModelChanged
     from seerd.launch.local import run_local
 
-    with refused_model_exits():
+    with exit_2_on(ModelChanged):
         coordinator = Coordinator(rundir, ownership, allow_model_change=allow_model_change, expected_workers=workers)
     started = time.monotonic()
     with ui.RunProgress(progress) as bar:
@@ -148,11 +149,8 @@ def db_upgrade(run_dir: Path) -> None:
 
 def _read_rollout(rundir: RunDir) -> Rollout:
     """The run's rollout, or exit 2 when its creation never completed."""
-    try:
+    with exit_2_on(BadRun):
         return read_rollout(rundir)
-    except BadRun as exc:
-        ui.error(str(exc))
-        raise SystemExit(EXIT_BAD_INPUT) from None
 
 
 def _existing_run(run_dir: Path) -> RunDir:

@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from seerd.cli import ui
-from seerd.cli.launching import EXIT_BAD_INPUT, EXIT_INCOMPLETE, prepare_or_exit, refused_model_exits, report_result
+from seerd.cli.launching import EXIT_BAD_INPUT, EXIT_INCOMPLETE, exit_2_on, prepare_or_exit, report_result
 from seerd.cli.options import ALLOW_MODEL_CHANGE_OPTION, ENGINE_ARG_OPTION, parse_engine_args, rollout_options
 from seerd.config import DEFAULT_DRAIN_GRACE_S, ConfigError, build_config
 from seerd.launch.prepare import BadRun
@@ -42,6 +42,7 @@ def slurm_run(workers_per_node: int | None, gpus_per_worker: int | None, cpus_pe
               allow_model_change: bool, **options) -> None:  # noqa: ANN003
     """Run a rollout inside a Slurm allocation: the coordinator here, workers as job steps on every
     node. What `sbatch slurm/rollout.sh` runs; after a requeue it resumes the run."""
+    from seerd.coordinator.model_identity import ModelChanged
     from seerd.launch.slurm import LayoutError, NotInAllocation, allocation_layout, run_in_allocation
 
     try:
@@ -57,7 +58,7 @@ def slurm_run(workers_per_node: int | None, gpus_per_worker: int | None, cpus_pe
     if prepared.finished:
         return
     started = time.monotonic()
-    with prepared.ownership, refused_model_exits():
+    with prepared.ownership, exit_2_on(ModelChanged):
         outcome = run_in_allocation(prepared.rundir, layout, prepared.ownership, allow_model_change=allow_model_change,
                                     drain_grace_s=drain_grace)
     if outcome.requeued:

@@ -115,21 +115,25 @@ def test_migrations_are_the_top_level_directory_installed_under_seerd():
     assert not any(fnmatch.fnmatch("migrations", pattern) for pattern in patterns), patterns  # no top-level package
 
 
-def test_downgrading_past_the_forecast_column_keeps_the_runs_rows(tmp_path):
-    """0005's downgrade drops the column in place: a batch copy of prompt_groups would drop the old
-    table, and with foreign keys on that deletes every request (ON DELETE CASCADE)."""
+def downgrade(engine, revision: str) -> None:  # noqa: ANN001
     from alembic import command
 
     from seerd.db.migrate import alembic_config
 
+    config = alembic_config(engine)
+    with engine.begin() as connection:
+        config.attributes["connection"] = connection
+        command.downgrade(config, revision)
+
+
+def test_downgrading_past_the_forecast_column_keeps_the_runs_rows(tmp_path):
+    """0005's downgrade drops the column in place: a batch copy of prompt_groups would drop the old
+    table, and with foreign keys on that deletes every request (ON DELETE CASCADE)."""
     book = make_book(tmp_path)
     engine = book.sessions.kw["bind"]
     with engine.begin() as conn:
         conn.exec_driver_sql("update prompt_groups set forecast_tokens = 30")
-    config = alembic_config(engine)
-    with engine.begin() as connection:
-        config.attributes["connection"] = connection
-        command.downgrade(config, "0004")
+    downgrade(engine, "0004")
     assert current_revision(engine) == "0004"
     with engine.connect() as conn:
         assert conn.exec_driver_sql("select count(*) from requests").scalar() == 4
@@ -141,19 +145,12 @@ def test_downgrading_past_the_forecast_column_keeps_the_runs_rows(tmp_path):
 def test_downgrading_past_the_model_fingerprint_keeps_the_runs_rows(tmp_path):
     """0007's downgrade drops the column in place: every table refers to rollouts ON DELETE CASCADE,
     so a batch copy of rollouts would empty the whole run."""
-    from alembic import command
-
-    from seerd.db.migrate import alembic_config
-
     book = make_book(tmp_path)
     engine = book.sessions.kw["bind"]
     with engine.begin() as conn:
         conn.exec_driver_sql("""update rollouts set model_fingerprint = '{"version": 1, "files": {}}'""")
         events = conn.exec_driver_sql("select count(*) from events").scalar()
-    config = alembic_config(engine)
-    with engine.begin() as connection:
-        config.attributes["connection"] = connection
-        command.downgrade(config, "0006")
+    downgrade(engine, "0006")
     assert current_revision(engine) == "0006"
     with engine.connect() as conn:
         assert conn.exec_driver_sql("select count(*) from rollouts").scalar() == 1
