@@ -216,7 +216,12 @@ def take_ownership(run_path: Path, *, stale_after_s: float = STALE_AFTER_S, hear
     while True:
         owner = read_owner(run_path)
         if owner is None:
-            beat_fd = _publish(run_path, me)
+            try:
+                beat_fd = _publish(run_path, me)
+            except OSError as exc:  # a directory we may not write, or a filesystem without hard links
+                raise OwnershipError(f"cannot own {run_path}: {exc} (seerd publishes {OWNER_FILE} there with "
+                                     f"link(2): the directory must be writable, on a filesystem with hard "
+                                     f"links)") from exc
             if beat_fd is not None:
                 return Ownership(run_path, me, beat_fd, heartbeat_s)
             continue  # another process published first: judge it
@@ -329,9 +334,6 @@ def _publish(run_path: Path, me: OwnerRecord) -> int | None:
             # Over NFS a link whose reply was lost is retried and reports EEXIST: it still took
             # when the staged file has gained a second name.
             published = staged.stat().st_nlink == 2
-        except OSError as exc:
-            raise OwnershipError(f"cannot create {run_path / OWNER_FILE} with link(2): {exc}; seerd needs a "
-                                 f"filesystem with hard links for the run directory") from exc
     finally:
         staged.unlink(missing_ok=True)
         if not published:
