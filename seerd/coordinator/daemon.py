@@ -137,6 +137,11 @@ class Coordinator:
         self.drained = False  # the run stopped after a drain: the caller requeues the job
         self.drain_recorded = False
 
+    @property
+    def _owns_run(self) -> bool:
+        """False once another coordinator has taken the run over: this one then writes nothing more."""
+        return self.ownership.lost is None
+
     def _make_pool(self, run_dir: RunDir, rollout: Rollout) -> PoolHost:
         from seerd.kvpool.service import PoolService
 
@@ -259,7 +264,7 @@ class Coordinator:
         finally:
             self._server.should_exit = True
             await server_task
-            if self.ownership.lost is None:  # else the workers are the new owner's to retire
+            if self._owns_run:  # else the workers are the new owner's to retire
                 await self.control.run(self.book.retire_workers)
             self.control.close()
             if self.drafts is not None:
@@ -272,14 +277,14 @@ class Coordinator:
                 loop.remove_signal_handler(signum)
                 # asyncio leaves SIG_DFL behind; a late warning signal must not kill the process.
                 signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
-            if self.ownership.lost is None:  # else the address is the new owner's
+            if self._owns_run:  # else the address is the new owner's
                 self.run_dir.address_path.unlink(missing_ok=True)
         return result
 
     async def _watch(self, on_tick: Callable[[dict], None] | None) -> CoordinatorResult:
         run = self.control.run
         while True:
-            if self.ownership.lost is not None:  # the run is another coordinator's now: write nothing more
+            if not self._owns_run:
                 return CoordinatorResult(RolloutStatus.INTERRUPTED, None,
                                          f"this coordinator lost the run: {self.ownership.lost}")
             if await run(self.book.expire, self.clock()):
@@ -342,12 +347,12 @@ class Coordinator:
 
     def record_event(self, kind: str, data: dict) -> None:
         """One event in its own transaction (outside the state thread only before or after `serve`)."""
-        if self.ownership.lost is not None:
+        if not self._owns_run:
             log.warning("not recorded (the run is no longer ours): %s %s", kind, data)
             return
         with self.sessions.begin() as session:
             add_event(session, self.rollout_id, self.clock(), kind, data=data)
 
     def mark_failed(self, reason: str) -> None:
-        if self.ownership.lost is None:
+        if self._owns_run:
             self.book.set_rollout_status(RolloutStatus.FAILED, self.clock(), reason)

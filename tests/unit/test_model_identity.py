@@ -91,6 +91,17 @@ def test_a_changed_checkpoint_is_refused_then_accepted_with_allow_model_change_a
     assert len(events(run, "model_changed")) == 1
 
 
+def test_submit_refuses_a_changed_checkpoint_before_submitting(run, model):
+    import seerd
+    from seerd.launch.prepare import BadRun
+
+    change_checkpoint(model)
+    with pytest.raises(BadRun, match="model.safetensors changed content"):
+        seerd.submit(run.parent / "prompts.jsonl", model, run, gpus_per_worker=0, cluster="local",
+                     allow_model_change=False)
+    assert not (run / "submitit").exists()
+
+
 def test_an_unchanged_checkpoint_copied_elsewhere_keeps_its_identity(tmp_path, tiny_model_dir):
     copy = shutil.copytree(tiny_model_dir, tmp_path / "copy")  # new inodes and times, same bytes
     assert model_fingerprint(copy) == model_fingerprint(tiny_model_dir)
