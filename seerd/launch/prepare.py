@@ -138,6 +138,12 @@ def _validated(config: RunConfig, input_path: Path, prior_dir: Path | None) -> _
     from seerd.coordinator.prior import PriorRunError, read_prior
     from seerd.io.prompts import ModelDirError, PromptFileError, load_model_limits, load_prompts
 
+    for flag, path in (("--input", config.input_path), ("--model", config.model_path)):
+        try:  # a file name that is not UTF-8 arrives with lone surrogates, which no UTF-8 column stores
+            path.encode("utf-8")
+        except UnicodeEncodeError:
+            raise BadRun(f"{flag} {path!r}: the path is not valid UTF-8 and cannot be stored in the run; "
+                         f"rename it") from None
     try:
         config.validate()
         limits = load_model_limits(Path(config.model_path))

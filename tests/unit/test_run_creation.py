@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import signal
 import time
 from pathlib import Path
@@ -106,6 +107,14 @@ def test_a_failed_creation_leaves_nothing_the_next_run_cannot_replace(failure, t
     assert stored_rollout(RunDir(run)) is None  # the transaction rolled back whole
     monkeypatch.setattr(create, "create_rollout", real)
     assert_created_again(run, prompts, tiny_model_dir)
+
+
+def test_an_input_path_that_is_not_utf8_is_refused_before_anything_is_written(tmp_path, prompts, tiny_model_dir):
+    odd = Path(os.fsdecode(bytes(tmp_path) + b"/prompts-\xff.jsonl"))
+    odd.write_bytes(prompts.read_bytes())
+    with pytest.raises(BadRun, match="not valid UTF-8"):
+        prepare(tmp_path / "run", odd, tiny_model_dir)
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_live_coordinator_refuses_run_resume_submit_and_upgrade_naming_it(tmp_path, prompts, tiny_model_dir,
