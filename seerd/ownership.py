@@ -5,7 +5,9 @@ command that writes a run's database (`seerd run`, `resume`, `slurm-run`, a subm
 upgrade`; `seerd submit` while it creates or checks the run) first owns the run directory, and a
 second one exits 2 naming the owner.
 
-Two files in the run directory:
+No flock(2): on NFS it goes through the lock manager or stays local to one client, on Lustre it
+depends on the mount (`localflock` locks per node, no option at all refuses it), and a lock held by
+a node that died lingers until lock recovery. Instead, two files in the run directory:
 - `owner.json`: who owns it (a token, host name, boot id, pid namespace, pid and the pid's start
   time, Slurm job, command, since when). Written whole to a temporary file, then made visible with
   link(2), which fails when the name exists: the way to create a file exclusively that also holds on
@@ -40,8 +42,9 @@ beat or tick sees the loss (a few seconds), while its successor runs: the databa
 epoch that would refuse those writes. NFS clients that cache directory lookups (`lookupcache=all`,
 the default, up to `acdirmax`) may see an old `owner.json` for a while: a new owner then waits or is
 refused (safe), a taken-over one learns of it late. A filesystem without hard links (some FUSE
-mounts) cannot hold the lock: the command says so. Readers (`seerd status`, `export`, `report`) take
-no ownership.
+mounts) cannot hold the lock: the command says so. A live coordinator that hangs keeps its run until
+someone stops it (its heartbeat thread goes on). Removing `owner.json` by hand makes the live owner
+stop as if taken over. Readers (`seerd status`, `export`, `report`) and workers take no ownership.
 """
 
 from __future__ import annotations
