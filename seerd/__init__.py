@@ -11,8 +11,10 @@ def submit(input, model, run_dir, *, cluster=None, folder=None, **options):  # n
     dict for vLLM); Slurm resources are the fields of `seerd.launch.submitit_launch.SlurmResources`
     (`nodes`, `workers_per_node`, `gpus_per_worker` (0: CPU workers), `time_min`, `partition`, ...).
     `cluster`: None picks Slurm when `srun` is on the PATH, else local processes ("slurm", "local"
-    force one). Bad input raises `seerd.launch.prepare.BadRun` before anything is submitted; an
-    already finished run returns a handle with `job_id` None.
+    force one). `allow_model_change=True` resumes a run whose model checkpoint changed (recorded).
+    Bad input, a run that a live coordinator owns or a changed checkpoint raise
+    `seerd.launch.prepare.BadRun` before anything is submitted; an already finished run returns a
+    handle with `job_id` None.
     """
     from seerd.launch.submitit_launch import submit as _submit
 

@@ -56,6 +56,7 @@ from seerd.coordinator.daemon import Coordinator, run_event_loop
 from seerd.db import ChunkStatus, make_engine, make_sessionmaker
 from seerd.db.migrate import upgrade
 from seerd.io.prompts import PromptRow
+from seerd.ownership import take_ownership
 from seerd.rundir import RunDir, RunDirError
 
 TARGET_RT_S = 2000.0
@@ -83,13 +84,14 @@ def build_run(path: Path, mode: str, groups: int, n: int) -> None:
 
 def serve(path: Path, profile: str | None) -> None:
     """Child process: the real coordinator until SIGTERM (optionally under cProfile)."""
-    coordinator = Coordinator(RunDir(path))
-    if profile is None:
-        run_event_loop(coordinator.serve())
-        return
-    import cProfile
-    cProfile.runctx("run_event_loop(coordinator.serve())", globals(), {"coordinator": coordinator,
-                    "run_event_loop": run_event_loop}, profile)
+    with take_ownership(path) as ownership:
+        coordinator = Coordinator(RunDir(path), ownership)
+        if profile is None:
+            run_event_loop(coordinator.serve())
+            return
+        import cProfile
+        cProfile.runctx("run_event_loop(coordinator.serve())", globals(), {"coordinator": coordinator,
+                        "run_event_loop": run_event_loop}, profile)
 
 
 def cpu_seconds(pid: int) -> float:

@@ -1,18 +1,23 @@
 """What every launching command does before and after its launcher: prepare the run, report the end.
 
 Exit codes: 0 the output is complete; 1 the run failed or was interrupted (resumable);
-2 bad input or settings (nothing was created); 3 the run finished with failed requests (the output
-holds every response; the failed ones have finish_reason "error" and the engine's message in "error").
+2 bad input or settings (nothing was created), a run that a live coordinator owns, or a model
+checkpoint that changed since the run was created; 3 the run finished with failed requests (the
+output holds every response; the failed ones have finish_reason "error" and the engine's message in
+"error").
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from seerd.cli import ui
 from seerd.config import ConfigError, build_config
 from seerd.db import RolloutStatus
-from seerd.launch.prepare import BadRun, PreparedRun, prepare_run
+from seerd.launch.prepare import BadRun, PreparedRun, own, prepare_run
+from seerd.ownership import Ownership
 from seerd.rundir import RunDir
 
 if TYPE_CHECKING:
@@ -21,16 +26,15 @@ if TYPE_CHECKING:
 EXIT_OK, EXIT_INCOMPLETE, EXIT_BAD_INPUT, EXIT_FAILED_REQUESTS = 0, 1, 2, 3
 
 
-def prepare_or_exit(options: dict, *, workers: int, where: str) -> PreparedRun:
+def prepare_or_exit(options: dict, *, workers: int, where: str, allow_model_change: bool) -> PreparedRun:
     """Create the run the options describe, or find the one to resume; tell the user which (exit 2
-    for bad input, with nothing created). `where` says where its workers run."""
+    for bad input, with nothing created, or a run that cannot be resumed now). `where` says where its
+    workers run. The caller releases `ownership` (None for a finished run)."""
     rundir = RunDir(options["run_dir"].resolve())
-    try:
+    with exit_2_on(BadRun, ConfigError):
         config = build_config(workers=workers, **options)
-        prepared = prepare_run(rundir, config, options["input_path"], options["prior_dir"])
-    except (BadRun, ConfigError) as exc:
-        ui.error(str(exc))
-        raise SystemExit(EXIT_BAD_INPUT) from None
+        prepared = prepare_run(rundir, config, options["input_path"], options["prior_dir"],
+                               allow_model_change=allow_model_change)
     for note in prepared.notes:
         ui.warn(note)
     if prepared.finished:
@@ -45,6 +49,23 @@ def prepare_or_exit(options: dict, *, workers: int, where: str) -> PreparedRun:
         ui.info(f"--prior {config.prior_run_dir}: seeded the estimates of {prepared.seeded} of {prepared.groups} "
                 f"groups")
     return prepared
+
+
+@contextmanager
+def exit_2_on(*refusals: type[Exception]) -> Iterator[None]:
+    """Exit 2 with the message of any of `refusals` raised inside: bad input, or a run that cannot
+    start now (a live owner, a changed model checkpoint)."""
+    try:
+        yield
+    except refusals as exc:
+        ui.error(str(exc))
+        raise SystemExit(EXIT_BAD_INPUT) from None
+
+
+def own_or_exit(rundir: RunDir) -> Ownership:
+    """Own the run directory, or exit 2 naming the live coordinator that owns it."""
+    with exit_2_on(BadRun):
+        return own(rundir)
 
 
 def report_result(rundir: RunDir, result: CoordinatorResult, elapsed: float, *,

@@ -1,7 +1,8 @@
 """`seerd` command line: thin commands over the coordinator, the launcher and the exporter.
 
 Exit codes: 0 the output is complete; 1 the run failed or was interrupted (resumable);
-2 bad input or settings (nothing was created).
+2 bad input or settings (nothing was created), a run that a live coordinator owns, or a model
+checkpoint that changed since the run was created; 3 the run finished with failed requests.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ import click
 
 from seerd.cli import ui
 from seerd.cli.launching import (
-    EXIT_BAD_INPUT, EXIT_FAILED_REQUESTS, EXIT_INCOMPLETE, EXIT_OK, prepare_or_exit, report_result,
+    EXIT_BAD_INPUT, EXIT_FAILED_REQUESTS, EXIT_INCOMPLETE, EXIT_OK, exit_2_on, own_or_exit, prepare_or_exit,
+    report_result,
 )
-from seerd.cli.options import rollout_options
+from seerd.cli.options import ALLOW_MODEL_CHANGE_OPTION, rollout_options
 from seerd.cli.sim import sim
 from seerd.cli.slurm import slurm_run, submit
 from seerd.cli.status import status
@@ -24,7 +26,8 @@ from seerd.config import RunConfig
 from seerd.db import RolloutStatus, make_engine
 from seerd.db.migrate import UpgradeFailed, head_revisions, upgrade_run_database
 from seerd.db.read import UnreadableDatabase
-from seerd.launch.prepare import read_rollout
+from seerd.launch.prepare import BadRun, owned_rollout
+from seerd.ownership import Ownership
 from seerd.rundir import RunDir
 
 __all__ = ["EXIT_BAD_INPUT", "EXIT_FAILED_REQUESTS", "EXIT_INCOMPLETE", "EXIT_OK", "cli", "main"]
@@ -42,20 +45,29 @@ def cli(verbose: bool) -> None:
 @rollout_options
 @click.option("--workers", default=2, show_default=True, help="Local vLLM worker processes.")
 @click.option("--progress/--no-progress", default=None, help="Progress bar (default: when on a terminal).")
-def run(workers: int, progress: bool | None, **options) -> None:  # noqa: ANN003
+@ALLOW_MODEL_CHANGE_OPTION
+def run(workers: int, progress: bool | None, allow_model_change: bool, **options) -> None:  # noqa: ANN003
     """Run a rollout on this machine: a coordinator and WORKERS local vLLM engines."""
-    prepared = prepare_or_exit(options, workers=workers, where=f"{workers} workers")
+    prepared = prepare_or_exit(options, workers=workers, where=f"{workers} workers",
+                               allow_model_change=allow_model_change)
     if prepared.finished:
         return
-    _drive(prepared.rundir, workers if prepared.created else prepared.config.workers, progress)
+    with prepared.ownership:
+        _drive(prepared.rundir, prepared.ownership, workers if prepared.created else prepared.config.workers,
+               progress, allow_model_change)
 
 
-def _drive(rundir: RunDir, workers: int, progress: bool | None) -> None:
+def _drive(rundir: RunDir, ownership: Ownership, workers: int, progress: bool | None,
+           allow_model_change: bool) -> None:
+    from seerd.coordinator.daemon import Coordinator
+    from seerd.coordinator.model_identity import ModelChanged
     from seerd.launch.local import run_local
 
+    with exit_2_on(ModelChanged):
+        coordinator = Coordinator(rundir, ownership, allow_model_change=allow_model_change, expected_workers=workers)
     started = time.monotonic()
     with ui.RunProgress(progress) as bar:
-        result = run_local(rundir, workers, on_tick=bar.update)
+        result = run_local(coordinator, workers, on_tick=bar.update)
     report_result(rundir, result, time.monotonic() - started)
 
 
@@ -63,15 +75,17 @@ def _drive(rundir: RunDir, workers: int, progress: bool | None) -> None:
 @click.argument("run_dir", type=click.Path(path_type=Path))
 @click.option("--workers", default=None, type=int, help="Override the number of local workers.")
 @click.option("--progress/--no-progress", default=None)
-def resume(run_dir: Path, workers: int | None, progress: bool | None) -> None:
+@ALLOW_MODEL_CHANGE_OPTION
+def resume(run_dir: Path, workers: int | None, progress: bool | None, allow_model_change: bool) -> None:
     """Continue an interrupted run from its database."""
     rundir = _existing_run(run_dir)
-    rollout = read_rollout(rundir)
-    if rollout.status == RolloutStatus.FINISHED:
-        ui.info(f"run {rundir.path} is already finished; nothing to do")
-        return
-    config = RunConfig.from_json(rollout.config_json)
-    _drive(rundir, workers or config.workers, progress)
+    with own_or_exit(rundir) as ownership:
+        rollout = _read_rollout(rundir)
+        if rollout.status == RolloutStatus.FINISHED:
+            ui.info(f"run {rundir.path} is already finished; nothing to do")
+            return
+        config = RunConfig.from_json(rollout.config_json)
+        _drive(rundir, ownership, workers or config.workers, progress, allow_model_change)
 
 
 @cli.command()
@@ -130,15 +144,22 @@ def db() -> None:
 def db_upgrade(run_dir: Path) -> None:
     """Apply Alembic migrations to RUN_DIR's database, after copying it aside (removed on success)."""
     rundir = _existing_run(run_dir)
-    engine = make_engine(rundir.db_path)
-    try:
-        done = upgrade_run_database(engine, rundir.db_path)
-    except UpgradeFailed as exc:
-        ui.error(str(exc))
-        raise SystemExit(EXIT_INCOMPLETE) from None
-    finally:
-        engine.dispose()
+    with own_or_exit(rundir):  # never under a live coordinator
+        engine = make_engine(rundir.db_path)
+        try:
+            done = upgrade_run_database(engine, rundir.db_path)
+        except UpgradeFailed as exc:
+            ui.error(str(exc))
+            raise SystemExit(EXIT_INCOMPLETE) from None
+        finally:
+            engine.dispose()
     ui.info(f"{rundir.db_path}: {done.before or 'empty'} -> {done.after} (head {', '.join(head_revisions())})")
+
+
+def _read_rollout(rundir: RunDir) -> Rollout:
+    """The run's rollout, or exit 2 when its creation never completed."""
+    with exit_2_on(BadRun):
+        return owned_rollout(rundir)
 
 
 def _existing_run(run_dir: Path) -> RunDir:

@@ -92,6 +92,11 @@ ENGINE_ARG_OPTION = click.option(
     help="Passed to vLLM's engine arguments as given (VALUE is read as JSON when it parses, e.g. "
          "enable_prefix_caching=false); repeatable.")
 
+ALLOW_MODEL_CHANGE_OPTION = click.option(
+    "--allow-model-change", is_flag=True,
+    help="Resume even though the model directory's checkpoint changed since the run was created "
+         "(refused otherwise); the change is recorded in the run.")
+
 
 def rollout_options(command: Callable) -> Callable:
     for option in reversed(ROLLOUT_OPTIONS):

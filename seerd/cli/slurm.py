@@ -11,8 +11,8 @@ from pathlib import Path
 import click
 
 from seerd.cli import ui
-from seerd.cli.launching import EXIT_BAD_INPUT, EXIT_INCOMPLETE, prepare_or_exit, report_result
-from seerd.cli.options import ENGINE_ARG_OPTION, parse_engine_args, rollout_options
+from seerd.cli.launching import EXIT_BAD_INPUT, EXIT_INCOMPLETE, exit_2_on, prepare_or_exit, report_result
+from seerd.cli.options import ALLOW_MODEL_CHANGE_OPTION, ENGINE_ARG_OPTION, parse_engine_args, rollout_options
 from seerd.config import DEFAULT_DRAIN_GRACE_S, ConfigError, build_config
 from seerd.launch.prepare import BadRun
 
@@ -36,11 +36,13 @@ def _engine_args(pairs: tuple[str, ...], gpus_per_worker: int) -> dict:
 @click.option("--drain-grace", default=DEFAULT_DRAIN_GRACE_S, show_default=True,
               help="After the warning signal, seconds in-flight chunks may still report before the requeue.")
 @ENGINE_ARG_OPTION
+@ALLOW_MODEL_CHANGE_OPTION
 def slurm_run(workers_per_node: int | None, gpus_per_worker: int | None, cpus_per_worker: int | None,
               mem_per_worker_mb: int | None, drain_grace: float, engine_args: tuple[str, ...],
-              **options) -> None:  # noqa: ANN003
+              allow_model_change: bool, **options) -> None:  # noqa: ANN003
     """Run a rollout inside a Slurm allocation: the coordinator here, workers as job steps on every
     node. What `sbatch slurm/rollout.sh` runs; after a requeue it resumes the run."""
+    from seerd.coordinator.model_identity import ModelChanged
     from seerd.launch.slurm import LayoutError, NotInAllocation, allocation_layout, run_in_allocation
 
     try:
@@ -51,12 +53,14 @@ def slurm_run(workers_per_node: int | None, gpus_per_worker: int | None, cpus_pe
         ui.error(str(exc))
         raise SystemExit(EXIT_BAD_INPUT) from None
     prepared = prepare_or_exit({**options, "engine_args": parsed, "gpus_per_worker": layout.gpus_per_worker},
-                               workers=layout.total_workers,
-                               where=layout.describe())
+                               workers=layout.total_workers, where=layout.describe(),
+                               allow_model_change=allow_model_change)
     if prepared.finished:
         return
     started = time.monotonic()
-    outcome = run_in_allocation(prepared.rundir, layout, drain_grace_s=drain_grace)
+    with prepared.ownership, exit_2_on(ModelChanged):
+        outcome = run_in_allocation(prepared.rundir, layout, prepared.ownership, allow_model_change=allow_model_change,
+                                    drain_grace_s=drain_grace)
     if outcome.requeued:
         ui.warn(f"run interrupted: {outcome.result.reason}. Requeued job {layout.job_id}: it continues from the "
                 f"database when it starts again")
@@ -92,11 +96,12 @@ def slurm_run(workers_per_node: int | None, gpus_per_worker: int | None, cpus_pe
               help="Wait for the job and exit 0 only when the output is complete.")
 @click.option("--dry-run", is_flag=True, help="Print the sbatch script submitit would write; submit nothing.")
 @ENGINE_ARG_OPTION
+@ALLOW_MODEL_CHANGE_OPTION
 def submit(nodes: int, workers_per_node: int | None, gpus_per_worker: int, gpus_per_node: int,
            cpus_per_worker: int | None, mem_per_worker_mb: int | None, time_min: int, partition: str | None,
            account: str | None, qos: str | None, signal_delay_s: int, drain_grace_s: float, exclusive: bool,
            slurm_args: tuple[str, ...], cluster: str, wait: bool, dry_run: bool, engine_args: tuple[str, ...],
-           **options) -> None:  # noqa: ANN003
+           allow_model_change: bool, **options) -> None:  # noqa: ANN003
     """Submit a rollout as a submitit job (seerd.submit from the shell): the coordinator in the job,
     workers as steps of the same allocation. Prints the job id."""
     from seerd.launch.submitit_launch import RolloutFailed, SlurmResources, sbatch_script, submit_rollout
@@ -122,7 +127,8 @@ def submit(nodes: int, workers_per_node: int | None, gpus_per_worker: int, gpus_
         config = build_config(workers=nodes * resources.workers, gpus_per_worker=resources.gpus_per_worker,
                               engine_args=_engine_args(engine_args, gpus_per_worker), **options)
         handle = submit_rollout(RunDir(options["run_dir"].resolve()), config, options["input_path"], resources,
-                                prior_dir=options["prior_dir"], cluster=None if cluster == "auto" else cluster)
+                                prior_dir=options["prior_dir"], cluster=None if cluster == "auto" else cluster,
+                                allow_model_change=allow_model_change)
     except (BadRun, ConfigError, click.BadParameter) as exc:
         ui.error(str(exc))
         raise SystemExit(EXIT_BAD_INPUT) from None

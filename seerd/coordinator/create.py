@@ -10,6 +10,7 @@ from sqlalchemy import insert, select, update
 from sqlalchemy.orm import Session
 
 from seerd.config import RunConfig
+from seerd.coordinator.model_identity import fingerprint_json
 from seerd.coordinator.prior import PriorLengths, seed_from_prior
 from seerd.db import Group, Request, RequestStatus, RequestTarget, Rollout, RolloutStatus, add_event
 from seerd.db.transitions import insert_many_with_status, insert_with_status
@@ -36,16 +37,20 @@ def group_sampling(config: RunConfig, row: PromptRow) -> dict:
 
 
 def create_rollout(session: Session, config: RunConfig, rows: Sequence[PromptRow], *,
-                   input_sha256: str, now: float, prior: PriorLengths | None = None) -> int:
+                   input_sha256: str, now: float, prior: PriorLengths | None = None,
+                   model_fingerprint: dict | None = None) -> int:
     """Insert the rollout, a group per row and n requests per group; the caller commits.
 
     With `prior` (lengths of an earlier run, `--prior`), matched groups start from its estimate.
+    `model_fingerprint` (coordinator/model_identity.py) is what every later start compares the
+    model directory with.
     """
     conn = session.connection()
     rollout_id = insert_with_status(conn, Rollout.__table__, RolloutStatus.CREATED, {
         "policy": config.policy, "seed": config.seed, "model_path": config.model_path,
         "input_path": config.input_path, "input_sha256": input_sha256, "config_json": config.to_json(),
-        "created_at": now})
+        "created_at": now,
+        "model_fingerprint": None if model_fingerprint is None else fingerprint_json(model_fingerprint)})
     session.execute(insert(Group), [
         {
             "rollout_id": rollout_id, "group_index": index, "prompt_id": row.prompt_id,

@@ -1,7 +1,9 @@
 """The coordinator daemon: opens the run's database, serves the API, expires leases, finishes.
 
 One process, one asyncio loop. The lease book owns the state; this module only wires it to the
-network, the clock and the end of the run (export, then mark finished).
+network, the clock and the end of the run (export, then mark finished). It is built on an ownership
+of the run directory (seerd/ownership.py) taken before the database is opened for writing; should
+another coordinator take the run over, it stops at its next tick without writing the run's end.
 """
 
 from __future__ import annotations
@@ -25,11 +27,13 @@ from seerd.coordinator.api import CoordinatorControl, body_limit, create_app
 from seerd.coordinator.book import LeaseBook
 from seerd.coordinator.drafts import REFRESH_S, DraftHost, book_sequences, history_sequences
 from seerd.coordinator.kvpool import PoolHost, model_revision, run_tag
+from seerd.coordinator.model_identity import verify_model
 from seerd.db import Rollout, RolloutStatus, WorkerStatus, add_event, make_engine, make_sessionmaker
 from seerd.db.migrate import upgrade_run_database
 from seerd.db.read import UnreadableDatabase
 from seerd.io.export import ExportResult, export_run
 from seerd.io.prompts import load_model_limits
+from seerd.ownership import Ownership
 from seerd.protocol import EngineSettings
 from seerd.rundir import RunDir
 from seerd.scheduler import make_policy
@@ -79,11 +83,15 @@ def load_rollout(engine: Engine) -> Rollout:
 
 
 class Coordinator:
-    def __init__(self, run_dir: RunDir, *, host: str = "127.0.0.1", port: int = 0,
+    def __init__(self, run_dir: RunDir, ownership: Ownership, *, allow_model_change: bool = False,
+                 host: str = "127.0.0.1", port: int = 0,
                  expected_workers: int | None = None, clock: Callable[[], float] = time.time,
                  drain_signals: tuple[signal.Signals, ...] = (), drain_grace_s: float = 120.0) -> None:
+        """ModelChanged (model_identity.py) when the run's checkpoint changed, unless allowed."""
         if not run_dir.exists():
             raise RunNotFound(f"no run at {run_dir.path} (no {run_dir.db_path.name})")
+        ownership.require(run_dir.path)
+        self.ownership = ownership
         self.run_dir = run_dir
         self.clock = clock
         self.host, self.port = host, port
@@ -94,6 +102,11 @@ class Coordinator:
             self.engine.dispose()
             self.engine = make_engine(run_dir.db_path, synchronous=self.config.sqlite_synchronous)
         self.sessions = make_sessionmaker(self.engine)
+        try:
+            verify_model(self.sessions, rollout, allow_change=allow_model_change, now=clock())
+        except BaseException:
+            self.engine.dispose()
+            raise
         self.rollout_id = rollout.id
         # Reported tokens are checked against the model's own vocabulary, read here rather than
         # taken from the workers whose reports it checks (the prompts were checked against it too).
@@ -128,6 +141,11 @@ class Coordinator:
         self._drain_reason = ""
         self.drained = False  # the run stopped after a drain: the caller requeues the job
         self.drain_recorded = False
+
+    @property
+    def _owns_run(self) -> bool:
+        """False once another coordinator has taken the run over: this one then writes nothing more."""
+        return self.ownership.lost is None
 
     def _make_pool(self, run_dir: RunDir, rollout: Rollout) -> PoolHost:
         from seerd.kvpool.service import PoolService
@@ -252,7 +270,8 @@ class Coordinator:
         finally:
             self._server.should_exit = True
             await server_task
-            await self.control.run(self.book.retire_workers)
+            if self._owns_run:  # else the workers are the new owner's to retire
+                await self.control.run(self.book.retire_workers)
             self.control.close()
             if self.drafts is not None:
                 self.drafts.close()
@@ -264,12 +283,16 @@ class Coordinator:
                 loop.remove_signal_handler(signum)
                 # asyncio leaves SIG_DFL behind; a late warning signal must not kill the process.
                 signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
-            self.run_dir.address_path.unlink(missing_ok=True)
+            if self._owns_run:  # else the address is the new owner's
+                self.run_dir.address_path.unlink(missing_ok=True)
         return result
 
     async def _watch(self, on_tick: Callable[[dict], None] | None) -> CoordinatorResult:
         run = self.control.run
         while True:
+            if not self._owns_run:
+                return CoordinatorResult(RolloutStatus.INTERRUPTED, None,
+                                         f"this coordinator lost the run: {self.ownership.lost}")
             if await run(self.book.expire, self.clock()):
                 self.control.work_queued()
             await run(self.book.persist_forecasts)
@@ -330,8 +353,12 @@ class Coordinator:
 
     def record_event(self, kind: str, data: dict) -> None:
         """One event in its own transaction (outside the state thread only before or after `serve`)."""
+        if not self._owns_run:
+            log.warning("not recorded (the run is no longer ours): %s %s", kind, data)
+            return
         with self.sessions.begin() as session:
             add_event(session, self.rollout_id, self.clock(), kind, data=data)
 
     def mark_failed(self, reason: str) -> None:
-        self.book.set_rollout_status(RolloutStatus.FAILED, self.clock(), reason)
+        if self._owns_run:
+            self.book.set_rollout_status(RolloutStatus.FAILED, self.clock(), reason)

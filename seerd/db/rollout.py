@@ -27,3 +27,6 @@ class Rollout(Base):
     finished_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     # Why the run failed or was interrupted, for people and for the job's exit status.
     status_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # The model directory's fingerprint (JSON, seerd/coordinator/model_identity.py): taken at creation,
+    # compared at every coordinator start; None for runs created before it was recorded.
+    model_fingerprint: Mapped[str | None] = mapped_column(Text, nullable=True)

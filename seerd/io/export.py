@@ -135,7 +135,8 @@ def export_snapshot(run_dir: RunDir) -> tuple[ExportResult, RolloutStatus]:
                 f"bring it up with `seerd db upgrade {run_dir.path}` (or export with the seerd that made it)")
         rollout = latest_rollout(conn)
         if rollout is None:
-            raise UnreadableDatabase(f"{run_dir.db_path} holds no rollout")
+            raise UnreadableDatabase(f"no run at {run_dir.path}: its creation did not complete (or never started); "
+                                     f"`seerd run` with the run's arguments creates it there again")
         with Session(bind=conn) as session:
             rows, total = collect_rows(session, rollout.id)
     return write_outputs(run_dir, rows, total), rollout.status

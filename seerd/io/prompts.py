@@ -151,6 +151,16 @@ class _Parsed:
     errors: list[str] = field(default_factory=list)
 
 
+def _lone_surrogate(text: str) -> str | None:
+    """Where `text` holds a lone surrogate (JSON's "\\ud800" escape decodes to one): not text, so no
+    UTF-8 database or output file can store it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"U+{ord(text[e.start]):04X} at character {e.start}"
+    return None
+
+
 def _check_token_ids(ids: list[int], vocab_size: int, what: str) -> str | None:
     bad = [(i, t) for i, t in enumerate(ids) if not 0 <= t < vocab_size]
     if not bad:
@@ -207,6 +217,9 @@ def _parse_row(rec: Any, k: int, prompt_id: Any, default_n: int,
         p.errors.append("missing id")
     elif not (_is_int(prompt_id) or (isinstance(prompt_id, str) and prompt_id)):
         p.errors.append(f"id must be a non-empty string or an integer, got {_type_name(prompt_id)}")
+    elif isinstance(prompt_id, str) and (surrogate := _lone_surrogate(prompt_id)):
+        p.errors.append(f"id {prompt_id!r} holds a lone surrogate ({surrogate}), which is not text and cannot "
+                        "be stored")
     else:
         p.prompt_id = str(prompt_id)
     _parse_prompt(rec, p)

@@ -143,12 +143,11 @@ def _kill_group(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
-def run_local(run_dir: RunDir, workers: int, on_tick: Callable[[dict], None] | None = None,
-              coordinator: Coordinator | None = None, pool: WorkerPool | None = None) -> CoordinatorResult:
-    """The coordinator in this process, its workers supervised by `pool` (local processes by
+def run_local(coordinator: Coordinator, workers: int, on_tick: Callable[[dict], None] | None = None,
+              pool: WorkerPool | None = None) -> CoordinatorResult:
+    """`coordinator` in this process, its workers supervised by `pool` (local processes by
     default; the Slurm launcher passes a pool of job steps)."""
-    coordinator = coordinator or Coordinator(run_dir, expected_workers=workers)
-    pool = pool or WorkerPool(run_dir, workers, kv_pool=coordinator.config.kv_pool)
+    pool = pool or WorkerPool(coordinator.run_dir, workers, kv_pool=coordinator.config.kv_pool)
 
     def tick(counts: dict) -> None:
         reason = pool.supervise(counts["requests_done"] == counts["requests_total"])

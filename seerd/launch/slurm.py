@@ -30,6 +30,7 @@ from seerd.config import DEFAULT_DRAIN_GRACE_S, KVPoolConfig
 from seerd.coordinator.daemon import Coordinator, CoordinatorResult
 from seerd.db import RolloutStatus
 from seerd.launch.local import WorkerPool, run_local, worker_env
+from seerd.ownership import Ownership
 from seerd.rundir import RunDir
 from seerd.status.locate import record_slurm_job
 
@@ -220,11 +221,14 @@ def requeue_job(job_id: str) -> str | None:
     return None if out.returncode == 0 else (out.stderr or out.stdout).strip() or f"exit {out.returncode}"
 
 
-def run_in_allocation(run_dir: RunDir, layout: WorkerLayout, *, drain_grace_s: float = DEFAULT_DRAIN_GRACE_S,
+def run_in_allocation(run_dir: RunDir, layout: WorkerLayout, ownership: Ownership, *,
+                      allow_model_change: bool = False, drain_grace_s: float = DEFAULT_DRAIN_GRACE_S,
                       on_tick: Callable[[dict], None] | None = None) -> AllocationResult:
-    """Run the rollout with this allocation's workers; requeue the job after a warning-signal drain."""
-    coordinator = Coordinator(run_dir, host=node_address(), expected_workers=layout.total_workers,
-                              drain_signals=DRAIN_SIGNALS, drain_grace_s=drain_grace_s)
+    """Run the rollout (owned by this process) with this allocation's workers; requeue the job after a
+    warning-signal drain. ModelChanged when the run's checkpoint changed, unless allowed."""
+    coordinator = Coordinator(run_dir, ownership, allow_model_change=allow_model_change, host=node_address(),
+                              expected_workers=layout.total_workers, drain_signals=DRAIN_SIGNALS,
+                              drain_grace_s=drain_grace_s)
     restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
     try:  # `seerd status JOBID` finds the run through this; a rollout never fails for it
         record_slurm_job(layout.job_id, run_dir.path)
@@ -234,7 +238,7 @@ def run_in_allocation(run_dir: RunDir, layout: WorkerLayout, *, drain_grace_s: f
                                            "nodes": list(layout.nodes), "workers": layout.total_workers,
                                            "address": coordinator.host})
     log.warning("coordinator at %s: %s (restart %d)", coordinator.host, layout.describe(), restarts)
-    result = run_local(run_dir, layout.total_workers, on_tick=on_tick, coordinator=coordinator,
+    result = run_local(coordinator, layout.total_workers, on_tick=on_tick,
                        pool=SlurmWorkerPool(run_dir, layout, kv_pool=coordinator.config.kv_pool))
     if not coordinator.drained:
         return AllocationResult(result)

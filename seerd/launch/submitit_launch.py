@@ -28,6 +28,7 @@ import submitit
 from seerd.config import DEFAULT_DRAIN_GRACE_S, ROLLOUT_DEFAULTS, ConfigError, build_config
 from seerd.db import RolloutStatus
 from seerd.launch.prepare import BadRun, prepare_run, read_rollout
+from seerd.ownership import take_ownership
 from seerd.rundir import RunDir
 
 log = logging.getLogger("seerd.submit")
@@ -144,30 +145,39 @@ class RolloutJob(submitit.helpers.Checkpointable):
     has taken the signal over), it requeues this same call, which resumes from the database.
     """
 
-    def __init__(self, run_dir: str, resources: SlurmResources) -> None:
+    def __init__(self, run_dir: str, resources: SlurmResources, *, allow_model_change: bool = False) -> None:
         self.run_dir = run_dir
         self.resources = resources
+        self.allow_model_change = allow_model_change
 
     def __call__(self) -> dict:
+        from seerd.coordinator.daemon import Coordinator
         from seerd.launch.local import run_local
         from seerd.launch.slurm import allocation_layout, run_in_allocation
 
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         rundir = RunDir(Path(self.run_dir))
         res = self.resources
-        if os.environ.get("SLURM_JOB_ID"):
-            layout = allocation_layout(os.environ, workers_per_node=res.workers,
-                                       gpus_per_worker=res.gpus_per_worker, cpus_per_worker=res.cpus_per_worker,
-                                       mem_per_worker_mb=res.mem_per_worker_mb)
-            outcome = run_in_allocation(rundir, layout, drain_grace_s=res.drain_grace_s)
-            if outcome.requeued:
-                # SystemExit, not an exception: submitit then writes no result, and the requeued
-                # job (the same pickled call) continues the run.
-                print(f"seerd: requeued job {layout.job_id}: {outcome.result.reason}", file=sys.stderr, flush=True)
-                sys.exit(EXIT_REQUEUED)
-            result = outcome.result
-        else:
-            result = run_local(rundir, res.nodes * res.workers)
+        # RunOwned when a live coordinator has the run; a requeued job waits for its predecessor's
+        # heartbeat to go stale (seerd/ownership.py).
+        with take_ownership(rundir.path) as ownership:
+            if os.environ.get("SLURM_JOB_ID"):
+                layout = allocation_layout(os.environ, workers_per_node=res.workers,
+                                           gpus_per_worker=res.gpus_per_worker, cpus_per_worker=res.cpus_per_worker,
+                                           mem_per_worker_mb=res.mem_per_worker_mb)
+                outcome = run_in_allocation(rundir, layout, ownership, allow_model_change=self.allow_model_change,
+                                            drain_grace_s=res.drain_grace_s)
+                if outcome.requeued:
+                    # SystemExit, not an exception: submitit then writes no result, and the requeued
+                    # job (the same pickled call) continues the run.
+                    print(f"seerd: requeued job {layout.job_id}: {outcome.result.reason}", file=sys.stderr,
+                          flush=True)
+                    sys.exit(EXIT_REQUEUED)
+                result = outcome.result
+            else:
+                workers = res.nodes * res.workers
+                result = run_local(Coordinator(rundir, ownership, allow_model_change=self.allow_model_change,
+                                               expected_workers=workers), workers)
         if result.status != RolloutStatus.FINISHED:
             raise RolloutFailed(f"run {result.status.value}: {result.reason}. It is resumable: submit again or "
                                 f"`seerd resume {rundir.path}`")
@@ -235,19 +245,21 @@ class RolloutHandle:
 
 
 def submit_rollout(rundir: RunDir, config, input_path: Path, resources: SlurmResources, *,  # noqa: ANN001
-                   prior_dir: Path | None = None, cluster: str | None = None,
-                   folder: Path | None = None) -> RolloutHandle:
-    """Create (or find) the run, then submit the job that runs it; BadRun for bad input."""
+                   prior_dir: Path | None = None, cluster: str | None = None, folder: Path | None = None,
+                   allow_model_change: bool = False) -> RolloutHandle:
+    """Create (or find) the run, then submit the job that runs it; BadRun for bad input, a changed
+    model or a run that a live coordinator owns."""
     resources.validate()
-    prepared = prepare_run(rundir, config, input_path, prior_dir)
+    prepared = prepare_run(rundir, config, input_path, prior_dir, allow_model_change=allow_model_change)
     if prepared.finished:
         return RolloutHandle(rundir, None)
+    prepared.ownership.release()  # the job owns the run from its start
     folder = Path(folder) if folder is not None else (
         rundir.path / "submitit" / f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}")
     folder.mkdir(parents=True, mode=0o700, exist_ok=False)  # fresh: a stale result must never be read
     executor = submitit.AutoExecutor(folder=folder, cluster=cluster)
     executor.update_parameters(**submitit_parameters(resources))
-    job = executor.submit(RolloutJob(str(rundir.path), resources))
+    job = executor.submit(RolloutJob(str(rundir.path), resources, allow_model_change=allow_model_change))
     log.info("submitted %s job %s for %s (submitit folder %s)", executor.cluster, job.job_id, rundir.path, folder)
     return RolloutHandle(rundir, job, folder)
 
@@ -258,6 +270,7 @@ def submit(input: str | Path, model: str | Path, run_dir: str | Path, *,  # noqa
     resource_names = {f.name for f in fields(SlurmResources)}
     resources = SlurmResources(**{k: v for k, v in options.items() if k in resource_names})
     rollout = {k: v for k, v in options.items() if k not in resource_names}
+    allow_model_change = bool(rollout.pop("allow_model_change", False))
     if "prior" in rollout:  # the CLI's --prior
         rollout["prior_dir"] = rollout.pop("prior")
     unknown = sorted(set(rollout) - set(ROLLOUT_DEFAULTS) - {"engine_args"})
@@ -274,4 +287,5 @@ def submit(input: str | Path, model: str | Path, run_dir: str | Path, *,  # noqa
     except ConfigError as exc:
         raise BadRun(str(exc)) from None
     return submit_rollout(RunDir(Path(run_dir).resolve()), config, Path(input), resources, prior_dir=prior_dir,
-                          cluster=cluster, folder=Path(folder) if folder is not None else None)
+                          cluster=cluster, folder=Path(folder) if folder is not None else None,
+                          allow_model_change=allow_model_change)

@@ -1,10 +1,16 @@
-"""Builders shared by unit tests: a real SQLite run database with hand-made prompt rows."""
+"""Builders shared by unit tests: a real SQLite run database with hand-made prompt rows, and real
+processes that own a run directory."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+import os
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 from seerd.config import RunConfig
 from seerd.coordinator.book import LeaseBook
@@ -16,6 +22,44 @@ from seerd.io.prompts import PromptRow
 from seerd.protocol import parse_engine_id
 from seerd.scheduler import make_policy
 from seerd.worker.engine import ChunkResult
+
+REPO = Path(__file__).resolve().parents[2]
+# A process that owns RUN_DIR (pretending to live on HOST when given) until it is killed.
+HOLD = """
+import socket, sys, time
+from pathlib import Path
+if len(sys.argv) > 3:
+    socket.gethostname = lambda: sys.argv[3]
+from seerd.ownership import take_ownership
+ownership = take_ownership(Path(sys.argv[1]), heartbeat_s=float(sys.argv[2]))
+print("owned", flush=True)
+time.sleep(600)
+"""
+
+
+def python(script: str, *args: str, stdin: int | None = None) -> subprocess.Popen:
+    """`script` in a new Python process that imports this checkout's seerd; stdout is a pipe."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.PIPE, stdin=stdin, text=True,
+                            env=env, cwd=REPO)
+
+
+@pytest.fixture
+def holders():
+    """`hold(run_dir)` starts a process that owns the run directory until the test ends."""
+    started: list[subprocess.Popen] = []
+
+    def hold(run: Path, *, heartbeat_s: float = 0.1, host: str | None = None) -> subprocess.Popen:
+        proc = python(HOLD, str(run), str(heartbeat_s), *([host] if host else []))
+        started.append(proc)
+        assert proc.stdout.readline().strip() == "owned"
+        return proc
+
+    yield hold
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
 
 
 class FakeClock:

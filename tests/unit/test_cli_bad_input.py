@@ -29,6 +29,10 @@ FILE_CASES = {
     "duplicate ids": (jsonl(GOOD, {"id": "x", "prompt_token_ids": [1]}, GOOD), ":3:", "duplicate"),
     "broken json": (jsonl(GOOD, b'{"id": "b", "prompt_token_ids": [1'), ":2:", "JSON"),
     "non-utf8 bytes": (jsonl(GOOD, b'{"id": "\xff\xfe", "prompt_token_ids": [1]}'), ":2:", "UTF-8"),
+    # Valid JSON whose string is no text: SQLite could not store it, and the failed creation used to
+    # leave a run directory every later command failed on.
+    "id with a lone surrogate": (jsonl(GOOD, b'{"id": "b\\ud800", "prompt_token_ids": [1]}'), ":2:",
+                                 "lone surrogate"),
     "empty file": (b"", "prompts.jsonl", "no prompts"),
 }
 

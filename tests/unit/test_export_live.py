@@ -21,6 +21,7 @@ from seerd.db import RolloutStatus, make_engine, make_sessionmaker
 from seerd.db.migrate import current_revision, head_revisions, upgrade
 from seerd.io import export
 from seerd.launch.prepare import read_rollout
+from seerd.ownership import take_ownership
 from seerd.rundir import RunDir
 from seerd.worker.client import CoordinatorClient
 from seerd.worker.main import Worker
@@ -59,7 +60,7 @@ def test_seerd_export_of_a_live_run_holds_a_snapshot_while_the_coordinator_commi
     rundir = build_run(tmp_path / "run")
     before = CliRunner().invoke(cli, ["export", str(rundir.path)])  # a run not started yet
     assert before.exit_code == 0 and f"PARTIAL export: 0 of {GROUPS * N}" in before.output
-    coordinator = Coordinator(rundir, expected_workers=2)
+    coordinator = Coordinator(rundir, take_ownership(rundir.path), expected_workers=2)  # released when it stops
     state = coordinator.book.state
     held: dict = {}
     collect_rows = export.collect_rows
@@ -181,7 +182,8 @@ def test_a_failed_migration_keeps_the_copy_taken_before_it(tmp_path, monkeypatch
 
 def test_the_coordinator_migrates_at_start_through_the_same_copy(tmp_path):
     rundir = build_run(tmp_path / "run", revision="0004")
-    coordinator = Coordinator(rundir)
-    assert current_revision(coordinator.engine) == head_revisions()[0]
-    coordinator.engine.dispose()
+    with take_ownership(rundir.path) as ownership:
+        coordinator = Coordinator(rundir, ownership)
+        assert current_revision(coordinator.engine) == head_revisions()[0]
+        coordinator.engine.dispose()
     assert not list(rundir.path.glob("state.db.before-*"))

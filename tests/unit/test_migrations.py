@@ -88,6 +88,12 @@ def test_rows_of_a_0001_database_survive_the_upgrade_to_head(tmp_path):
             "select id, status, generated_tokens, finish_reason from requests order by id").all() == [
             (1, "finished", 12, "stop"), (2, "queued", 0, None)]
         assert conn.exec_driver_sql("select length_estimate from prompt_groups").scalar() == 40
+        # 0007: the rollout row came through the new column (a copy of rollouts would have taken every
+        # other table's rows with it); no fingerprint until the next coordinator start records one.
+        assert conn.exec_driver_sql("select id, status, model_path, model_fingerprint from rollouts").all() == [
+            (1, "running", "m", None)]
+        conn.exec_driver_sql("""update rollouts set model_fingerprint = '{"version": 1, "files": {}}'""")
+        assert conn.exec_driver_sql("select model_fingerprint from rollouts").scalar() == '{"version": 1, "files": {}}'
         # 0005: no forecast until the coordinator writes one.
         assert conn.exec_driver_sql("select forecast_tokens from prompt_groups").scalar() is None
         conn.exec_driver_sql("update prompt_groups set forecast_tokens = 36 where id = 1")
@@ -109,24 +115,46 @@ def test_migrations_are_the_top_level_directory_installed_under_seerd():
     assert not any(fnmatch.fnmatch("migrations", pattern) for pattern in patterns), patterns  # no top-level package
 
 
-def test_downgrading_past_the_forecast_column_keeps_the_runs_rows(tmp_path):
-    """0005's downgrade drops the column in place: a batch copy of prompt_groups would drop the old
-    table, and with foreign keys on that deletes every request (ON DELETE CASCADE)."""
+def downgrade(engine, revision: str) -> None:  # noqa: ANN001
     from alembic import command
 
     from seerd.db.migrate import alembic_config
 
+    config = alembic_config(engine)
+    with engine.begin() as connection:
+        config.attributes["connection"] = connection
+        command.downgrade(config, revision)
+
+
+def test_downgrading_past_the_forecast_column_keeps_the_runs_rows(tmp_path):
+    """0005's downgrade drops the column in place: a batch copy of prompt_groups would drop the old
+    table, and with foreign keys on that deletes every request (ON DELETE CASCADE)."""
     book = make_book(tmp_path)
     engine = book.sessions.kw["bind"]
     with engine.begin() as conn:
         conn.exec_driver_sql("update prompt_groups set forecast_tokens = 30")
-    config = alembic_config(engine)
-    with engine.begin() as connection:
-        config.attributes["connection"] = connection
-        command.downgrade(config, "0004")
+    downgrade(engine, "0004")
     assert current_revision(engine) == "0004"
     with engine.connect() as conn:
         assert conn.exec_driver_sql("select count(*) from requests").scalar() == 4
         assert conn.exec_driver_sql("select count(*) from prompt_groups").scalar() == 2
         columns = {row[1] for row in conn.exec_driver_sql("pragma table_info(prompt_groups)")}
     assert "forecast_tokens" not in columns
+
+
+def test_downgrading_past_the_model_fingerprint_keeps_the_runs_rows(tmp_path):
+    """0007's downgrade drops the column in place: every table refers to rollouts ON DELETE CASCADE,
+    so a batch copy of rollouts would empty the whole run."""
+    book = make_book(tmp_path)
+    engine = book.sessions.kw["bind"]
+    with engine.begin() as conn:
+        conn.exec_driver_sql("""update rollouts set model_fingerprint = '{"version": 1, "files": {}}'""")
+        events = conn.exec_driver_sql("select count(*) from events").scalar()
+    downgrade(engine, "0006")
+    assert current_revision(engine) == "0006"
+    with engine.connect() as conn:
+        assert conn.exec_driver_sql("select count(*) from rollouts").scalar() == 1
+        assert conn.exec_driver_sql("select count(*) from requests").scalar() == 4
+        assert conn.exec_driver_sql("select count(*) from events").scalar() == events > 0
+        columns = {row[1] for row in conn.exec_driver_sql("pragma table_info(rollouts)")}
+    assert "model_fingerprint" not in columns
