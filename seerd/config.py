@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -22,6 +23,65 @@ DEFAULT_DRAIN_GRACE_S = 120.0
 
 class ConfigError(ValueError):
     """An impossible setting: reported to the user before any state is created."""
+
+
+# Bounds of the numeric settings; each message says why. The sampling settings' ranges are vLLM's
+# own (launch/engine_rules.py checks them through its SamplingParams), so none are repeated here.
+MAX_TOKEN_COUNT = 2**31 - 1
+MAX_RESPONSES_PER_PROMPT = 16384  # vLLM's VLLM_MAX_N_SEQUENCES default
+MAX_WORKERS = 4096
+MAX_NUM_SEQS = 4096
+MAX_KV_CACHE_GIB = 4096.0
+LEASE_TTL_RANGE_S = (1.0, 3600.0)
+SEED_RANGE = (-(2**63), 2**63 - 1)
+
+N_WHY = "vLLM's own limit on responses per prompt"
+TOKENS_WHY = "vLLM keeps token positions in 32-bit integers"
+WORKERS_WHY = "each worker is a vLLM engine of its own (a guard against typos)"
+MAX_NUM_SEQS_WHY = ("vLLM sets aside max_model_len token slots for each sequence when the engine starts, and "
+                    "batches beyond a few thousand sequences gain nothing")
+KV_CACHE_WHY = "more memory than any single engine has (a guard against typos)"
+LEASE_TTL_WHY = ("workers renew their leases four times per TTL but at most every 0.2 s, so a shorter TTL "
+                 "expires healthy leases, and a longer one keeps a dead worker's chunks waiting that long")
+SEED_WHY = "the run's database stores it as a 64-bit integer"
+CONTEXT_WHY = f"room for one prompt and one generated token, and {TOKENS_WHY}"
+
+
+def number_problem(flag: str, value: object, *, integer: bool = False, at_least: float | None = None,
+                   above: float | None = None, at_most: float | None = None, why: str = "") -> str | None:
+    """Why `value` is not a setting `flag` accepts (None if it is): the type (an int, or any real
+    number for a float setting; never a bool), finite (NaN and infinity compare false with every
+    bound, so they would slip past a plain range check), then the range."""
+    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+        return f"{flag} must be {'an integer' if integer else 'a number'} (got {value!r})"
+    if not integer and not _fits_a_float(value):
+        return f"{flag} must be a finite number (got {_show(value)})"
+    if ((at_least is not None and value < at_least) or (above is not None and value <= above)
+            or (at_most is not None and value > at_most)):
+        return f"{flag} must be {_range_text(integer, at_least, above, at_most)} (got {_show(value)})" + (
+            f": {why}" if why else "")
+    return None
+
+
+def _range_text(integer: bool, at_least: float | None, above: float | None, at_most: float | None) -> str:
+    """"in 1..16384", "in [1, 3600]", "in (0, 4096]", ">= 1" or "> 0"."""
+    if at_most is None:
+        return f">= {_show(at_least)}" if at_least is not None else f"> {_show(above)}"
+    if integer and at_least is not None:
+        return f"in {_show(at_least)}..{_show(at_most)}"
+    low = f"[{_show(at_least)}" if at_least is not None else f"({_show(above)}"
+    return f"in {low}, {_show(at_most)}]"
+
+
+def _fits_a_float(number: float) -> bool:
+    try:
+        return math.isfinite(number)
+    except OverflowError:  # an int too large for a float
+        return False
+
+
+def _show(number: float) -> str:
+    return str(number) if isinstance(number, int) else f"{number:g}"
 
 
 @dataclass(frozen=True)

@@ -58,26 +58,33 @@ def prepare_run(rundir: RunDir, config: RunConfig, input_path: Path, prior_dir: 
     """Create the run described by `config` in `rundir`, or return the run already there.
 
     An existing unfinished run is resumed only when it holds the same input (by content hash).
-    Raises BadRun (and creates nothing) for bad prompts, model, settings or --prior.
+    Raises BadRun (and creates nothing) for bad prompts, model, settings or --prior; settings and
+    prompts are checked by the rules the workers' engines will apply (launch/engine_rules.py).
     """
     if rundir.exists():
         return _existing(rundir, input_path, ignored_prior=prior_dir is not None)
     from seerd.coordinator.create import prompt_hash
     from seerd.coordinator.prior import PriorRunError, read_prior
     from seerd.io.prompts import ModelDirError, PromptFileError, load_model_limits, load_prompts
+    from seerd.launch.engine_rules import SamplingCheck, context_length, with_context_length
 
     try:
         config.validate()
-        limits = load_model_limits(Path(config.model_path))
+        context = context_length(config.engine, load_model_limits(Path(config.model_path)))
+        sampling_check = SamplingCheck(config)
+        options_problem = sampling_check.options_problem()
+        if options_problem:
+            raise ConfigError(options_problem)
         rows = load_prompts(input_path, Path(config.model_path), default_n=config.n,
-                            default_max_tokens=config.max_tokens,
-                            max_model_len=config.engine.max_model_len or limits.max_model_len)
+                            default_max_tokens=config.max_tokens, context=context,
+                            check_sampling=sampling_check.check)
         prior = None if prior_dir is None else read_prior(prior_dir, {prompt_hash(r.prompt_token_ids) for r in rows})
     except (ConfigError, ModelDirError, PromptFileError, PriorRunError) as exc:
         raise BadRun(str(exc)) from None
+    config = with_context_length(config, context)
     seeded = _create(rundir, config, rows, file_sha256(input_path), prior)
     return PreparedRun(rundir, config, created=True, finished=False, groups=len(rows),
-                       requests=sum(r.n for r in rows), seeded=seeded)
+                       requests=sum(r.n for r in rows), seeded=seeded, notes=sampling_check.notes())
 
 
 def _existing(rundir: RunDir, input_path: Path, *, ignored_prior: bool) -> PreparedRun:

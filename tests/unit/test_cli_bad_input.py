@@ -1,4 +1,6 @@
-"""`seerd run` on bad input: non-zero exit, a message naming the row or path, and no run state."""
+"""Bad input: exit 2, a message naming the row (`file:line: reason`), the option or the path, and no
+run state, from `seerd run`, `seerd slurm-run`, `seerd submit` and `seerd.submit()` alike. Sampling
+settings are judged by vLLM's own SamplingParams (the real one: it imports without a GPU)."""
 
 from __future__ import annotations
 
@@ -23,7 +25,16 @@ FILE_CASES = {
     "missing id": (jsonl(GOOD, {"prompt_token_ids": [1]}), ":2:", "id"),
     "empty prompt": (jsonl({"id": "a", "prompt": ""}), ":1:", "empty"),
     "empty token list": (jsonl({"id": "a", "prompt_token_ids": []}), ":1:", "empty"),
-    "too long for the model": (jsonl({"id": "a", "prompt_token_ids": [5] * 5000}), ":1:", "length"),
+    "too long for the model": (jsonl({"id": "a", "prompt_token_ids": [5] * 5000}), ":1:",
+                               "max_model_len 4096 (max_position_embeddings in the model's config.json)"),
+    "temperature vLLM refuses": (jsonl(GOOD, {**GOOD, "id": "b", "temperature": 2.5}), ":2:",
+                                 "vLLM refuses these sampling settings: temperature must be in [0, 2], got 2.5."),
+    "top_k vLLM refuses": (jsonl(GOOD, {**GOOD, "id": "b", "top_k": -5}), ":2:", "top_k must be 0 (disable)"),
+    "NaN top_p": (jsonl(GOOD, b'{"id": "b", "prompt_token_ids": [1], "top_p": NaN}'), ":2:",
+                  "top_p must be a finite number, got nan"),
+    "infinite temperature": (jsonl(b'{"id": "b", "prompt_token_ids": [1], "temperature": -Infinity}'), ":1:",
+                             "temperature must be a finite number, got -inf"),
+    "n beyond vLLM's limit": (jsonl({**GOOD, "n": 100000}), ":1:", "n must be in 1..16384"),
     "n <= 0": (jsonl({"id": "a", "prompt_token_ids": [5], "n": 0}), ":1:", "n"),
     "max_tokens <= 0": (jsonl({"id": "a", "prompt_token_ids": [5], "max_tokens": -3}), ":1:", "max_tokens"),
     "duplicate ids": (jsonl(GOOD, {"id": "x", "prompt_token_ids": [1]}, GOOD), ":3:", "duplicate"),
