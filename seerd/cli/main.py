@@ -18,7 +18,7 @@ from seerd.cli.options import rollout_options
 from seerd.cli.sim import sim
 from seerd.cli.slurm import slurm_run, submit
 from seerd.cli.status import status
-from seerd.config import RunConfig
+from seerd.config import MAX_WORKERS, WORKERS_WHY, RunConfig, number_problem
 from seerd.db import RolloutStatus, make_engine, make_sessionmaker
 from seerd.db.migrate import current_revision, head_revisions, upgrade
 from seerd.launch.prepare import read_rollout
@@ -62,6 +62,11 @@ def _drive(rundir: RunDir, workers: int, progress: bool | None) -> None:
 @click.option("--progress/--no-progress", default=None)
 def resume(run_dir: Path, workers: int | None, progress: bool | None) -> None:
     """Continue an interrupted run from its database."""
+    problem = None if workers is None else number_problem("--workers", workers, integer=True, at_least=1,
+                                                          at_most=MAX_WORKERS, why=WORKERS_WHY)
+    if problem:
+        ui.error(problem)
+        raise SystemExit(EXIT_BAD_INPUT)
     rundir = _existing_run(run_dir)
     rollout = read_rollout(rundir)
     if rollout.status == RolloutStatus.FINISHED:
