@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -22,6 +23,65 @@ DEFAULT_DRAIN_GRACE_S = 120.0
 
 class ConfigError(ValueError):
     """An impossible setting: reported to the user before any state is created."""
+
+
+# Bounds of the numeric settings; each message says why. The sampling settings' ranges are vLLM's
+# own (launch/engine_rules.py checks them through its SamplingParams), so none are repeated here.
+MAX_TOKEN_COUNT = 2**31 - 1
+MAX_RESPONSES_PER_PROMPT = 16384  # vLLM's VLLM_MAX_N_SEQUENCES default
+MAX_WORKERS = 4096
+MAX_NUM_SEQS = 4096
+MAX_KV_CACHE_GIB = 4096.0
+LEASE_TTL_RANGE_S = (1.0, 3600.0)
+SEED_RANGE = (-(2**63), 2**63 - 1)
+
+N_WHY = "vLLM's own limit on responses per prompt"
+TOKENS_WHY = "vLLM keeps token positions in 32-bit integers"
+WORKERS_WHY = "each worker is a vLLM engine of its own (a guard against typos)"
+MAX_NUM_SEQS_WHY = ("vLLM sets aside max_model_len token slots for each sequence when the engine starts, and "
+                    "batches beyond a few thousand sequences gain nothing")
+KV_CACHE_WHY = "more memory than any single engine has (a guard against typos)"
+LEASE_TTL_WHY = ("workers renew their leases four times per TTL but at most every 0.2 s, so a shorter TTL "
+                 "expires healthy leases, and a longer one keeps a dead worker's chunks waiting that long")
+SEED_WHY = "the run's database stores it as a 64-bit integer"
+CONTEXT_WHY = f"room for one prompt and one generated token, and {TOKENS_WHY}"
+
+
+def number_problem(flag: str, value: object, *, integer: bool = False, at_least: float | None = None,
+                   above: float | None = None, at_most: float | None = None, why: str = "") -> str | None:
+    """Why `value` is not a setting `flag` accepts (None if it is): the type (an int, or any real
+    number for a float setting; never a bool), finite (NaN and infinity compare false with every
+    bound, so they would slip past a plain range check), then the range."""
+    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+        return f"{flag} must be {'an integer' if integer else 'a number'} (got {value!r})"
+    if not integer and not _fits_a_float(value):
+        return f"{flag} must be a finite number (got {_show(value)})"
+    if ((at_least is not None and value < at_least) or (above is not None and value <= above)
+            or (at_most is not None and value > at_most)):
+        return f"{flag} must be {_range_text(integer, at_least, above, at_most)} (got {_show(value)})" + (
+            f": {why}" if why else "")
+    return None
+
+
+def _range_text(integer: bool, at_least: float | None, above: float | None, at_most: float | None) -> str:
+    """"in 1..16384", "in [1, 3600]", "in (0, 4096]", ">= 1" or "> 0"."""
+    if at_most is None:
+        return f">= {_show(at_least)}" if at_least is not None else f"> {_show(above)}"
+    if integer and at_least is not None:
+        return f"in {_show(at_least)}..{_show(at_most)}"
+    low = f"[{_show(at_least)}" if at_least is not None else f"({_show(above)}"
+    return f"in {low}, {_show(at_most)}]"
+
+
+def _fits_a_float(number: float) -> bool:
+    try:
+        return math.isfinite(number)
+    except OverflowError:  # an int too large for a float
+        return False
+
+
+def _show(number: float) -> str:
+    return str(number) if isinstance(number, int) else f"{number:g}"
 
 
 @dataclass(frozen=True)
@@ -64,10 +124,9 @@ class SpecConfig:
         if self.mode == "suffix" and importlib.util.find_spec("arctic_inference") is None:
             found.append("--spec suffix is vLLM's suffix decoding, which needs arctic-inference (not installed "
                          "here; see docs/speculative.md)")
-        if not 1 <= self.gamma_max <= 16:
-            found.append(f"--spec-depth must be in 1..16 (got {self.gamma_max})")
-        if self.probe_weight <= 0:
-            found.append(f"--spec-probe-weight must be > 0 (got {self.probe_weight})")
+        found.extend(filter(None, [
+            number_problem("--spec-depth", self.gamma_max, integer=True, at_least=1, at_most=16),
+            number_problem("--spec-probe-weight", self.probe_weight, above=0)]))
         if self.profile_path is not None and not Path(self.profile_path).is_file():
             found.append(f"--spec-profile {self.profile_path} is not a file")
         if self.history_run_dir is not None:
@@ -151,30 +210,44 @@ class RunConfig:
         problems = []
         if self.policy not in DAEMON_POLICIES:
             problems.append(f"--policy must be one of {', '.join(DAEMON_POLICIES)} (got {self.policy!r})")
-        if self.workers < 1:
-            problems.append(f"--workers must be >= 1 (got {self.workers})")
-        if self.chunk_tokens < 1:
-            problems.append(f"--chunk-tokens must be >= 1 (got {self.chunk_tokens})")
-        if self.n < 1:
-            problems.append(f"--n must be >= 1 (got {self.n})")
-        if self.max_tokens < 1:
-            problems.append(f"--max-tokens must be >= 1 (got {self.max_tokens})")
-        if self.sampling.temperature < 0:
-            problems.append(f"--temperature must be >= 0 (got {self.sampling.temperature})")
-        if not 0 < self.sampling.top_p <= 1:
-            problems.append(f"--top-p must be in (0, 1] (got {self.sampling.top_p})")
-        if self.lease_ttl_s <= 0:
-            problems.append(f"lease TTL must be > 0 (got {self.lease_ttl_s})")
-        if self.engine.kv_cache_gib <= 0:
-            problems.append(f"--kv-cache-gib must be > 0 (got {self.engine.kv_cache_gib})")
+        problems.extend(self._number_problems())
         if self.engine.api not in ("auto", "stepped", "async"):
             problems.append(f"--engine-api must be auto, stepped or async (got {self.engine.api!r})")
-        if self.engine.max_num_seqs < 1:
-            problems.append(f"--max-num-seqs must be >= 1 (got {self.engine.max_num_seqs})")
+        if not isinstance(self.engine.extra_args, dict):
+            problems.append(f"engine_args must be a dict of vLLM engine arguments (got {self.engine.extra_args!r})")
         problems.extend(self.spec.problems())
         problems.extend(self.kv_pool.problems())
         if problems:
             raise ConfigError("; ".join(problems))
+
+    def _number_problems(self) -> list[str]:
+        """Type, finiteness and range of every number. The sampling options' ranges are vLLM's own:
+        only their types and finiteness are checked here (see launch/engine_rules.py)."""
+        engine = self.engine
+        found = [
+            number_problem("--workers", self.workers, integer=True, at_least=1, at_most=MAX_WORKERS,
+                           why=WORKERS_WHY),
+            number_problem("--chunk-tokens", self.chunk_tokens, integer=True, at_least=1, at_most=MAX_TOKEN_COUNT,
+                           why=TOKENS_WHY),
+            number_problem("--n", self.n, integer=True, at_least=1, at_most=MAX_RESPONSES_PER_PROMPT, why=N_WHY),
+            number_problem("--max-tokens", self.max_tokens, integer=True, at_least=1, at_most=MAX_TOKEN_COUNT,
+                           why=TOKENS_WHY),
+            number_problem("--seed", self.seed, integer=True, at_least=SEED_RANGE[0], at_most=SEED_RANGE[1],
+                           why=SEED_WHY),
+            number_problem("--temperature", self.sampling.temperature),
+            number_problem("--top-p", self.sampling.top_p),
+            number_problem("--top-k", self.sampling.top_k, integer=True),
+            number_problem("--lease-ttl", self.lease_ttl_s, at_least=LEASE_TTL_RANGE_S[0],
+                           at_most=LEASE_TTL_RANGE_S[1], why=LEASE_TTL_WHY),
+            number_problem("worker_wait_s", self.worker_wait_s, above=0),
+            number_problem("--kv-cache-gib", engine.kv_cache_gib, above=0, at_most=MAX_KV_CACHE_GIB, why=KV_CACHE_WHY),
+            number_problem("--max-num-seqs", engine.max_num_seqs, integer=True, at_least=1, at_most=MAX_NUM_SEQS,
+                           why=MAX_NUM_SEQS_WHY),
+        ]
+        if engine.max_model_len is not None:
+            found.append(number_problem("--max-model-len", engine.max_model_len, integer=True, at_least=2,
+                                        at_most=MAX_TOKEN_COUNT, why=CONTEXT_WHY))
+        return [problem for problem in found if problem]
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

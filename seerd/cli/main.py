@@ -22,7 +22,7 @@ from seerd.cli.options import ALLOW_MODEL_CHANGE_OPTION, rollout_options
 from seerd.cli.sim import sim
 from seerd.cli.slurm import slurm_run, submit
 from seerd.cli.status import status
-from seerd.config import RunConfig
+from seerd.config import MAX_WORKERS, WORKERS_WHY, RunConfig, number_problem
 from seerd.db import RolloutStatus, make_engine
 from seerd.db.migrate import UpgradeFailed, head_revisions, upgrade_run_database
 from seerd.db.read import UnreadableDatabase
@@ -78,6 +78,11 @@ def _drive(rundir: RunDir, ownership: Ownership, workers: int, progress: bool | 
 @ALLOW_MODEL_CHANGE_OPTION
 def resume(run_dir: Path, workers: int | None, progress: bool | None, allow_model_change: bool) -> None:
     """Continue an interrupted run from its database."""
+    problem = None if workers is None else number_problem("--workers", workers, integer=True, at_least=1,
+                                                          at_most=MAX_WORKERS, why=WORKERS_WHY)
+    if problem:
+        ui.error(problem)
+        raise SystemExit(EXIT_BAD_INPUT)
     rundir = _existing_run(run_dir)
     with own_or_exit(rundir) as ownership:
         rollout = _read_rollout(rundir)

@@ -37,7 +37,9 @@ ROLLOUT_OPTIONS = [
                  help="Responses per prompt (rows may override)."),
     click.option("--max-tokens", default=DEFAULTS["max_tokens"], show_default=True,
                  help="Response budget (rows may override)."),
-    click.option("--temperature", default=DEFAULTS["temperature"], show_default=True),
+    click.option("--temperature", default=DEFAULTS["temperature"], show_default=True,
+                 help="Rows may override it, as --top-p, --top-k and --seed; vLLM's own SamplingParams judges "
+                      "them all before the run is created."),
     click.option("--top-p", default=DEFAULTS["top_p"], show_default=True),
     click.option("--top-k", default=DEFAULTS["top_k"], show_default=True),
     click.option("--seed", default=DEFAULTS["seed"], show_default=True),
@@ -46,7 +48,8 @@ ROLLOUT_OPTIONS = [
     click.option("--max-num-seqs", default=DEFAULTS["max_num_seqs"], show_default=True,
                  help="Concurrent sequences per engine."),
     click.option("--max-model-len", default=DEFAULTS["max_model_len"], type=int,
-                 help="Engine context limit (default: the model's)."),
+                 help="Engine context length that every prompt plus max_tokens must fit (default: the model's, "
+                      "as vLLM reads its config; --engine-arg max_model_len, where taken, wins)."),
     click.option("--dtype", default=DEFAULTS["dtype"], show_default=True,
                  help="Engine dtype (auto, float32, bfloat16)."),
     click.option("--engine-api", default=DEFAULTS["engine_api"], show_default=True,
@@ -54,7 +57,7 @@ ROLLOUT_OPTIONS = [
                  help="vLLM driver: stepped = LLMEngine in the worker process; async = AsyncLLM "
                       "(auto: async with CUDA)."),
     click.option("--lease-ttl", default=DEFAULTS["lease_ttl"], show_default=True,
-                 help="Seconds a lease lives without a heartbeat."),
+                 help="Seconds a lease lives without a heartbeat (1 to 3600)."),
     click.option("--wait-for-workers", is_flag=True, default=DEFAULTS["wait_for_workers"],
                  help=f"Hand out no work until every worker is up (always so for {_WAITING_POLICIES})."),
     click.option("--spec", "spec_mode", default=DEFAULTS["spec_mode"], show_default=True,

@@ -13,7 +13,7 @@ import click
 from seerd.cli import ui
 from seerd.cli.launching import EXIT_BAD_INPUT, EXIT_INCOMPLETE, exit_2_on, prepare_or_exit, report_result
 from seerd.cli.options import ALLOW_MODEL_CHANGE_OPTION, ENGINE_ARG_OPTION, parse_engine_args, rollout_options
-from seerd.config import DEFAULT_DRAIN_GRACE_S, ConfigError, build_config
+from seerd.config import DEFAULT_DRAIN_GRACE_S, ConfigError, build_config, number_problem
 from seerd.launch.prepare import BadRun
 
 
@@ -46,10 +46,13 @@ def slurm_run(workers_per_node: int | None, gpus_per_worker: int | None, cpus_pe
     from seerd.launch.slurm import LayoutError, NotInAllocation, allocation_layout, run_in_allocation
 
     try:
+        drain_problem = number_problem("--drain-grace", drain_grace, above=0)
+        if drain_problem:
+            raise ConfigError(drain_problem)
         layout = allocation_layout(os.environ, workers_per_node=workers_per_node, gpus_per_worker=gpus_per_worker,
                                    cpus_per_worker=cpus_per_worker, mem_per_worker_mb=mem_per_worker_mb)
         parsed = _engine_args(engine_args, layout.gpus_per_worker)
-    except (LayoutError, NotInAllocation, click.BadParameter) as exc:
+    except (ConfigError, LayoutError, NotInAllocation, click.BadParameter) as exc:
         ui.error(str(exc))
         raise SystemExit(EXIT_BAD_INPUT) from None
     prepared = prepare_or_exit({**options, "engine_args": parsed, "gpus_per_worker": layout.gpus_per_worker},

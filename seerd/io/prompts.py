@@ -22,6 +22,12 @@ a plain string); chat prompts are rendered with ``add_generation_prompt=True``
 and tokenized with ``add_special_tokens=False`` because the template already
 emits BOS and friends.
 
+Prompt lengths are checked against the context length the engine will run with
+(``ContextLength``: ``--max-model-len``, ``--engine-arg max_model_len`` or the
+model's own, see ``load_model_limits``). The sampling overrides are checked here
+for their types only; their ranges are vLLM's, applied by the ``check_sampling``
+callback the caller passes (seerd/launch/engine_rules.py), so they cannot drift.
+
 The whole file is validated before returning; every problem is reported at
 once in a PromptFileError.
 """
@@ -33,6 +39,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
+
+from seerd.config import MAX_RESPONSES_PER_PROMPT, N_WHY
 
 JSON_SUFFIXES = (".jsonl", ".json")
 PARQUET_SUFFIXES = (".parquet",)
@@ -67,43 +75,78 @@ class PromptRow:
 
 
 @dataclass(frozen=True)
+class ContextLength:
+    """The engine's context length (vLLM's max_model_len) and where that number comes from."""
+
+    tokens: int
+    source: str  # for messages: "--max-model-len", "max_position_embeddings in the model's config.json", ...
+
+
+@dataclass(frozen=True)
 class ModelLimits:
     vocab_size: int
-    max_model_len: int
+    context: ContextLength | None  # None: the config names no length (then --max-model-len must)
+
+
+# vLLM derives a model's length as the smallest of these keys of its text config
+# (ModelArchConfigConvertor.derive_max_model_len_and_key; RoPE scaling may raise it), and refuses
+# to start an engine with an explicit max_model_len above that.
+_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
+                "max_target_positions", "max_sequence_length", "max_seq_length", "seq_len")
 
 
 def load_model_limits(model_dir: Path) -> ModelLimits:
-    """Read vocab size and max positions from ``model_dir/config.json``."""
+    """Vocab size and context length of the model in ``model_dir``, read as vLLM reads them: from
+    its text config (``text_config`` of a multimodal config, else the top level). Never above the
+    length vLLM derives, so an engine given it explicitly accepts it."""
     cfg_path = Path(model_dir) / "config.json"
     if not Path(model_dir).is_dir():
         raise ModelDirError(f"model dir {model_dir} does not exist or is not a directory")
-    try:
-        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ModelDirError(f"model dir {model_dir} has no config.json") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelDirError(f"cannot read {cfg_path}: {e}") from e
-    if not isinstance(cfg, dict):
-        raise ModelDirError(f"{cfg_path}: expected a JSON object")
-    # Multimodal configs keep the language model's numbers under text_config.
+    cfg = _read_json_object(cfg_path)
     text_cfg = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
+    sections = [(text_cfg, "text_config."), (cfg, "")]
+    vocab = next((src["vocab_size"] for src, _ in sections if _is_positive_int(src.get("vocab_size"))), None)
+    if vocab is None:
+        raise ModelDirError(f"{cfg_path}: no positive integer vocab_size")
+    context = None
+    # The text config's keys; the top level's if it names none (vLLM then derives no length and
+    # takes the explicit one the worker passes as given).
+    for src, prefix in sections:
+        lengths = [(src[k], k) for k in _LENGTH_KEYS if _is_positive_int(src.get(k))]
+        if lengths:
+            tokens, key = min(lengths, key=lambda length_key: length_key[0])
+            context = ContextLength(tokens, f"{prefix}{key} in the model's config.json")
+            break
+    return ModelLimits(vocab_size=vocab, context=context)
 
-    def get(*keys: str) -> int:
-        for src in (cfg, text_cfg):
-            for k in keys:
-                v = src.get(k)
-                if _is_int(v) and v > 0:
-                    return v
-        raise ModelDirError(f"{cfg_path}: no positive integer {' / '.join(keys)}")
 
-    return ModelLimits(
-        vocab_size=get("vocab_size"),
-        max_model_len=get("max_position_embeddings", "n_positions", "max_sequence_length"),
-    )
+def _read_json_object(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ModelDirError(f"model dir {path.parent} has no {path.name}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelDirError(f"cannot read {path}: {e}") from e
+    if not isinstance(data, dict):
+        raise ModelDirError(f"{path}: expected a JSON object")
+    return data
+
+
+def _is_positive_int(v: Any) -> bool:
+    return _is_int(v) and v > 0
 
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _finite(v: int | float) -> bool:
+    """NaN and infinity compare false with every bound: refused whatever the ranges are. So is an
+    int too large for a float, which the worker's float() would fail on."""
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
 
 
 def _type_name(v: Any) -> str:
@@ -112,21 +155,23 @@ def _type_name(v: Any) -> str:
 
 _TYPE_TESTS: dict[str, Callable[[Any], bool]] = {
     "an integer": _is_int,
-    "a number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "a finite number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and _finite(v),
     "a list of integers": lambda v: isinstance(v, list) and all(_is_int(t) for t in v),
     "a boolean": lambda v: isinstance(v, bool),
 }
 _NORMALISE: dict[str, Callable[[Any], Any]] = {
-    "an integer": int, "a number": float, "a list of integers": list, "a boolean": bool}
+    "an integer": int, "a finite number": float, "a list of integers": list, "a boolean": bool}
 
-# Optional per-row fields: name -> (type, range test, range description).
-# n and max_tokens become PromptRow fields; the rest are sampling overrides.
+# Optional per-row fields: name -> (type, range test, range description). n and max_tokens become
+# PromptRow fields (max_tokens is bounded by the context length too); the rest are sampling
+# overrides, whose ranges are vLLM's (the caller's check_sampling), not repeated here.
 _OPTIONAL_FIELDS: dict[str, tuple[str, Callable[[Any], bool], str]] = {
-    "n": ("an integer", lambda v: v > 0, "> 0"),
+    "n": ("an integer", lambda v: 0 < v <= MAX_RESPONSES_PER_PROMPT,
+          f"in 1..{MAX_RESPONSES_PER_PROMPT} ({N_WHY})"),
     "max_tokens": ("an integer", lambda v: v > 0, "> 0"),
-    "temperature": ("a number", lambda v: math.isfinite(v) and v >= 0, ">= 0"),
-    "top_p": ("a number", lambda v: 0 < v <= 1, "in (0, 1]"),
-    "top_k": ("an integer", lambda v: v == -1 or v > 0, "-1 or > 0"),
+    "temperature": ("a finite number", lambda v: True, ""),
+    "top_p": ("a finite number", lambda v: True, ""),
+    "top_k": ("an integer", lambda v: True, ""),
     "seed": ("an integer", lambda v: True, ""),
     "stop_token_ids": ("a list of integers", lambda v: True, ""),
     # Generate past the model's EOS (vLLM's ignore_eos): with target_lengths, every response then
@@ -149,6 +194,11 @@ class _Parsed:
     text: str | None = None
     messages: list[dict[str, str]] | None = None
     errors: list[str] = field(default_factory=list)
+
+    def row(self) -> PromptRow:
+        return PromptRow(prompt_id=self.prompt_id, prompt_token_ids=tuple(self.token_ids or ()), n=self.n,
+                         max_tokens=self.max_tokens, sampling=self.sampling, source_line=self.k,
+                         target_lengths=None if self.target_lengths is None else tuple(self.target_lengths))
 
 
 def _lone_surrogate(text: str) -> str | None:
@@ -228,7 +278,8 @@ def _parse_row(rec: Any, k: int, prompt_id: Any, default_n: int,
         if v is None:
             continue
         if not _TYPE_TESTS[kind](v):
-            p.errors.append(f"{name} must be {kind}, got {_type_name(v)}")
+            number = isinstance(v, (int, float)) and not isinstance(v, bool)  # of the wrong kind, or not finite
+            p.errors.append(f"{name} must be {kind}, got {f'{v!r:.40}' if number else _type_name(v)}")
         elif not in_range(v):
             p.errors.append(f"{name} must be {range_desc}, got {v}")
         elif name in ("n", "max_tokens"):
@@ -343,18 +394,22 @@ def load_prompts(
     *,
     default_n: int,
     default_max_tokens: int,
-    max_model_len: int | None = None,
+    context: ContextLength,
+    check_sampling: Callable[[PromptRow], str | None] | None,
 ) -> list[PromptRow]:
     """Load, tokenize and validate every row of a prompt file.
+
+    ``context``: the context length the engine will run with.
+    ``check_sampling(row)``: the engine's objection to a row's sampling settings, or None;
+    called for every row, with the overrides of the right types (None: no check).
 
     Raises PromptFileError listing every problem, or ModelDirError if the
     model's config/tokenizer cannot be loaded.
     """
-    if min(default_n, default_max_tokens, 1 if max_model_len is None else max_model_len) <= 0:
-        raise ValueError("default_n, default_max_tokens and max_model_len must be > 0")
+    if min(default_n, default_max_tokens, context.tokens) <= 0:
+        raise ValueError("default_n, default_max_tokens and the context length must be > 0")
     path = Path(path)
     limits = load_model_limits(model_dir)
-    max_len = limits.max_model_len if max_model_len is None else max_model_len
     suffix = path.suffix.lower()
     if suffix not in JSON_SUFFIXES + PARQUET_SUFFIXES:
         raise PromptFileError(path, [f"{path}: unsupported file type {suffix or '(none)'!r}; "
@@ -395,12 +450,15 @@ def load_prompts(
             else:
                 first_seen[p.prompt_id] = p.k
         if p.token_ids is not None:
-            _check_lengths(p, limits.vocab_size, max_len)
+            _check_lengths(p, limits.vocab_size, context)
         if "stop_token_ids" in p.sampling:
             err = _check_token_ids(p.sampling["stop_token_ids"], limits.vocab_size,
                                    "stop_token_ids")
             if err:
                 p.errors.append(err)
+        objection = None if check_sampling is None else check_sampling(p.row())
+        if objection:
+            p.errors.append(objection)
         errors.extend((p.k, e) for e in p.errors)
 
     if errors:
@@ -408,25 +466,19 @@ def load_prompts(
         fmt = (lambda k: f"{path}: row {k}") if where == "row" else (lambda k: f"{path}:{k}")
         raise PromptFileError(path, [f"{fmt(k) if k else str(path)}: {msg}"
                                      for k, msg in errors])
-    return [
-        PromptRow(prompt_id=p.prompt_id, prompt_token_ids=tuple(p.token_ids or ()),
-                  n=p.n, max_tokens=p.max_tokens, sampling=p.sampling, source_line=p.k,
-                  target_lengths=tuple(p.target_lengths) if p.target_lengths is not None else None)
-        for p in parsed
-    ]
+    return [p.row() for p in parsed]
 
 
-def _check_lengths(p: _Parsed, vocab_size: int, max_len: int) -> None:
+def _check_lengths(p: _Parsed, vocab_size: int, context: ContextLength) -> None:
     assert p.token_ids is not None
     rendered = p.text is not None or p.messages is not None
     err = _check_token_ids(p.token_ids, vocab_size,
                            "tokenized prompt" if rendered else "prompt_token_ids")
     if err:
         p.errors.append(err)
-    n_tok = len(p.token_ids)
-    if n_tok >= max_len:
-        p.errors.append(f"prompt too long: {n_tok} tokens, model max length is {max_len} "
-                        "(leaves no room to generate)")
-    elif n_tok + p.max_tokens > max_len:
+    n_tok, limit = len(p.token_ids), f"max_model_len {context.tokens} ({context.source})"
+    if n_tok >= context.tokens:
+        p.errors.append(f"prompt too long: {n_tok} tokens, and {limit} leaves no room to generate")
+    elif n_tok + p.max_tokens > context.tokens:
         p.errors.append(f"prompt length {n_tok} + max_tokens {p.max_tokens} = "
-                        f"{n_tok + p.max_tokens} exceeds max_model_len {max_len}")
+                        f"{n_tok + p.max_tokens} exceeds {limit}")

@@ -61,6 +61,8 @@ class _NewRun:
     rows: list[PromptRow]
     prior: PriorLengths | None
     model_fingerprint: dict
+    config: RunConfig  # with the context length the prompts were checked against (the workers use it)
+    notes: list[str]  # warnings of the input check
 
 
 def file_sha256(path: Path) -> str:
@@ -126,7 +128,8 @@ def prepare_run(rundir: RunDir, config: RunConfig, input_path: Path, prior_dir: 
     An existing unfinished run is resumed only when it holds the same input (by content hash) and
     its model checkpoint did not change (or `allow_model_change`: the coordinator records it).
     Raises BadRun (and creates nothing) for bad prompts, model, settings or --prior, and when a
-    live coordinator owns the run.
+    live coordinator owns the run; settings and prompts are checked by the rules the workers'
+    engines will apply (launch/engine_rules.py).
     """
     new_run = None if rundir.exists() else _validated(config, input_path, prior_dir)  # before any write
     rundir.path.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -137,8 +140,7 @@ def prepare_run(rundir: RunDir, config: RunConfig, input_path: Path, prior_dir: 
             prepared = _existing(rundir, rollout, input_path, ownership, ignored_prior=prior_dir is not None,
                                  allow_model_change=allow_model_change)
         else:  # nothing here yet, or a creation that did not complete: (re)create it in place
-            prepared = _create(rundir, config, new_run or _validated(config, input_path, prior_dir), input_path,
-                               ownership)
+            prepared = _create(rundir, new_run or _validated(config, input_path, prior_dir), input_path, ownership)
     except BaseException:
         ownership.release()
         raise
@@ -152,6 +154,7 @@ def _validated(config: RunConfig, input_path: Path, prior_dir: Path | None) -> _
     from seerd.coordinator.model_identity import model_fingerprint
     from seerd.coordinator.prior import PriorRunError, read_prior
     from seerd.io.prompts import ModelDirError, PromptFileError, load_model_limits, load_prompts
+    from seerd.launch.engine_rules import SamplingCheck, context_length, with_context_length
 
     for flag, path in (("--input", config.input_path), ("--model", config.model_path)):
         try:  # a file name that is not UTF-8 arrives with lone surrogates, which no UTF-8 column stores
@@ -161,10 +164,14 @@ def _validated(config: RunConfig, input_path: Path, prior_dir: Path | None) -> _
                          f"rename it") from None
     try:
         config.validate()
-        limits = load_model_limits(Path(config.model_path))
+        context = context_length(config.engine, load_model_limits(Path(config.model_path)))
+        sampling_check = SamplingCheck(config)
+        options_problem = sampling_check.options_problem()
+        if options_problem:
+            raise ConfigError(options_problem)
         rows = load_prompts(input_path, Path(config.model_path), default_n=config.n,
-                            default_max_tokens=config.max_tokens,
-                            max_model_len=config.engine.max_model_len or limits.max_model_len)
+                            default_max_tokens=config.max_tokens, context=context,
+                            check_sampling=sampling_check.check)
         prior = None if prior_dir is None else read_prior(prior_dir, {prompt_hash(r.prompt_token_ids) for r in rows})
     except (ConfigError, ModelDirError, PromptFileError, PriorRunError) as exc:
         raise BadRun(str(exc)) from None
@@ -172,7 +179,7 @@ def _validated(config: RunConfig, input_path: Path, prior_dir: Path | None) -> _
         fingerprint = model_fingerprint(Path(config.model_path))
     except OSError as exc:
         raise BadRun(f"cannot read the model directory {config.model_path}: {exc}") from None
-    return _NewRun(rows, prior, fingerprint)
+    return _NewRun(rows, prior, fingerprint, with_context_length(config, context), sampling_check.notes())
 
 
 def _existing(rundir: RunDir, rollout: Rollout, input_path: Path, ownership: Ownership, *,
@@ -194,11 +201,11 @@ def _existing(rundir: RunDir, rollout: Rollout, input_path: Path, ownership: Own
                        previous_status=rollout.status, notes=notes)
 
 
-def _create(rundir: RunDir, config: RunConfig, new_run: _NewRun, input_path: Path,
-            ownership: Ownership) -> PreparedRun:
+def _create(rundir: RunDir, new_run: _NewRun, input_path: Path, ownership: Ownership) -> PreparedRun:
     """Create the run's state in one transaction (see the module docstring)."""
     from seerd.coordinator.create import create_rollout, prompt_hash
 
+    config = new_run.config
     rundir.create()
     engine = make_engine(rundir.db_path, synchronous=config.sqlite_synchronous)
     try:
@@ -212,4 +219,4 @@ def _create(rundir: RunDir, config: RunConfig, new_run: _NewRun, input_path: Pat
     seeded = None if prior is None else sum(prior.longest_recent(prompt_hash(r.prompt_token_ids)) is not None
                                             for r in rows)
     return PreparedRun(rundir, config, created=True, finished=False, ownership=ownership, groups=len(rows),
-                       requests=sum(r.n for r in rows), seeded=seeded)
+                       requests=sum(r.n for r in rows), seeded=seeded, notes=list(new_run.notes))

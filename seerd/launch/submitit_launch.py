@@ -25,7 +25,7 @@ from pathlib import Path
 
 import submitit
 
-from seerd.config import DEFAULT_DRAIN_GRACE_S, ROLLOUT_DEFAULTS, ConfigError, build_config
+from seerd.config import DEFAULT_DRAIN_GRACE_S, ROLLOUT_DEFAULTS, ConfigError, build_config, number_problem
 from seerd.db import RolloutStatus
 from seerd.launch.prepare import BadRun, prepare_run, read_rollout
 from seerd.ownership import take_ownership
@@ -70,19 +70,25 @@ class SlurmResources:
         return self.gpus_per_node // self.gpus_per_worker if self.gpus_per_worker else 1
 
     def validate(self) -> None:
-        problems = []
-        if self.nodes < 1:
-            problems.append(f"nodes must be >= 1 (got {self.nodes})")
-        if self.gpus_per_worker < 0:
-            problems.append(f"gpus_per_worker must be >= 0 (got {self.gpus_per_worker})")
+        # Types and finiteness first: the relations below would raise on a string or pass a NaN.
+        numbers = [number_problem("nodes", self.nodes, integer=True, at_least=1),
+                   number_problem("gpus_per_worker", self.gpus_per_worker, integer=True, at_least=0),
+                   number_problem("gpus_per_node", self.gpus_per_node, integer=True, at_least=0),
+                   number_problem("time_min", self.time_min, integer=True),
+                   number_problem("signal_delay_s", self.signal_delay_s, integer=True),
+                   number_problem("drain_grace_s", self.drain_grace_s)]
+        numbers += [number_problem(name, getattr(self, name), integer=True, at_least=1)
+                    for name in ("workers_per_node", "cpus_per_worker", "mem_per_worker_mb")
+                    if getattr(self, name) is not None]
+        problems = [problem for problem in numbers if problem]
+        if problems:
+            raise BadRun("; ".join(problems))
         if self.workers < 1:
             problems.append(f"no worker fits: workers_per_node {self.workers_per_node}, gpus_per_node "
                             f"{self.gpus_per_node}, gpus_per_worker {self.gpus_per_worker}")
         elif self.gpus_per_worker and self.workers * self.gpus_per_worker > self.gpus_per_node:
             problems.append(f"{self.workers} workers x {self.gpus_per_worker} GPUs exceed gpus_per_node "
                             f"{self.gpus_per_node}")
-        if self.cpus_per_worker is not None and self.cpus_per_worker < 1:
-            problems.append(f"cpus_per_worker must be >= 1 (got {self.cpus_per_worker})")
         if self.time_min < 3:
             problems.append(f"time_min must be >= 3 (got {self.time_min}): Slurm's warning signal can come "
                             f"~60 s early")
@@ -251,6 +257,8 @@ def submit_rollout(rundir: RunDir, config, input_path: Path, resources: SlurmRes
     model or a run that a live coordinator owns."""
     resources.validate()
     prepared = prepare_run(rundir, config, input_path, prior_dir, allow_model_change=allow_model_change)
+    for note in prepared.notes:
+        log.warning("%s", note)
     if prepared.finished:
         return RolloutHandle(rundir, None)
     prepared.ownership.release()  # the job owns the run from its start

@@ -10,8 +10,10 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
+from seerd.config import RunConfig
 from seerd.io import prompts
 from seerd.io.prompts import (
+    ContextLength,
     ModelDirError,
     ModelLimits,
     PromptFileError,
@@ -19,8 +21,10 @@ from seerd.io.prompts import (
     load_model_limits,
     load_prompts,
 )
+from seerd.launch.engine_rules import SamplingCheck
 
 VOCAB, MAX_LEN = 1024, 4096  # make_tiny_model defaults
+MODEL_CONTEXT = ContextLength(MAX_LEN, "max_position_embeddings in the model's config.json")
 GOOD = {"id": "good", "prompt_token_ids": [1, 5, 6]}
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Two plus two?"}]
 
@@ -48,8 +52,12 @@ def write_parquet(path: Path, rows: list[dict]) -> Path:
 
 
 def load(path: Path, model_dir: Path, **kw: Any) -> list[PromptRow]:
+    """With the options' defaults, as `seerd run` checks a file: vLLM's sampling rules (real
+    SamplingParams) and the model's own context length."""
     kw.setdefault("default_n", 1)
     kw.setdefault("default_max_tokens", 16)
+    kw.setdefault("context", load_model_limits(model_dir).context)
+    kw.setdefault("check_sampling", SamplingCheck(RunConfig(input_path="p", model_path=str(model_dir))).check)
     return load_prompts(path, model_dir, **kw)
 
 
@@ -70,7 +78,42 @@ def tokenizer(tiny_model_dir: Path) -> Any:
 
 
 def test_load_model_limits(tiny_model_dir: Path) -> None:
-    assert load_model_limits(tiny_model_dir) == ModelLimits(vocab_size=VOCAB, max_model_len=MAX_LEN)
+    assert load_model_limits(tiny_model_dir) == ModelLimits(vocab_size=VOCAB, context=MODEL_CONTEXT)
+
+
+def model_with_config(tmp_path: Path, config: dict) -> Path:
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(config))
+    return model_dir
+
+
+@pytest.mark.parametrize("config, vocab, context", [
+    # A multimodal config: the language model's numbers are under text_config, and win.
+    ({"vocab_size": 9, "max_position_embeddings": 4096,
+      "text_config": {"vocab_size": 1024, "max_position_embeddings": 64}},
+     1024, ContextLength(64, "text_config.max_position_embeddings in the model's config.json")),
+    # vLLM takes the smallest of its length keys.
+    ({"vocab_size": 1024, "max_position_embeddings": 4096, "seq_length": 2048},
+     1024, ContextLength(2048, "seq_length in the model's config.json")),
+    # A text_config without a length: the top level's.
+    ({"vocab_size": 1024, "n_positions": 512, "text_config": {"vocab_size": 1000}},
+     1000, ContextLength(512, "n_positions in the model's config.json")),
+    ({"vocab_size": 1024}, 1024, None),  # no length: --max-model-len must give one
+])
+def test_load_model_limits_as_vllm_reads_them(tmp_path: Path, config: dict, vocab: int,
+                                              context: ContextLength | None) -> None:
+    assert load_model_limits(model_with_config(tmp_path, config)) == ModelLimits(vocab, context)
+
+
+def test_prompt_length_against_a_text_config(tmp_path: Path) -> None:
+    model_dir = model_with_config(tmp_path, {"vocab_size": 8, "max_position_embeddings": 4096,
+                                             "text_config": {"vocab_size": 1024, "max_position_embeddings": 64}})
+    f = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt_token_ids": [1000] * 60}])
+    assert load(f, model_dir, default_max_tokens=4)[0].prompt_token_ids[0] == 1000
+    assert str(load_error(f, model_dir, default_max_tokens=5)) == (
+        f"{f}:1: prompt length 60 + max_tokens 5 = 65 exceeds max_model_len 64 "
+        "(text_config.max_position_embeddings in the model's config.json)")
 
 
 @pytest.mark.parametrize(
@@ -218,9 +261,37 @@ def test_parquet_nulls_are_absent(tmp_path: Path, tiny_model_dir: Path) -> None:
 
 def test_max_model_len_override(tmp_path: Path, tiny_model_dir: Path) -> None:
     f = write_jsonl(tmp_path / "p.jsonl", [{"id": 1, "prompt_token_ids": [1] * 10}])
-    assert load(f, tiny_model_dir, default_max_tokens=6, max_model_len=16)
-    err = load_error(f, tiny_model_dir, default_max_tokens=7, max_model_len=16)
-    assert "10 + max_tokens 7 = 17 exceeds max_model_len 16" in str(err)
+    given = ContextLength(16, "--max-model-len")
+    assert load(f, tiny_model_dir, default_max_tokens=6, context=given)
+    err = load_error(f, tiny_model_dir, default_max_tokens=7, context=given)
+    assert "10 + max_tokens 7 = 17 exceeds max_model_len 16 (--max-model-len)" in str(err)
+    f = write_jsonl(tmp_path / "p.jsonl", [{"id": 1, "prompt_token_ids": [1] * 16}])
+    assert str(load_error(f, tiny_model_dir, context=given)) == (
+        f"{f}:1: prompt too long: 16 tokens, and max_model_len 16 (--max-model-len) leaves no room to generate")
+
+
+def test_unusual_but_valid_sampling_passes(tmp_path: Path, tiny_model_dir: Path) -> None:
+    # vLLM's bounds themselves, top_k 0 (vLLM: off) and far above the vocabulary, a temperature vLLM
+    # raises to 0.01, a seed beyond 64 bits (the worker hashes it into a per-chunk seed).
+    rows = [{"temperature": 2.0, "top_p": 1e-9}, {"temperature": 0, "top_k": 0}, {"top_k": 10**12},
+            {"temperature": 1e-5, "seed": 10**30}, {"top_k": 1, "stop_token_ids": [], "ignore_eos": True}]
+    f = write_jsonl(tmp_path / "p.jsonl", [{"id": k, "prompt_token_ids": [5], **row} for k, row in enumerate(rows)])
+    assert [r.sampling for r in load(f, tiny_model_dir)] == [
+        {k: float(v) if k in ("temperature", "top_p") else v for k, v in row.items()} for row in rows]
+
+
+def test_sampling_is_checked_merged_with_the_options(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """vLLM sees a row's overrides on top of the options: a row alone is not the whole story."""
+    check = SamplingCheck(RunConfig(input_path="p", model_path=str(tiny_model_dir), chunk_tokens=8)).check
+    seen = []
+
+    def recording(row: PromptRow) -> str | None:
+        seen.append((row.max_tokens, row.sampling))
+        return check(row)
+
+    f = write_jsonl(tmp_path / "p.jsonl", [GOOD, {"id": "b", "prompt_token_ids": [1], "top_p": 0.5, "max_tokens": 3}])
+    load(f, tiny_model_dir, check_sampling=recording)
+    assert seen == [(16, {}), (3, {"top_p": 0.5})]
 
 
 def test_tokenizer_only_loaded_when_needed(tmp_path: Path, tiny_model_dir: Path) -> None:
@@ -266,15 +337,28 @@ ROW_ERRORS: list[tuple[str, Any, str]] = [
     ("n_str", {**GOOD, "id": "x", "n": "2"}, "n must be an integer"),
     ("n_bool", {**GOOD, "id": "x", "n": True}, "n must be an integer"),
     ("n_float", {**GOOD, "id": "x", "n": 2.0}, "n must be an integer"),
-    ("n_zero", {**GOOD, "id": "x", "n": 0}, "n must be > 0"),
-    ("n_negative", {**GOOD, "id": "x", "n": -1}, "n must be > 0"),
+    ("n_zero", {**GOOD, "id": "x", "n": 0}, "n must be in 1..16384"),
+    ("n_negative", {**GOOD, "id": "x", "n": -1}, "n must be in 1..16384"),
     ("max_tokens_zero", {**GOOD, "id": "x", "max_tokens": 0}, "max_tokens must be > 0"),
     ("max_tokens_bool", {**GOOD, "id": "x", "max_tokens": False}, "max_tokens must be an integer"),
-    ("temperature_str", {**GOOD, "id": "x", "temperature": "0.7"}, "temperature must be a number"),
-    ("temperature_neg", {**GOOD, "id": "x", "temperature": -0.1}, "temperature must be >= 0"),
+    ("n_too_many", {**GOOD, "id": "x", "n": 16385}, "n must be in 1..16384 (vLLM's own limit"),
+    ("temperature_str", {**GOOD, "id": "x", "temperature": "0.7"}, "temperature must be a finite number, got str"),
+    ("temperature_nan", '{"id": "x", "prompt_token_ids": [1], "temperature": NaN}',
+     "temperature must be a finite number, got nan"),
+    ("top_p_infinite", '{"id": "x", "prompt_token_ids": [1], "top_p": Infinity}',
+     "top_p must be a finite number, got inf"),
+    ("temperature_beyond_floats", {**GOOD, "id": "x", "temperature": 10**400},
+     "temperature must be a finite number, got 1000000000"),
+    ("top_k_beyond_64_bits", {**GOOD, "id": "x", "top_k": 2**64},
+     "vLLM cannot send these sampling settings to its engine core (MessagePack): can't serialize ints"),
+    # The ranges are vLLM's own, from its SamplingParams.
+    ("temperature_neg", {**GOOD, "id": "x", "temperature": -0.1},
+     "vLLM refuses these sampling settings: temperature must be non-negative, got -0.1."),
+    ("temperature_high", {**GOOD, "id": "x", "temperature": 2.5},
+     "vLLM refuses these sampling settings: temperature must be in [0, 2], got 2.5."),
     ("top_p_zero", {**GOOD, "id": "x", "top_p": 0}, "top_p must be in (0, 1]"),
     ("top_p_big", {**GOOD, "id": "x", "top_p": 1.5}, "top_p must be in (0, 1]"),
-    ("top_k_zero", {**GOOD, "id": "x", "top_k": 0}, "top_k must be -1 or > 0"),
+    ("top_k_negative", {**GOOD, "id": "x", "top_k": -5}, "top_k must be 0 (disable), or at least 1, got -5."),
     ("top_k_float", {**GOOD, "id": "x", "top_k": 5.5}, "top_k must be an integer"),
     ("seed_str", {**GOOD, "id": "x", "seed": "1"}, "seed must be an integer"),
     ("stop_not_list", {**GOOD, "id": "x", "stop_token_ids": 2}, "stop_token_ids must be"),
@@ -284,7 +368,8 @@ ROW_ERRORS: list[tuple[str, Any, str]] = [
     ("too_long_ids", {"id": "x", "prompt_token_ids": [1] * MAX_LEN}, "too long"),
     ("too_long_text", {"id": "x", "prompt": "hello " * MAX_LEN}, "too long"),
     ("len_plus_max_tokens", {"id": "x", "prompt_token_ids": [1] * 10, "max_tokens": MAX_LEN - 9},
-     f"prompt length 10 + max_tokens {MAX_LEN - 9} = {MAX_LEN + 1} exceeds max_model_len {MAX_LEN}"),
+     f"prompt length 10 + max_tokens {MAX_LEN - 9} = {MAX_LEN + 1} exceeds max_model_len {MAX_LEN} "
+     "(max_position_embeddings in the model's config.json)"),
     ("duplicate_id", {**GOOD}, "duplicate id 'good' (also on line 1)"),
     ("ignore_eos_int", {**GOOD, "id": "x", "ignore_eos": 1}, "ignore_eos must be a boolean"),
     ("targets_not_list", {**GOOD, "id": "x", "target_lengths": 5}, "target_lengths must be a list of integers"),
@@ -327,7 +412,7 @@ def test_all_errors_reported_together(tmp_path: Path, tiny_model_dir: Path) -> N
     ])
     err = load_error(f, tiny_model_dir)
     expected = [
-        (2, "invalid JSON"), (3, "n must be > 0"), (3, "top_p"), (5, "missing id"),
+        (2, "invalid JSON"), (3, "n must be in 1..16384"), (3, "top_p"), (5, "missing id"),
         (5, "out of range"), (6, "duplicate id"), (7, "UTF-8"),
     ]
     assert len(err.errors) == len(expected), err.errors
@@ -374,7 +459,7 @@ def test_parquet_id_column_must_be_complete(tmp_path: Path, tiny_model_dir: Path
     assert load_error(f, tiny_model_dir).errors == [
         f"{f}: row 2: missing id",
         f"{f}: row 3: prompt_token_ids[0] = {VOCAB} is out of range for vocab size {VOCAB}",
-        f"{f}: row 4: n must be > 0, got 0",
+        f"{f}: row 4: n must be in 1..16384 (vLLM's own limit on responses per prompt), got 0",
         f"{f}: row 4: duplicate id 'a' (also on row 1)",
     ]
 
