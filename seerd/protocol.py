@@ -175,10 +175,21 @@ class ReleaseReply(msgspec.Struct):
     released: bool
 
 
+class EngineProgress(msgspec.Struct):
+    """What says the worker's engine is working: leases are renewed by progress, not by a
+    heartbeat alone (an engine stopped or deadlocked under a live worker loop must not hold
+    its chunks forever)."""
+
+    steps: int  # the engine's steps (or output events) so far: advances while it generates
+    longest_step_s: float  # the longest recent one: the coordinator's stall bound grows with it
+    generating: int = 0  # chunks in the engine now (not those done and waiting for their report)
+
+
 class HeartbeatBody(msgspec.Struct):
     worker_id: str
     running: list[int] = []  # chunk ids the worker still runs: only their leases are extended
     stats: dict = {}  # the worker's live figures (seerd.worker.stats), kept for `seerd status`
+    engine: EngineProgress | None = None  # None: the engine does not tell; the heartbeat alone renews
 
 
 class HeartbeatReply(msgspec.Struct):
@@ -205,6 +216,9 @@ class StatusReply(msgspec.Struct):
 
 # ErrorReply codes a worker acts on.
 UNKNOWN_WORKER = "unknown_worker"  # 404: the coordinator does not know the worker (it restarted): register again
+# 410: the coordinator took the worker out (its engine stopped making progress, or failed chunks
+# that other engines ran): it exits, and whatever supervises it starts a fresh one.
+WORKER_RETIRED = "worker_retired"
 
 
 class ErrorReply(msgspec.Struct):

@@ -25,13 +25,13 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from seerd.config import EngineConfig
-from seerd.coordinator.book import LeaseBook, UnknownWorker
+from seerd.coordinator.book import LeaseBook, RetiredWorker, UnknownWorker
 from seerd.coordinator.drafts import DraftHost, append_items
 from seerd.coordinator.metrics import RolloutCollector, metrics_registry
 from seerd.drafts.server import DraftError
 from seerd.protocol import (
     CONFIG, DRAFTS_APPEND, DRAFTS_FETCH, DRAFTS_STATS, HEARTBEAT, LEASE, LONG_POLL_MAX_S, REGISTER, RELEASE,
-    REPORT, STATUS, UNKNOWN_WORKER, DraftAppendReply, DraftStats, ErrorReply, HeartbeatReply, LeaseReply,
+    REPORT, STATUS, UNKNOWN_WORKER, WORKER_RETIRED, DraftAppendReply, DraftStats, ErrorReply, HeartbeatReply, LeaseReply,
     RegisterReply, ReleaseReply, ReportBatch, ReportReply, ReportResult, StatusReply, decode_report,
     heartbeat_interval,
 )
@@ -167,9 +167,13 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
 
     @app.exception_handler(UnknownWorker)  # retired between `known` and the book's call
     async def unknown_worker(_request: Request, exc: UnknownWorker) -> Response:
+        if isinstance(exc, RetiredWorker):
+            return _json(ErrorReply(f"worker {exc} was taken out: {exc.reason}; exit", WORKER_RETIRED), 410)
         return _json(ErrorReply(f"unknown worker {exc}; register again", UNKNOWN_WORKER), 404)
 
     def known(worker_id: str) -> None:
+        if (reason := book.retired_reason(worker_id)) is not None:
+            raise ApiError(410, f"worker {worker_id} was taken out: {reason}; exit", WORKER_RETIRED)
         if not book.known_worker(worker_id):
             raise ApiError(404, f"unknown worker {worker_id}; register again", UNKNOWN_WORKER)
 
@@ -245,7 +249,7 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
     async def heartbeat(request: Request) -> Response:
         body = await _decode(request, HEARTBEAT.body)
         known(body.worker_id)
-        abort = await control.run(book.heartbeat, body.worker_id, body.running, clock(), body.stats)
+        abort = await control.run(book.heartbeat, body.worker_id, body.running, clock(), body.stats, body.engine)
         control.worker_stats[body.worker_id] = body.stats
         return _json(HeartbeatReply(abort, done=done_for(body.worker_id)))
 

@@ -19,17 +19,18 @@ of unfinished requests in memory; the ORM models still define the schema.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from array import array
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from sqlalchemy import Connection, Engine, bindparam, insert, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
+from seerd.coordinator.liveness import WorkerLiveness, chunk_done, chunk_failed, refuted_reason
+from seerd.coordinator.records import (
+    Failure, GroupInputs, LeaseTerms, RequestProgress, Requeue, WaitingRequest, chunk_seed,
+)
 from seerd.coordinator.reports import (
     AcceptedReport, ReportOutcome, judge, judge_unleased, report_problem, write_results,
 )
@@ -40,7 +41,7 @@ from seerd.db import (
 from seerd.db.event import event_row
 from seerd.db.transitions import ROW_EPOCH, ROW_ID, change_one, change_status, insert_with_status
 from seerd.io.codec import unpack_ints
-from seerd.protocol import ChunkGrant, ChunkReport, UnreadableReport
+from seerd.protocol import ChunkGrant, ChunkReport, EngineProgress, UnreadableReport
 from seerd.scheduler.state import ChunkResult, GroupRecord, RequestRecord, SchedulerState
 from seerd.scheduler.views import Plan, Policy
 
@@ -56,67 +57,12 @@ class UnknownWorker(LookupError):
     """The worker is not registered with this coordinator (it must register again)."""
 
 
-@dataclass(frozen=True)
-class GroupInputs:
-    """What a grant needs of a group besides the scheduler's view."""
+class RetiredWorker(UnknownWorker):
+    """The coordinator took the worker out (`coordinator.liveness`): it must exit, not register again."""
 
-    prompt: array  # int32 prompt token ids
-    sampling: dict
-
-
-@dataclass
-class RequestProgress:
-    """What the book keeps of a request besides the scheduler's view."""
-
-    num_chunks: int  # done chunks
-    failed_attempts: int = 0  # chunks of it that failed: refused by the engine, or a report rejected
-    open_chunk: tuple[int, int] | None = None  # (chunk id, epoch) of a QUEUED row left by a lease that ended
-    tokens: array | None = None  # generated tokens while unfinished (None: not loaded yet)
-
-
-@dataclass
-class LeaseTerms:
-    """A lease's fencing and liveness (the scheduler's side is a `LeaseRecord`)."""
-
-    epoch: int
-    seq: int
-    deadline: float
-
-
-@dataclass
-class WorkerLiveness:
-    id: str
-    status: WorkerStatus
-    last_heartbeat: float
-
-
-class WaitingRequest(NamedTuple):
-    """A queued request as `LeaseBook.queued_longest` names it (for the KV pool's trimming)."""
-
-    group_id: int
-    request_id: int
-    queued_at: float
-
-
-def chunk_seed(rollout_seed: int, group_index: int, response_index: int, seq: int) -> int:
-    """A per-chunk seed from (rollout seed, request, chunk index): reproducible wherever it runs."""
-    digest = hashlib.blake2b(f"{rollout_seed}:{group_index}:{response_index}:{seq}".encode(), digest_size=8)
-    return int.from_bytes(digest.digest(), "little") & 0x7FFF_FFFF
-
-
-@dataclass
-class _Requeue:
-    chunk_id: int
-    request_id: int
-    holder: str | None
-    epoch: int
-
-
-@dataclass(frozen=True)
-class _Failure:
-    lease: _Requeue
-    attempts: int  # failed chunks of its request, this one included
-    fatal: bool  # the request ends failed
+    def __init__(self, worker_id: str, reason: str) -> None:
+        super().__init__(worker_id)
+        self.reason = reason
 
 
 class LeaseBook:
@@ -181,7 +127,7 @@ class LeaseBook:
                 .join(REQUESTS, REQUESTS.c.id == CHUNKS.c.request_id)
                 .where(REQUESTS.c.rollout_id == self.rollout_id, CHUNKS.c.status != ChunkStatus.DONE.value)
             ).all()
-            orphaned = [_Requeue(c.id, c.request_id, c.lease_holder, c.lease_epoch)
+            orphaned = [Requeue(c.id, c.request_id, c.lease_holder, c.lease_epoch)
                         for c in unfinished_chunks if c.status == ChunkStatus.LEASED]
             self._write_requeue(conn, orphaned, now, kind="lease_orphaned")
             self._retire_all(conn)
@@ -189,7 +135,7 @@ class LeaseBook:
         for chunk in unfinished_chunks:
             self.progress[chunk.request_id].open_chunk = (chunk.id, chunk.lease_epoch)
 
-    def _write_requeue(self, conn: Connection, chunks: Sequence[_Requeue], now: float,
+    def _write_requeue(self, conn: Connection, chunks: Sequence[Requeue], now: float,
                        *, kind: str, reason: str | None = None) -> None:
         """Chunks go from LEASED back to QUEUED, their requests from RUNNING, in the caller's transaction."""
         if not chunks:
@@ -220,12 +166,14 @@ class LeaseBook:
                 data={"rank": rank, "address": address, "max_chunks": max_chunks,
                       "kv_capacity_tokens": kv_capacity_tokens})])
         self.state.add_worker(worker_id, rank=rank, max_chunks=max_chunks, kv_capacity_tokens=kv_capacity_tokens)
-        worker = self.workers[worker_id] = WorkerLiveness(worker_id, WorkerStatus.ALIVE, now)
+        worker = self.workers[worker_id] = WorkerLiveness(worker_id, WorkerStatus.ALIVE, now, now)
         return worker
 
-    def heartbeat(self, worker_id: str, running: Iterable[int], now: float, stats: dict | None = None) -> list[int]:
-        """Extend the leases the worker still runs; return the chunks it must abort. `stats`, the
-        worker's own figures (seerd/worker/stats.py), are kept for `seerd status` as they come."""
+    def heartbeat(self, worker_id: str, running: Iterable[int], now: float, stats: dict | None = None,
+                  engine: EngineProgress | None = None) -> list[int]:
+        """Extend the leases the worker still runs, when its engine shows progress
+        (`coordinator.liveness`); return the chunks it must abort. `stats`, the worker's own
+        figures (seerd/worker/stats.py), are kept for `seerd status` as they come."""
         worker = self._worker(worker_id)
         running = set(running)
         figures = {"last_heartbeat": now, "stats_json": json.dumps(stats, separators=(",", ":")) if stats else None}
@@ -236,11 +184,12 @@ class LeaseBook:
             else:
                 conn.execute(update(WORKERS).where(WORKERS.c.id == worker_id).values(**figures))
         worker.status = WorkerStatus.ALIVE
-        worker.last_heartbeat = now
         self.state.set_live(worker_id, True)
         held = self.state.workers[worker_id].chunks
-        for chunk_id in held & running:
-            self.terms[chunk_id].deadline = now + self.lease_ttl_s
+        if worker.observe(engine, bool(held & running), now):
+            deadline = now + worker.stall_bound(self.lease_ttl_s)
+            for chunk_id in held & running:
+                self.terms[chunk_id].deadline = deadline
         return sorted(running - held)
 
     def retire_workers(self) -> None:
@@ -261,9 +210,31 @@ class LeaseBook:
 
     def _worker(self, worker_id: str) -> WorkerLiveness:
         worker = self.workers.get(worker_id)
+        if worker is not None and worker.retired is not None:
+            raise RetiredWorker(worker_id, worker.retired)
         if worker is None or worker.status == WorkerStatus.GONE:
             raise UnknownWorker(worker_id)
         return worker
+
+    def retired_reason(self, worker_id: str) -> str | None:
+        worker = self.workers.get(worker_id)
+        return None if worker is None else worker.retired
+
+    def _retire(self, workers: Sequence[WorkerLiveness], now: float, reason_of: Callable[[WorkerLiveness], str]) -> None:
+        """Take workers out: gone, their leases back to the queue, told why at their next call."""
+        reasons = {w.id: reason_of(w) for w in workers}
+        ending = self._ending([cid for w in workers for cid in self.state.workers[w.id].chunks])
+        with self.engine.begin() as conn:
+            for status in (WorkerStatus.ALIVE, WorkerStatus.STALE):
+                change_status(conn, WORKERS, status, WorkerStatus.GONE,
+                              [{ROW_ID: w.id} for w in workers if w.status == status])
+            conn.execute(insert(EVENTS), [event_row(self.rollout_id, now, "worker_retired", w.id,
+                                                    data={"reason": reasons[w.id]}) for w in workers])
+            self._write_requeue(conn, ending, now, kind="lease_revoked", reason="worker retired")
+        self._forget_leases(ending)
+        for worker in workers:
+            worker.status, worker.retired = WorkerStatus.GONE, reasons[worker.id]
+            self.state.set_live(worker.id, False)
 
     def known_worker(self, worker_id: str) -> bool:
         worker = self.workers.get(worker_id)
@@ -414,9 +385,11 @@ class LeaseBook:
         self.state.apply_results(prepared)
         for failure in failures:
             self._apply_failure(failure)
+        refuted: dict[str, WorkerLiveness] = {}
         for (i, report, _, _), outcome in zip(accepted, prepared.requests):
             del self.terms[report.chunk_id]
             request = self.state.requests[outcome.request_id]
+            refuted.update((w.id, w) for w in chunk_done(self.workers, worker_id, request.id, request.failed_on))
             progress = self.progress[request.id]
             progress.num_chunks += 1
             if self.on_committed_tokens is not None:  # e.g. the grouped draft server's copy
@@ -435,6 +408,8 @@ class LeaseBook:
         for (i, problem), failure in zip(rejected, failures):
             again = "its request failed" if failure.fatal else "the chunk runs again"
             outcomes[i] = ReportOutcome(False, reason=f"rejected, {again}: {problem}", rerun=not failure.fatal)
+        if refuted:
+            self._retire(list(refuted.values()), now, refuted_reason)
         unleased = [i for i, outcome in enumerate(outcomes) if outcome is None]
         if unleased:
             with self.engine.connect() as conn:
@@ -458,14 +433,14 @@ class LeaseBook:
         return True
 
     def _write_failure(self, conn: Connection, chunk_id: int, reason: str, now: float,
-                       *, kind: str = "chunk_failed") -> _Failure:
+                       *, kind: str = "chunk_failed") -> Failure:
         """A leased chunk failed (its engine refused it, or its report was rejected), in the
         caller's transaction. It counts toward its request's `MAX_FAILED_ATTEMPTS`: before that,
         the chunk goes back to be leased again, on another worker's engine where there is one
         (`base.failed_here`); at that, the request ends `failed` with `reason`."""
         lease, terms = self.state.leases[chunk_id], self.terms[chunk_id]
         attempts = self.progress[lease.request_id].failed_attempts + 1
-        failure = _Failure(_Requeue(chunk_id, lease.request_id, lease.worker_id, terms.epoch), attempts,
+        failure = Failure(Requeue(chunk_id, lease.request_id, lease.worker_id, terms.epoch), attempts,
                            attempts >= MAX_FAILED_ATTEMPTS)
         if failure.fatal:
             change_one(conn, CHUNKS, chunk_id, ChunkStatus.LEASED, ChunkStatus.FAILED, finished_at=now,
@@ -479,11 +454,13 @@ class LeaseBook:
             conn.execute(update(REQUESTS).where(REQUESTS.c.id == lease.request_id).values(failed_attempts=attempts))
         return failure
 
-    def _apply_failure(self, failure: _Failure) -> None:
+    def _apply_failure(self, failure: Failure) -> None:
         """After the commit of `_write_failure`: the state and the book follow."""
         lease = failure.lease
         self.state.fail_chunk(lease.chunk_id, request_failed=failure.fatal)
         del self.terms[lease.chunk_id]
+        if lease.holder in self.workers:
+            chunk_failed(self.workers[lease.holder], lease.request_id)
         progress = self.progress[lease.request_id]
         progress.failed_attempts = failure.attempts
         if not failure.fatal:
@@ -498,7 +475,12 @@ class LeaseBook:
 
     # ----------------------------------------------------------------- expiry
     def expire(self, now: float) -> int:
-        """Leases past their deadline go back to the queue; silent workers become stale."""
+        """Stuck workers are taken out (`coordinator.liveness`), leases past their deadline go back
+        to the queue, silent workers become stale."""
+        stuck = {w.id: why for w in self.live_workers()
+                 if (why := w.stuck(bool(self.state.workers[w.id].chunks), now, self.lease_ttl_s))}
+        if stuck:
+            self._retire([self.workers[wid] for wid in stuck], now, lambda w: stuck[w.id])
         expired = [chunk_id for chunk_id, terms in self.terms.items() if terms.deadline < now]
         silent = [w for w in self.live_workers() if now - w.last_heartbeat > self.lease_ttl_s]
         if silent:
@@ -518,11 +500,11 @@ class LeaseBook:
             self._write_requeue(conn, ending, now, kind=kind, reason=reason)
         self._forget_leases(ending)
 
-    def _ending(self, chunk_ids: list[int]) -> list[_Requeue]:
-        return [_Requeue(cid, self.state.leases[cid].request_id, self.state.leases[cid].worker_id,
+    def _ending(self, chunk_ids: list[int]) -> list[Requeue]:
+        return [Requeue(cid, self.state.leases[cid].request_id, self.state.leases[cid].worker_id,
                          self.terms[cid].epoch) for cid in chunk_ids]
 
-    def _forget_leases(self, ending: list[_Requeue]) -> None:
+    def _forget_leases(self, ending: list[Requeue]) -> None:
         """After the commit of `_write_requeue`: the state and the book follow."""
         self.state.return_leases([lease.chunk_id for lease in ending])
         for lease in ending:

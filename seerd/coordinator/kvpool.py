@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from seerd.coordinator.book import WaitingRequest
+from seerd.coordinator.records import WaitingRequest
 from seerd.kvpool.address import read_pool_address
 from seerd.kvpool.keys import group_pattern, request_pattern, run_pattern
 from seerd.kvpool.store import PoolUnavailable, close_quietly, open_store

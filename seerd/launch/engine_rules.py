@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from seerd.config import CONTEXT_WHY, MAX_TOKEN_COUNT, ConfigError, EngineConfig, RunConfig, number_problem
-from seerd.coordinator.book import chunk_seed
+from seerd.coordinator.records import chunk_seed
 from seerd.coordinator.create import group_sampling
 from seerd.io.prompts import ContextLength, ModelLimits, PromptRow
 from seerd.worker.engine import sampling_params

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import msgspec
 
-from seerd.protocol import UNKNOWN_WORKER, Endpoint, ErrorReply, ReplyT, decode_reply
+from seerd.protocol import UNKNOWN_WORKER, WORKER_RETIRED, Endpoint, ErrorReply, ReplyT, decode_reply
 from seerd.rundir import RunDir, RunDirError
 
 log = logging.getLogger("seerd.worker")
@@ -28,6 +28,10 @@ class CoordinatorGone(RuntimeError):
 
 class NotRegistered(RuntimeError):
     """The coordinator does not know this worker (it restarted): register again."""
+
+
+class Retired(RuntimeError):
+    """The coordinator took this worker out (its engine stuck, or failing what others run): exit."""
 
 
 class CoordinatorRefused(RuntimeError):
@@ -94,7 +98,7 @@ class CoordinatorClient:
         is safe for every endpoint: reports are idempotent per lease epoch
         (`coordinator.reports.judge_unleased`), a lease granted but never heard of expires, a
         heartbeat or release repeats harmlessly, a registration repeated makes a second identity
-        whose row goes stale. A 4xx raises `NotRegistered` or `CoordinatorRefused`."""
+        whose row goes stale. A 4xx raises `NotRegistered`, `Retired` or `CoordinatorRefused`."""
         backoff = Backoff()
         unreachable_since: float | None = None
         content = None if body is None else msgspec.json.encode(body)
@@ -120,6 +124,8 @@ class CoordinatorClient:
                 error = _error_reply(response)
                 if error.code == UNKNOWN_WORKER:
                     raise NotRegistered(error.detail)
+                if error.code == WORKER_RETIRED:
+                    raise Retired(error.detail)
                 raise CoordinatorRefused(response.status_code, f"{endpoint.method} {endpoint.path}: {error.detail}")
             return decode_reply(endpoint, response.content)
 

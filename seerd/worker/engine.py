@@ -8,7 +8,8 @@ Two drivers behind one interface (`start`, `run`, `abort`, `shutdown`):
   On this 2-core CPU machine it measured 1.3x slower for one engine, and two of them (six busy
   processes) gave about the throughput of one: see docs/benchmarks.md.
 
-Both expose `live`: an `EngineLive` sample (KV use, tokens so far of each running request) for
+Both expose `progress()`, the step counter the coordinator renews leases by (`StepClock`), and
+`live`: an `EngineLive` sample (KV use, tokens so far of each running request) for
 `seerd status`, or None where the engine does not show it. The stepped engine samples its own
 scheduler between steps; AsyncLLM's scheduler lives in another process, so there the worker
 reports committed chunks only.
@@ -26,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from seerd.protocol import parse_engine_id
+from seerd.protocol import EngineProgress, parse_engine_id
 
 DRAFTER_SETTINGS_ENV = "SEERD_DRAFT_SETTINGS"  # read by seerd.drafts.drafter in the engine's process
 
@@ -68,6 +69,28 @@ def sample_scheduler(llm) -> EngineLive | None:  # noqa: ANN001
 def _lease_key(engine_id: str) -> str:
     identity = parse_engine_id(engine_id)
     return engine_id if identity is None else identity.lease_key
+
+
+class StepClock:
+    """Counts an engine's steps and keeps the longest recent one (over the last one or two windows
+    of `WINDOW` steps, so one slow warm-up step is forgotten). Written by the thread that sees the
+    steps, read by the heartbeat: plain int and float fields, no lock needed."""
+
+    WINDOW = 256
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self._longest_now = 0.0
+        self._longest_before = 0.0
+
+    def record(self, seconds: float) -> None:
+        self.steps += 1
+        self._longest_now = max(self._longest_now, seconds)
+        if self.steps % self.WINDOW == 0:
+            self._longest_before, self._longest_now = self._longest_now, 0.0
+
+    def progress(self, generating: int) -> EngineProgress:
+        return EngineProgress(self.steps, max(self._longest_before, self._longest_now), generating)
 
 
 class EngineDead(RuntimeError):
@@ -145,7 +168,8 @@ def engine_args(model_path: str, engine: dict, seed: int, spec: dict | None = No
     return args
 
 
-def sampling_params(max_tokens: int, sampling: dict):  # noqa: ANN201
+def sampling_params(max_tokens: int, sampling: dict, *, stream: bool = False):  # noqa: ANN201
+    """vLLM's parameters for a chunk; `stream`: an output at every step (AsyncLLM's progress)."""
     from vllm.sampling_params import RequestOutputKind, SamplingParams
 
     return SamplingParams(
@@ -159,7 +183,7 @@ def sampling_params(max_tokens: int, sampling: dict):  # noqa: ANN201
         logprobs=0,  # the sampled token's own logprob only
         flat_logprobs=True,  # plain lists instead of a dict per position
         detokenize=False,
-        output_kind=RequestOutputKind.FINAL_ONLY,
+        output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
     )
 
 
@@ -219,6 +243,7 @@ class SteppedEngine:
         self.stopped = False
         self.failure: BaseException | None = None
         self.live: EngineLive | None = None  # replaced (never mutated) by the stepping thread
+        self.clock = StepClock()
         self.thread = threading.Thread(target=self._step_loop, name="vllm-stepper", daemon=True)
         self.thread.start()
 
@@ -246,7 +271,10 @@ class SteppedEngine:
                     self.wakeup.wait(0.05)
                     self.wakeup.clear()
                     continue
-                for output in self.llm.step():
+                started = time.monotonic()
+                outputs = self.llm.step()
+                self.clock.record(time.monotonic() - started)
+                for output in outputs:
                     if output.finished:
                         self._resolve(output.request_id, output)
         except BaseException as exc:  # the engine is gone: fail every waiter, the worker exits
@@ -301,6 +329,9 @@ class SteppedEngine:
             raise
         return chunk_result(output)
 
+    def progress(self) -> EngineProgress:
+        return self.clock.progress(len(self.waiters))
+
     async def abort(self, request_id: str) -> None:
         self.waiters.pop(request_id, None)
         self.inbox.put(("abort", request_id, None))
@@ -324,6 +355,8 @@ class AsyncEngine:
         self.max_chunks = max_chunks
         self.kv_capacity_tokens = kv_tokens
         self.live: EngineLive | None = None  # the scheduler is in the core process
+        self.clock = StepClock()  # counts outputs: one per running request per step
+        self.generating = 0  # chunks in `run` now
 
     @classmethod
     def start(cls, model_path: str, engine: dict, seed: int, spec: dict | None = None,
@@ -337,20 +370,42 @@ class AsyncEngine:
 
     async def run(self, request_id: str, prompt_token_ids: list[int], max_tokens: int,
                   sampling: dict) -> ChunkResult:
+        """Streams the chunk (an output per step, `RequestOutputKind.DELTA`): the engine core is in
+        another process, and the outputs arriving are what shows it steps (`progress`)."""
         from vllm.inputs import TokensPrompt
 
         from vllm.v1.engine.exceptions import EngineDeadError
 
-        final = None
+        token_ids: list[int] = []
+        logprobs: list[float] = []
+        last, previous_at = None, None
+        self.generating += 1
         try:
             async for output in self.llm.generate(TokensPrompt(prompt_token_ids=prompt_token_ids),
-                                                  sampling_params(max_tokens, sampling), request_id=request_id):
-                final = output
+                                                  sampling_params(max_tokens, sampling, stream=True),
+                                                  request_id=request_id):
+                now = time.monotonic()
+                # Between two outputs of one request: a step (the first waits for admission too).
+                self.clock.record(0.0 if previous_at is None else now - previous_at)
+                previous_at, last = now, output
+                completion = output.outputs[0]
+                token_ids.extend(completion.token_ids)
+                if completion.token_ids:
+                    logprobs.extend(float(x) for x in completion.logprobs.logprobs)
         except EngineDeadError as exc:  # the core process is gone: nothing more runs here
             raise EngineDead(f"engine failed: {exc!r}") from exc
-        if final is None:
+        finally:
+            self.generating -= 1
+        if last is None:
             raise EngineDead(f"engine returned nothing for {request_id}")
-        return chunk_result(final)
+        finish_reason = last.outputs[0].finish_reason
+        if finish_reason not in ("stop", "length") or len(logprobs) != len(token_ids):
+            raise EngineDead(f"chunk ended with finish_reason {finish_reason!r}, {len(token_ids)} tokens and "
+                             f"{len(logprobs)} logprobs")
+        return ChunkResult(token_ids, logprobs, finish_reason, last.num_cached_tokens)
+
+    def progress(self) -> EngineProgress:
+        return self.clock.progress(self.generating)
 
     async def abort(self, request_id: str) -> None:
         await self.llm.abort(request_id)

@@ -4,6 +4,9 @@ Workers hold no state that matters: a report is retried until answered (reports 
 and a killed worker's leases expire and run elsewhere. No answer of the coordinator ends a worker
 (`seerd.worker.client`): a 4xx is logged and the worker carries on, registering again when the
 coordinator no longer knows it; only a coordinator gone for longer than the patience does (exit 3).
+A worker exits 4, to be started afresh by its supervisor, when its engine is dead or when the
+coordinator took it out (`Retired`: its engine stopped stepping, or failed what others ran;
+`seerd.coordinator.liveness`).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from seerd.protocol import (
     LeaseBody, RegisterBody, ReleaseBody, ReportBody, ReportReply,
 )
 from seerd.rundir import RunDir
-from seerd.worker.client import Backoff, CoordinatorClient, CoordinatorGone, CoordinatorRefused, NotRegistered
+from seerd.worker.client import Backoff, CoordinatorClient, CoordinatorGone, CoordinatorRefused, NotRegistered, Retired
 from seerd.worker.engine import EngineDead, start_engine
 from seerd.worker.stats import WorkerStats
 
@@ -143,7 +146,7 @@ class Worker:
             self.engine_ids.pop(chunk_id, None)
             self.slot_freed.set()
             # Not taken (a restarted coordinator already voided the lease; a refusal): it expires.
-            with contextlib.suppress(NotRegistered, CoordinatorRefused):
+            with contextlib.suppress(NotRegistered, CoordinatorRefused, Retired):
                 await self.client.call(RELEASE, ReleaseBody(self.worker_id, chunk_id, epoch, repr(exc)[:2000],
                                                             failed=True))
             if isinstance(exc, EngineDead):  # nothing more can run here: exit, to be restarted
@@ -189,7 +192,8 @@ class Worker:
             stats = self.stats.payload({cid: epoch for cid, (epoch, _) in self.running.items()},
                                        getattr(self.engine, "live", None), drafter_stats(), pool_stats())
             try:
-                reply = await self.client.call(HEARTBEAT, HeartbeatBody(self.worker_id, list(self.running), stats))
+                reply = await self.client.call(HEARTBEAT, HeartbeatBody(self.worker_id, list(self.running), stats,
+                                                                        self.engine.progress()))
             except NotRegistered:
                 await self._reregister()
                 continue
@@ -218,6 +222,13 @@ class Worker:
         await self.register()
 
 
+async def warm_up(engine) -> None:  # noqa: ANN001
+    """One tiny request before registering: the engine's first step (lazy initialisation, seconds
+    on some platforms) is paid before any chunk waits on it, and the step clock the coordinator
+    judges progress by has its first figure. Not a seerd chunk id: no drafts, no KV pool."""
+    await engine.run("seerd-warm-up", [1, 2, 3, 4], 2, {"temperature": 0.0})
+
+
 async def amain(run_dir: RunDir, rank: int, patience_s: float, address_timeout_s: float = 120.0) -> int:
     client = await CoordinatorClient.from_run_dir(run_dir, patience_s=patience_s,
                                                   address_timeout_s=address_timeout_s)
@@ -225,6 +236,7 @@ async def amain(run_dir: RunDir, rank: int, patience_s: float, address_timeout_s
     started = time.monotonic()
     engine = start_engine(settings.model_path, settings.engine, settings.seed, settings.spec, str(run_dir.path),
                           settings.kv_pool)
+    await warm_up(engine)
     log.info("engine ready in %.1fs", time.monotonic() - started)
     worker = Worker(client, engine, rank)
     loop = asyncio.get_running_loop()
@@ -234,6 +246,11 @@ async def amain(run_dir: RunDir, rank: int, patience_s: float, address_timeout_s
         await worker.run()
         if worker.stopped_by:
             await worker.release_all(worker.stopped_by)
+    except Retired as exc:  # its leases already run elsewhere; its engine may not stop politely
+        log.error("exiting: the coordinator took this worker out: %s", exc)
+        shutdown_within(engine, ENGINE_SHUTDOWN_S)
+        logging.shutdown()
+        os._exit(4)
     finally:
         engine.shutdown()
         await client.close()
@@ -242,6 +259,19 @@ async def amain(run_dir: RunDir, rank: int, patience_s: float, address_timeout_s
         return 4
     log.info("done: %d chunks, %d tokens", worker.stats.chunks_done, worker.stats.tokens_out)
     return 0
+
+
+ENGINE_SHUTDOWN_S = 10.0
+
+
+def shutdown_within(engine, timeout_s: float) -> None:  # noqa: ANN001
+    """Shut the engine down on a thread, waiting at most `timeout_s` (a stuck engine may never
+    return); what is left is killed with the process (and its group, by the reaper)."""
+    import threading
+
+    stopper = threading.Thread(target=engine.shutdown, name="engine-shutdown", daemon=True)
+    stopper.start()
+    stopper.join(timeout_s)
 
 
 def start_group_reaper(poll_s: float = 0.5) -> None:

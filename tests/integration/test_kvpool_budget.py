@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from seerd.coordinator.book import WaitingRequest
+from seerd.coordinator.records import WaitingRequest
 from seerd.coordinator.kvpool import TRIM_ABOVE, TRIM_BELOW, PoolHost
 from seerd.kvpool.holder import HolderProcess
 from seerd.kvpool.keys import BlockKeys

@@ -21,7 +21,7 @@ from seerd.db.migrate import upgrade
 from seerd.io.prompts import PromptRow
 from seerd.protocol import parse_engine_id
 from seerd.scheduler import make_policy
-from seerd.worker.engine import ChunkResult
+from seerd.worker.engine import ChunkResult, StepClock
 
 REPO = Path(__file__).resolve().parents[2]
 # A process that owns RUN_DIR (pretending to live on HOST when given) until it is killed.
@@ -117,6 +117,10 @@ class ScriptedEngine:
         self.max_chunks = max_chunks
         self.kv_capacity_tokens = 1_000_000
         self.pause_s = pause_s
+        self.clock = StepClock()  # a step per chunk
+
+    def progress(self):  # noqa: ANN201
+        return self.clock.progress(generating=0)
 
     async def run(self, engine_id: str, prompt_token_ids: list[int], max_tokens: int, _sampling: dict) -> ChunkResult:
         chunk = parse_engine_id(engine_id)
@@ -124,6 +128,7 @@ class ScriptedEngine:
         left = self.length_of(chunk.request_id) - generated
         count = min(max_tokens, left)
         await asyncio.sleep(self.pause_s)
+        self.clock.record(self.pause_s)
         return ChunkResult(scripted_tokens(chunk.request_id, generated, count), [-0.5] * count,
                            "stop" if count == left else "length", None)
 

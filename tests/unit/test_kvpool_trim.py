@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from seerd.coordinator.book import WaitingRequest
+from seerd.coordinator.records import WaitingRequest
 from seerd.coordinator.kvpool import (
     CHECK_EVERY_S, CHECK_NEAR_BUDGET_S, TRIM_ABOVE, TRIM_BELOW, PoolHost, TrimBudget,
 )

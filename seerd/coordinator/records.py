@@ -1,0 +1,66 @@
+"""The lease book's own records of a run, besides the scheduler's state: what a grant needs of a
+group, a request's progress, a lease's fencing and deadline, and the small values its methods
+pass between a transaction and the in-memory change that follows its commit."""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from dataclasses import dataclass
+from typing import NamedTuple
+
+
+@dataclass(frozen=True)
+class GroupInputs:
+    """What a grant needs of a group besides the scheduler's view."""
+
+    prompt: array  # int32 prompt token ids
+    sampling: dict
+
+
+@dataclass
+class RequestProgress:
+    """What the book keeps of a request besides the scheduler's view."""
+
+    num_chunks: int  # done chunks
+    failed_attempts: int = 0  # chunks of it that failed: refused by the engine, or a report rejected
+    open_chunk: tuple[int, int] | None = None  # (chunk id, epoch) of a QUEUED row left by a lease that ended
+    tokens: array | None = None  # generated tokens while unfinished (None: not loaded yet)
+
+
+@dataclass
+class LeaseTerms:
+    """A lease's fencing and liveness (the scheduler's side is a `LeaseRecord`)."""
+
+    epoch: int
+    seq: int
+    deadline: float
+
+
+class WaitingRequest(NamedTuple):
+    """A queued request as `LeaseBook.queued_longest` names it (for the KV pool's trimming)."""
+
+    group_id: int
+    request_id: int
+    queued_at: float
+
+
+def chunk_seed(rollout_seed: int, group_index: int, response_index: int, seq: int) -> int:
+    """A per-chunk seed from (rollout seed, request, chunk index): reproducible wherever it runs."""
+    digest = hashlib.blake2b(f"{rollout_seed}:{group_index}:{response_index}:{seq}".encode(), digest_size=8)
+    return int.from_bytes(digest.digest(), "little") & 0x7FFF_FFFF
+
+
+@dataclass
+class Requeue:
+    chunk_id: int
+    request_id: int
+    holder: str | None
+    epoch: int
+
+
+@dataclass(frozen=True)
+class Failure:
+    lease: Requeue
+    attempts: int  # failed chunks of its request, this one included
+    fatal: bool  # the request ends failed
