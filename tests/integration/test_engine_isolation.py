@@ -43,3 +43,45 @@ def test_a_prompt_the_engine_refuses_fails_alone(tiny_model_dir):
     assert "maximum context length is 64" in answer["too_long"]
     assert answer["fine"] == 8 and answer["engine_failure"] == "None"
     assert answer["after"] == answer["before"]  # the engine still serves, greedy and the same
+
+
+# AsyncLLM chunks stream (an output per step, for liveness): the same result as asking vLLM for
+# the final output only, tokens and logprobs, greedy and seeded.
+STREAM_SCRIPT = r"""
+import asyncio, json, sys
+from vllm.inputs import TokensPrompt
+from seerd.worker.engine import AsyncEngine, chunk_result, sampling_params
+
+async def final_only(engine, request_id, prompt, max_tokens, sampling):
+    final = None
+    async for output in engine.llm.generate(TokensPrompt(prompt_token_ids=prompt), sampling_params(max_tokens, sampling),
+                                            request_id=request_id):
+        final = output
+    return chunk_result(final)
+
+async def main(model):
+    engine = AsyncEngine.start(model, {"kv_cache_gib": 0.1, "max_num_seqs": 4, "max_model_len": 128,
+                                       "dtype": "float32"}, seed=0)
+    cases = [([5, 6, 7, 8], {"temperature": 0.0}), ([9, 10, 11], {"temperature": 1.0, "seed": 3})]
+    streamed = await asyncio.gather(*(engine.run(f"s{i}", p, 40, s) for i, (p, s) in enumerate(cases)))
+    final = await asyncio.gather(*(final_only(engine, f"f{i}", p, 40, s) for i, (p, s) in enumerate(cases)))
+    print(json.dumps({"streamed": [[r.token_ids, r.logprobs, r.finish_reason] for r in streamed],
+                      "final": [[r.token_ids, r.logprobs, r.finish_reason] for r in final],
+                      "steps": engine.progress().steps}))
+    engine.shutdown()
+
+if __name__ == "__main__":
+    asyncio.run(main(sys.argv[1]))
+"""
+
+
+def test_a_streamed_async_chunk_equals_the_final_only_one(tiny_model_dir, tmp_path):
+    script = tmp_path / "stream.py"  # a file: AsyncLLM spawns its engine core, which imports __main__
+    script.write_text(STREAM_SCRIPT)
+    result = subprocess.run([sys.executable, str(script), str(tiny_model_dir)], capture_output=True, text=True,
+                            timeout=300, env=test_env(), cwd=REPO_ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    answer = json.loads([line for line in result.stdout.splitlines() if line.startswith("{")][-1])
+    assert answer["streamed"] == answer["final"]
+    assert all(len(tokens) == 40 for tokens, _, _ in answer["streamed"])
+    assert answer["steps"] >= 80  # an output per step of each streamed chunk
