@@ -25,6 +25,7 @@ can do without is looked up first, so that a run made by an older seerd reads as
 from __future__ import annotations
 
 import functools
+import json
 import sqlite3
 import urllib.parse
 from collections.abc import Iterable, Iterator
@@ -169,6 +170,13 @@ def workers(conn: Connection, rollout_id: int) -> list[Row]:
                                Worker.registered_at)
                         .where(Worker.rollout_id == rollout_id)
                         .order_by(Worker.registered_at, Worker.rank)).all()
+
+
+def taken_out_workers(conn: Connection, rollout_id: int) -> dict[str, str]:
+    """worker id -> why the coordinator took it out (`coordinator.liveness`), for those it did."""
+    rows = conn.execute(select(Event.worker_id, Event.data_json)
+                        .where(Event.rollout_id == rollout_id, Event.kind == "worker_retired"))
+    return {worker_id: json.loads(data or "{}").get("reason", "") for worker_id, data in rows}
 
 
 def events(conn: Connection, rollout_id: int) -> Iterable[Row]:

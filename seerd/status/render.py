@@ -149,7 +149,8 @@ def workers_table(s: dict) -> Table:
         table.add_column(name, justify=justify, no_wrap=True)
     for w in s["workers"]:
         style = "red" if w["stale"] and s["state"] == "running" else None
-        row = [w["worker_id"], w["state"], f"{w['running_chunks']}/{w['max_chunks']}",
+        state = "taken out" if w.get("taken_out") else w["state"]
+        row = [w["worker_id"], state, f"{w['running_chunks']}/{w['max_chunks']}",
                percent(w["kv_reserved_tokens"], w["kv_capacity_tokens"]),
                "-" if w["kv_usage"] is None else f"{100 * w['kv_usage']:.0f}%",
                rate(w["tokens_per_s"]), f"{duration(w['heartbeat_age_s'])} ago"]

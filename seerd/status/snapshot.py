@@ -120,6 +120,7 @@ def _read(conn: Connection, run_dir: Path, tail_rows: int, now: float) -> dict:
 def _workers(conn: Connection, rid: int, clock: float, lease_ttl_s: float) -> list[dict]:
     stale_after = STALE_HEARTBEATS * heartbeat_interval(lease_ttl_s)
     workers = []
+    taken_out = read.taken_out_workers(conn, rid)
     for row in read.worker_loads(conn, rid):
         stats = json.loads(row.stats_json) if row.stats_json else {}
         age = max(0.0, clock - row.last_heartbeat)
@@ -130,6 +131,7 @@ def _workers(conn: Connection, rid: int, clock: float, lease_ttl_s: float) -> li
             "worker_id": row.id,
             "rank": row.rank,
             "state": row.status.value,
+            "taken_out": taken_out.get(row.id),  # why the coordinator took it out, if it did
             "heartbeat_age_s": age,
             "stale": not alive or age > stale_after,
             "running_chunks": row.running,

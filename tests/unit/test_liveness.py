@@ -16,6 +16,7 @@ from seerd.coordinator.book import MAX_FAILED_ATTEMPTS, RetiredWorker
 from seerd.coordinator.liveness import RETIRE_AFTER_REFUTED, STALL_STEPS, stall_bound
 from seerd.db import Event, Worker, WorkerStatus
 from seerd.protocol import ChunkReport, EngineProgress, HeartbeatBody
+from seerd.status.snapshot import read_snapshot
 from seerd.worker.client import Retired
 from seerd.worker.engine import StepClock
 from tests.unit.helpers import make_book, rows
@@ -72,6 +73,8 @@ def test_a_stopped_engine_under_a_live_worker_loses_its_leases_and_the_worker_is
     assert len(events(book, "lease_revoked")) == 2
     with book.sessions.begin() as s:
         assert s.get(Worker, stuck).status == WorkerStatus.GONE
+    shown = {w["worker_id"]: w for w in read_snapshot(tmp_path, now=now)["workers"]}  # `seerd status`
+    assert "no progress" in shown[stuck]["taken_out"] and shown[healthy]["taken_out"] is None
 
 
 def test_the_stall_bound_grows_with_the_engines_longest_step(tmp_path):
