@@ -65,7 +65,8 @@ PROMPT_TOKENS = 64
 HUGE_MAX_TOKENS = 1_000_000
 
 
-def build_run(path: Path, mode: str, groups: int, n: int) -> None:
+def build_run(path: Path, mode: str, groups: int, n: int, chunk_tokens: int = CHUNK_TOKENS,
+              prompt_tokens: int = PROMPT_TOKENS) -> None:
     RunDir(path).create()
     # No engine runs; the coordinator reads only the vocabulary it checks reported tokens against.
     model = path / "model"
@@ -74,8 +75,8 @@ def build_run(path: Path, mode: str, groups: int, n: int) -> None:
     engine = make_engine(RunDir(path).db_path, synchronous=mode)
     upgrade(engine)
     config = RunConfig(input_path="bench.jsonl", model_path=str(model), policy="divided",
-                       chunk_tokens=CHUNK_TOKENS, sqlite_synchronous=mode, lease_ttl_s=60)
-    rows = [PromptRow(f"p{g}", tuple((g * 7 + i) % 1000 for i in range(PROMPT_TOKENS)), n,
+                       chunk_tokens=chunk_tokens, sqlite_synchronous=mode, lease_ttl_s=60)
+    rows = [PromptRow(f"p{g}", tuple((g * 7 + i) % 1000 for i in range(prompt_tokens)), n,
                       HUGE_MAX_TOKENS, {}, g + 1) for g in range(groups)]
     with make_sessionmaker(engine).begin() as session:
         create_rollout(session, config, rows, input_sha256="0" * 64, now=time.time())
@@ -127,8 +128,8 @@ async def simulated_worker(base: str, secret: str, index: int, batch: int, stats
             if not grants:
                 await asyncio.sleep(response.json().get("retry_after_s", 0.05))
                 continue
-            reports = [{"chunk_id": g["chunk_id"], "epoch": g["epoch"], "token_ids": [7] * CHUNK_TOKENS,
-                        "logprobs": [-1.0] * CHUNK_TOKENS, "finish_reason": "length"} for g in grants]
+            reports = [{"chunk_id": g["chunk_id"], "epoch": g["epoch"], "token_ids": [7] * g["max_tokens"],
+                        "logprobs": [-1.0] * g["max_tokens"], "finish_reason": "length"} for g in grants]
             t2 = time.monotonic()
             response = await http.post("/v1/report", json={"worker_id": worker_id, "reports": reports})
             t3 = time.monotonic()
@@ -144,7 +145,7 @@ async def simulated_worker(base: str, secret: str, index: int, batch: int, stats
                 stats.report_ms.append((t3 - t2) * 1e3)
 
 
-def verify(db_path: Path, stats: Stats) -> str | None:
+def verify(db_path: Path, stats: Stats, chunk_tokens: int) -> str | None:
     """Compare the database with what the workers saw acknowledged; None when they agree."""
     with closing(sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)) as db:
         done, tokens = db.execute("SELECT count(*), coalesce(sum(num_tokens), 0) FROM chunks "
@@ -157,9 +158,9 @@ def verify(db_path: Path, stats: Stats) -> str | None:
         problems.append(f"{done} done chunks in the database but {stats.acked_total} acknowledged")
     if leased:
         problems.append(f"{leased} chunks still leased")
-    if not tokens == generated == CHUNK_TOKENS * done:
+    if not tokens == generated == chunk_tokens * done:
         problems.append(f"token totals disagree: chunks {tokens}, requests {generated}, "
-                        f"expected {CHUNK_TOKENS * done}")
+                        f"expected {chunk_tokens * done}")
     if stats.rejected:
         problems.append(f"{len(stats.rejected)} rejected reports, e.g. {stats.rejected[0]}")
     return "; ".join(problems) or None
@@ -177,7 +178,7 @@ async def measure_cpu(pid: int, window: tuple[float, float]) -> tuple[float, flo
 def run_sample(batch: int, mode: str, args: argparse.Namespace, tag: str) -> dict:
     path = Path(tempfile.mkdtemp(prefix="seerd-bench-"))
     run_dir = RunDir(path)
-    build_run(path, mode, args.groups, args.n)
+    build_run(path, mode, args.groups, args.n, args.chunk_tokens, args.prompt_tokens)
     command = [sys.executable, os.path.abspath(__file__), "--serve", str(path)]
     if args.profile:
         Path(args.profile).mkdir(parents=True, exist_ok=True)
@@ -215,7 +216,7 @@ def run_sample(batch: int, mode: str, args: argparse.Namespace, tag: str) -> dic
             server.kill()
             server.wait()
         log.close()
-    problem = verify(run_dir.db_path, stats)
+    problem = verify(run_dir.db_path, stats, args.chunk_tokens)
     if problem is None and not args.keep:
         shutil.rmtree(path, ignore_errors=True)
     return {"batch": batch, "synchronous": mode, "rt_per_s": stats.acked_window / args.duration,
@@ -262,7 +263,7 @@ def summarize(samples: list[dict], configs: list[tuple[int, str]]) -> list[dict]
 
 def print_table(rows: list[dict], args: argparse.Namespace) -> None:
     print(f"coordinator control plane: C={args.concurrency} workers, {args.groups}x{args.n} requests, "
-          f"{CHUNK_TOKENS}-token chunks, {args.duration:g}s window after {args.warmup:g}s warm-up, "
+          f"{args.chunk_tokens}-token chunks after {args.prompt_tokens}-token prompts, {args.duration:g}s window after {args.warmup:g}s warm-up, "
           f"{args.repeats} repeat(s); {os.cpu_count()} cores, 1-min load average up to "
           f"{max(r['loadavg_1m_max'] for r in rows):.1f}")
     table = [("config", "rt/s", "samples", "lease p50/p99 ms", "report p50/p99 ms", "cpu srv/cli",
@@ -294,6 +295,9 @@ def main() -> int:
     parser.add_argument("--batches", default="1,8", help="chunks per lease/report call, comma-separated")
     parser.add_argument("--modes", default="FULL,NORMAL", help="SQLite synchronous modes, comma-separated")
     parser.add_argument("--groups", type=int, default=500)
+    parser.add_argument("--chunk-tokens", type=int, default=CHUNK_TOKENS,
+                        help="tokens per chunk (each grant carries the prompt and every earlier chunk)")
+    parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS)
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--quick", action="store_true", help="smoke run: 1 repeat, 2 s windows")
     parser.add_argument("--json", action="store_true", help="print the summary and samples as JSON")
