@@ -38,8 +38,11 @@ from seerd.db import (
     Chunk, ChunkStatus, Event, Group, Request, RequestStatus, RequestTarget, Rollout, RolloutStatus, Worker,
     WorkerStatus,
 )
+from seerd.db.base import begin
 from seerd.db.event import event_row
-from seerd.db.transitions import ROW_EPOCH, ROW_ID, change_one, change_status, insert_with_status
+from seerd.db.transitions import (
+    ROW_EPOCH, ROW_ID, change_one, change_status, insert_many_returning_ids, insert_with_status,
+)
 from seerd.io.codec import unpack_ints
 from seerd.protocol import ChunkGrant, ChunkReport, EngineProgress, UnreadableReport
 from seerd.scheduler.state import ChunkResult, GroupRecord, RequestRecord, SchedulerState
@@ -47,6 +50,12 @@ from seerd.scheduler.views import Plan, Policy
 
 CHUNKS, REQUESTS, GROUPS, EVENTS = Chunk.__table__, Request.__table__, Group.__table__, Event.__table__
 ROLLOUTS, WORKERS, TARGETS = Rollout.__table__, Worker.__table__, RequestTarget.__table__
+# Statements of the hot path, built once (see seerd/db/transitions.py for why).
+FIRST_START = update(REQUESTS).where(REQUESTS.c.id == bindparam(ROW_ID), REQUESTS.c.started_at.is_(None)).values(
+    started_at=bindparam("now"))
+INSERT_EVENT = insert(EVENTS)
+DONE_TOKENS = select(CHUNKS.c.token_ids).where(
+    CHUNKS.c.request_id == bindparam("rid"), CHUNKS.c.status == ChunkStatus.DONE.value).order_by(CHUNKS.c.seq)
 # Failed chunks of one request before the request ends failed (a poison request: every engine
 # refuses it, or its output is never right). The retries go to other workers' engines where there are.
 MAX_FAILED_ATTEMPTS = 3
@@ -81,6 +90,7 @@ class LeaseBook:
         self.progress: dict[int, RequestProgress] = {}  # request id ->
         self.terms: dict[int, LeaseTerms] = {}  # chunk id -> (every lease in self.state.leases)
         self.workers: dict[str, WorkerLiveness] = {}
+        self.unwritten_heartbeats: dict[str, dict] = {}  # worker id -> its last heartbeat's row values
         # request_id -> target length; never part of the scheduler's state (module docstring).
         self.worker_only_targets: dict[int, int] = {}
         self.first_lease_at: float | None = None  # this session's; generation starts here
@@ -95,7 +105,7 @@ class LeaseBook:
     def load(self, now: float) -> None:
         """Read the rollout from the database; leases of a previous coordinator go back to the queue."""
         groups, requests = [], []
-        with self.engine.begin() as conn:
+        with begin(self.engine, durable=True) as conn:
             bindings = {}
             for row in conn.execute(select(GROUPS).where(GROUPS.c.rollout_id == self.rollout_id)):
                 prompt = array("i", unpack_ints(row.prompt_token_ids))
@@ -145,14 +155,14 @@ class LeaseBook:
                       values={"lease_holder": None, "lease_deadline": None}, guard_epoch=True)
         change_status(conn, REQUESTS, RequestStatus.RUNNING, RequestStatus.QUEUED,
                       [{ROW_ID: c.request_id} for c in chunks])
-        conn.execute(insert(EVENTS), [event_row(self.rollout_id, now, kind, c.holder, c.request_id, c.chunk_id,
+        conn.execute(INSERT_EVENT, [event_row(self.rollout_id, now, kind, c.holder, c.request_id, c.chunk_id,
                                                 {"epoch": c.epoch, **({"reason": reason} if reason else {})})
                                       for c in chunks])
 
     # ----------------------------------------------------------------- workers
     def register(self, *, rank: int, address: str, max_chunks: int, kv_capacity_tokens: int,
                  worker_id: str, now: float) -> WorkerLiveness:
-        with self.engine.begin() as conn:
+        with begin(self.engine, durable=False) as conn:
             if conn.execute(select(WORKERS.c.id).where(WORKERS.c.id == worker_id)).first() is not None:
                 # Same id again (a restarted coordinator, a worker back from a partition): a new
                 # identity, so reports of its old leases can never pass as the new one's.
@@ -161,7 +171,7 @@ class LeaseBook:
                 "id": worker_id, "rollout_id": self.rollout_id, "rank": rank, "address": address,
                 "max_chunks": max_chunks, "kv_capacity_tokens": kv_capacity_tokens, "registered_at": now,
                 "last_heartbeat": now})
-            conn.execute(insert(EVENTS), [event_row(
+            conn.execute(INSERT_EVENT, [event_row(
                 self.rollout_id, now, "worker_registered", worker_id,
                 data={"rank": rank, "address": address, "max_chunks": max_chunks,
                       "kv_capacity_tokens": kv_capacity_tokens})])
@@ -177,12 +187,13 @@ class LeaseBook:
         worker = self._worker(worker_id)
         running = set(running)
         figures = {"last_heartbeat": now, "stats_json": json.dumps(stats, separators=(",", ":")) if stats else None}
-        with self.engine.begin() as conn:
-            if worker.status == WorkerStatus.STALE:
+        if worker.status == WorkerStatus.STALE:
+            with begin(self.engine, durable=False) as conn:
                 change_one(conn, WORKERS, worker_id, WorkerStatus.STALE, WorkerStatus.ALIVE, **figures)
-                conn.execute(insert(EVENTS), [event_row(self.rollout_id, now, "worker_alive", worker_id)])
-            else:
-                conn.execute(update(WORKERS).where(WORKERS.c.id == worker_id).values(**figures))
+                conn.execute(INSERT_EVENT, [event_row(self.rollout_id, now, "worker_alive", worker_id)])
+            self.unwritten_heartbeats.pop(worker_id, None)
+        else:  # soft state: written with the next `persist_soft_state`, not one commit per heartbeat
+            self.unwritten_heartbeats[worker_id] = figures
         worker.status = WorkerStatus.ALIVE
         self.state.set_live(worker_id, True)
         held = self.state.workers[worker_id].chunks
@@ -195,7 +206,7 @@ class LeaseBook:
     def retire_workers(self) -> None:
         """The coordinator stops: its workers exit with it (told done, or their leases void), so
         none is alive any more, whatever their last heartbeat said."""
-        with self.engine.begin() as conn:
+        with begin(self.engine, durable=True) as conn:
             self._retire_all(conn)
         for worker in self.workers.values():
             worker.status = WorkerStatus.GONE
@@ -224,11 +235,11 @@ class LeaseBook:
         """Take workers out: gone, their leases back to the queue, told why at their next call."""
         reasons = {w.id: reason_of(w) for w in workers}
         ending = self._ending([cid for w in workers for cid in self.state.workers[w.id].chunks])
-        with self.engine.begin() as conn:
+        with begin(self.engine, durable=False) as conn:
             for status in (WorkerStatus.ALIVE, WorkerStatus.STALE):
                 change_status(conn, WORKERS, status, WorkerStatus.GONE,
                               [{ROW_ID: w.id} for w in workers if w.status == status])
-            conn.execute(insert(EVENTS), [event_row(self.rollout_id, now, "worker_retired", w.id,
+            conn.execute(INSERT_EVENT, [event_row(self.rollout_id, now, "worker_retired", w.id,
                                                     data={"reason": reasons[w.id]}) for w in workers])
             self._write_requeue(conn, ending, now, kind="lease_revoked", reason="worker retired")
         self._forget_leases(ending)
@@ -253,7 +264,7 @@ class LeaseBook:
             return []
         self.state.check_plan(plan, worker_id)
         deadline = now + self.lease_ttl_s
-        with self.engine.begin() as conn:
+        with begin(self.engine, durable=False) as conn:
             chunk_ids, epochs = self._write_leases(conn, worker_id, plan, now, deadline)
         # Committed: now the state follows.
         leases = self.state.apply_leases(worker_id, plan, chunk_ids)
@@ -277,22 +288,26 @@ class LeaseBook:
             conn.execute(update(GROUPS).where(GROUPS.c.id == bindparam("gid")).values(
                 bound_worker=bindparam("worker")),
                 [{"gid": gid, "worker": w} for gid, w in plan.new_bindings.items()])
-        chunk_ids, epochs, reused = [], [], []
+        chunk_ids: list[int | None] = []
+        epochs, reused, fresh = [], [], []
         for assignment in plan.assignments:
             progress = self.progress[assignment.request_id]
-            if progress.tokens is None:
-                progress.tokens = self._read_tokens(conn, assignment.request_id)
+            if progress.tokens is None:  # a request's first chunk has none to read
+                progress.tokens = array("i") if not progress.num_chunks else self._read_tokens(conn, assignment.request_id)
             if progress.open_chunk is not None:
                 chunk_id, epoch = progress.open_chunk
                 reused.append({ROW_ID: chunk_id, ROW_EPOCH: epoch, "budget": assignment.max_tokens})
-                epoch += 1
+                chunk_ids.append(chunk_id)
+                epochs.append(epoch + 1)
             else:
-                chunk_id, epoch = insert_with_status(conn, CHUNKS, ChunkStatus.LEASED, {
-                    "request_id": assignment.request_id, "seq": progress.num_chunks,
-                    "max_tokens": assignment.max_tokens, "lease_holder": worker_id, "lease_deadline": deadline,
-                    "lease_epoch": 1, "attempt": 1, "created_at": now, "leased_at": now, "num_tokens": 0}), 1
-            chunk_ids.append(chunk_id)
-            epochs.append(epoch)
+                fresh.append({"request_id": assignment.request_id, "seq": progress.num_chunks,
+                              "max_tokens": assignment.max_tokens, "lease_holder": worker_id,
+                              "lease_deadline": deadline, "lease_epoch": 1, "attempt": 1, "created_at": now,
+                              "leased_at": now, "num_tokens": 0})
+                chunk_ids.append(None)
+                epochs.append(1)
+        new_ids = iter(insert_many_returning_ids(conn, CHUNKS, ChunkStatus.LEASED, fresh))
+        chunk_ids = [next(new_ids) if chunk_id is None else chunk_id for chunk_id in chunk_ids]
         change_status(conn, CHUNKS, ChunkStatus.QUEUED, ChunkStatus.LEASED, reused, guard_epoch=True, values={
             "max_tokens": bindparam("budget"), "lease_holder": worker_id, "lease_deadline": deadline,
             "lease_epoch": CHUNKS.c.lease_epoch + 1, "attempt": CHUNKS.c.attempt + 1, "leased_at": now})
@@ -300,9 +315,8 @@ class LeaseBook:
         change_status(conn, REQUESTS, RequestStatus.QUEUED, RequestStatus.RUNNING, request_rows,
                       values={"last_worker": worker_id})
         if request_rows:
-            conn.execute(update(REQUESTS).where(REQUESTS.c.id == bindparam(ROW_ID), REQUESTS.c.started_at.is_(None))
-                         .values(started_at=now), request_rows)
-            conn.execute(insert(EVENTS), [
+            conn.execute(FIRST_START, [{**row, "now": now} for row in request_rows])
+            conn.execute(INSERT_EVENT, [
                 event_row(self.rollout_id, now, "chunk_leased", worker_id, a.request_id, chunk_id,
                           {"seq": self.progress[a.request_id].num_chunks, "epoch": epoch, "max_tokens": a.max_tokens})
                 for a, chunk_id, epoch in zip(plan.assignments, chunk_ids, epochs)])
@@ -310,9 +324,7 @@ class LeaseBook:
 
     def _read_tokens(self, conn: Connection, request_id: int) -> array:
         tokens = array("i")
-        for blob in conn.execute(select(CHUNKS.c.token_ids).where(
-                CHUNKS.c.request_id == request_id, CHUNKS.c.status == ChunkStatus.DONE.value).order_by(CHUNKS.c.seq)
-        ).scalars():
+        for blob in conn.execute(DONE_TOKENS, {"rid": request_id}).scalars():
             tokens.extend(unpack_ints(blob))
         return tokens
 
@@ -376,7 +388,7 @@ class LeaseBook:
         prepared = self.state.prepare_results(results, now)
         failures = []
         if results or rejected:
-            with self.engine.begin() as conn:
+            with begin(self.engine, durable=True) as conn:
                 if results:
                     write_results(conn, self.rollout_id, worker_id, prepared, accepted, now)
                 failures = [self._write_failure(conn, reports[i].chunk_id, f"report rejected: {problem}", now,
@@ -427,7 +439,7 @@ class LeaseBook:
         if not failed:
             self._end_leases([chunk_id], now, kind="lease_released", reason=reason)
             return True
-        with self.engine.begin() as conn:
+        with begin(self.engine, durable=False) as conn:
             failure = self._write_failure(conn, chunk_id, reason, now)
         self._apply_failure(failure)
         return True
@@ -447,7 +459,7 @@ class LeaseBook:
                        finish_reason="error", lease_deadline=None)
             change_one(conn, REQUESTS, lease.request_id, RequestStatus.RUNNING, RequestStatus.FAILED,
                        failed_attempts=attempts, error=reason, finish_reason="error", finished_at=now)
-            conn.execute(insert(EVENTS), [event_row(self.rollout_id, now, "request_failed", lease.worker_id,
+            conn.execute(INSERT_EVENT, [event_row(self.rollout_id, now, "request_failed", lease.worker_id,
                                                     lease.request_id, chunk_id, {"reason": reason, "attempts": attempts})])
         else:
             self._write_requeue(conn, [failure.lease], now, kind=kind, reason=reason)
@@ -484,9 +496,9 @@ class LeaseBook:
         expired = [chunk_id for chunk_id, terms in self.terms.items() if terms.deadline < now]
         silent = [w for w in self.live_workers() if now - w.last_heartbeat > self.lease_ttl_s]
         if silent:
-            with self.engine.begin() as conn:
+            with begin(self.engine, durable=False) as conn:
                 change_status(conn, WORKERS, WorkerStatus.ALIVE, WorkerStatus.STALE, [{ROW_ID: w.id} for w in silent])
-                conn.execute(insert(EVENTS), [event_row(self.rollout_id, now, "worker_stale", w.id) for w in silent])
+                conn.execute(INSERT_EVENT, [event_row(self.rollout_id, now, "worker_stale", w.id) for w in silent])
             for worker in silent:
                 worker.status = WorkerStatus.STALE
                 self.state.set_live(worker.id, False)
@@ -496,7 +508,7 @@ class LeaseBook:
 
     def _end_leases(self, chunk_ids: list[int], now: float, *, kind: str, reason: str | None = None) -> None:
         ending = self._ending(chunk_ids)
-        with self.engine.begin() as conn:
+        with begin(self.engine, durable=False) as conn:
             self._write_requeue(conn, ending, now, kind=kind, reason=reason)
         self._forget_leases(ending)
 
@@ -540,21 +552,30 @@ class LeaseBook:
     def is_complete(self) -> bool:
         return self.state.is_complete()
 
-    def persist_forecasts(self) -> int:
-        """Write the groups' forecasts that changed since the last call (`seerd status` reads them:
-        the coordinator's own figure, without importing the scheduler). Called on the daemon's
-        tick, not in the report's transaction: a forecast depends on the state after the commit,
-        and a status figure half a second old costs no fsync on the hot path."""
+    def persist_soft_state(self) -> int:
+        """Write what `seerd status` reads but no acknowledgement depends on, as it changed since
+        the last call: the groups' forecasts (the coordinator's own figure, so status need not
+        import the scheduler) and the workers' last heartbeats (time and figures). Called on the
+        daemon's tick in one commit that does not wait for the disk (`db.base.begin`), not on
+        the hot path: a forecast depends on the state after a report's commit, and a figure half
+        a second old costs no commit per heartbeat. Returns the rows written."""
         changed = self.state.take_forecasts()
-        if changed:
-            with self.engine.begin() as conn:
-                conn.execute(update(GROUPS).where(GROUPS.c.id == bindparam("gid")).values(
-                    forecast_tokens=bindparam("forecast")),
-                    [{"gid": gid, "forecast": forecast} for gid, forecast in changed.items()])
-        return len(changed)
+        heartbeats, self.unwritten_heartbeats = self.unwritten_heartbeats, {}
+        if changed or heartbeats:
+            with begin(self.engine, durable=False) as conn:
+                if changed:
+                    conn.execute(update(GROUPS).where(GROUPS.c.id == bindparam("gid")).values(
+                        forecast_tokens=bindparam("forecast")),
+                        [{"gid": gid, "forecast": forecast} for gid, forecast in changed.items()])
+                if heartbeats:
+                    conn.execute(update(WORKERS).where(WORKERS.c.id == bindparam("wid")).values(
+                        last_heartbeat=bindparam("beat"), stats_json=bindparam("stats")),
+                        [{"wid": wid, "beat": f["last_heartbeat"], "stats": f["stats_json"]}
+                         for wid, f in heartbeats.items()])
+        return len(changed) + len(heartbeats)
 
     def set_rollout_status(self, status: RolloutStatus, now: float, reason: str | None = None) -> None:
-        with self.engine.begin() as conn:
+        with begin(self.engine, durable=True) as conn:
             current, started_at = conn.execute(select(ROLLOUTS.c.status, ROLLOUTS.c.started_at)
                                                .where(ROLLOUTS.c.id == self.rollout_id)).one()
             if current == status:
@@ -565,5 +586,5 @@ class LeaseBook:
             if status == RolloutStatus.FINISHED:
                 values["finished_at"] = now
             change_one(conn, ROLLOUTS, self.rollout_id, current, status, **values)
-            conn.execute(insert(EVENTS), [event_row(self.rollout_id, now, f"rollout_{status.value}",
+            conn.execute(INSERT_EVENT, [event_row(self.rollout_id, now, f"rollout_{status.value}",
                                                     data={"reason": reason})])

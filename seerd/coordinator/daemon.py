@@ -295,7 +295,7 @@ class Coordinator:
                                          f"this coordinator lost the run: {self.ownership.lost}")
             if await run(self.book.expire, self.clock()):
                 self.control.work_queued()
-            await run(self.book.persist_forecasts)
+            await run(self.book.persist_soft_state)
             await run(self._refresh_drafts)
             if self.pool is not None and await self.pool.check(partial(run, self.book.queued_longest)):
                 await run(self.record_event, "kv_pool_restarted", {"restarts": self.pool.restarts})

@@ -24,6 +24,10 @@ from seerd.protocol import ChunkReport, UnreadableReport
 from seerd.scheduler.state import ResultsUpdate
 
 _CHUNKS, _REQUESTS, _GROUPS, _EVENTS = Chunk.__table__, Request.__table__, Group.__table__, Event.__table__
+# Built once: see seerd/db/transitions.py for why.
+_GROUP_COUNTS = update(_GROUPS).where(_GROUPS.c.id == bindparam("gid")).values(
+    finished_requests=bindparam("fr"), length_estimate=bindparam("est"), finished_at=bindparam("fa"))
+_INSERT_EVENT = insert(_EVENTS)
 
 # "length_target": the worker ended the response at its target length (benchmark rows).
 FINISH_REASONS = frozenset({"stop", "length", "length_target"})
@@ -139,11 +143,9 @@ def write_results(conn: Connection, rollout_id: int, worker_id: str, prepared: R
     change_status(conn, _REQUESTS, RequestStatus.RUNNING, RequestStatus.QUEUED, requeued_rows,
                   values={**counts, "queued_at": now})
     if prepared.groups:
-        conn.execute(update(_GROUPS).where(_GROUPS.c.id == bindparam("gid")).values(
-            finished_requests=bindparam("fr"), length_estimate=bindparam("est"), finished_at=bindparam("fa")),
-            [{"gid": g.group_id, "fr": g.finished, "est": g.estimate, "fa": now if g.complete else None}
+        conn.execute(_GROUP_COUNTS, [{"gid": g.group_id, "fr": g.finished, "est": g.estimate, "fa": now if g.complete else None}
              for g in prepared.groups])
-    conn.execute(insert(_EVENTS), events)
+    conn.execute(_INSERT_EVENT, events)
 
 
 def judge_unleased(conn: Connection, worker_id: str, report: ChunkReport | UnreadableReport) -> ReportOutcome:

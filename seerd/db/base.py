@@ -7,9 +7,11 @@ the caller owns the transaction (Prefect's habit).
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-from sqlalchemy import Engine, MetaData, create_engine, event
+from sqlalchemy import Connection, Engine, MetaData, create_engine, event
 from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
 
 # Stable constraint names so that Alembic batch migrations on SQLite can find them.
@@ -28,7 +30,11 @@ class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
 
 
-def _apply_pragmas(dbapi_connection, _record, *, synchronous: str, read_only: bool) -> None:
+DURABLE_SYNCHRONOUS = "durable_synchronous"  # the engine's configured setting, in each connection's info
+
+
+def _apply_pragmas(dbapi_connection, record, *, synchronous: str, read_only: bool) -> None:  # noqa: ANN001
+    record.info[DURABLE_SYNCHRONOUS] = synchronous
     cursor = dbapi_connection.cursor()
     cursor.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
     cursor.execute("PRAGMA foreign_keys=ON")
@@ -67,6 +73,31 @@ def make_engine(db_path: Path, *, read_only: bool = False, synchronous: str = "F
         connection.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")
 
     return engine
+
+
+@contextmanager
+def begin(engine: Engine, *, durable: bool = True) -> Iterator[Connection]:
+    """A write transaction (`engine.begin()`), durable or not.
+
+    `durable=False` commits without waiting for the disk (`synchronous=NORMAL` under WAL): the
+    commit is atomic and survives a killed process; only a power loss or an OS crash can take it
+    back, and the next durable commit (an fsync of the WAL) makes it and everything before it
+    survive those too. For what the run redoes anyway after such a crash: leases (a restarted
+    coordinator re-queues every lease), registrations, heartbeats, expiries, forecasts. Durable
+    is the engine's configured setting (FULL for runs): what is acknowledged as kept, reports.
+    """
+    with engine.connect() as conn:
+        durable_setting = conn.info.get(DURABLE_SYNCHRONOUS, "FULL")
+        relaxed = not durable and durable_setting in ("FULL", "EXTRA")
+        raw = conn.connection.driver_connection
+        if relaxed:  # outside a transaction: SQLite refuses it inside one
+            raw.execute("PRAGMA synchronous=NORMAL")
+        try:
+            with conn.begin():
+                yield conn
+        finally:
+            if relaxed:  # back: a plain `engine.begin()` elsewhere stays durable
+                raw.execute(f"PRAGMA synchronous={durable_setting}")
 
 
 def _create_private(db_path: Path) -> None:

@@ -6,16 +6,23 @@ the row count, so a row that is not where the caller's in-memory state says it i
 instead of being counted twice. It returns the change; the caller applies its in-memory side
 only after the transaction commits. `insert_with_status` is the same for a row's first status.
 Functions take a connection and never commit: the caller owns the transaction.
+
+Statements are built once per shape and kept (`_update_statement`): SQLAlchemy compiles a
+statement once per cache key, but building the statement and its key again on every call was
+a quarter of the coordinator's CPU per chunk. Constant values therefore travel as bind values,
+and a shape whose values hold other SQL expressions is built afresh each time (rare: re-leases).
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, Table, bindparam, insert, update
+from sqlalchemy import BindParameter, Connection, Table, Update, bindparam, insert, update
+from sqlalchemy.sql.elements import ClauseElement
 
 from seerd.db.status import ALLOWED_INITIAL, check_transition
 
@@ -52,14 +59,38 @@ def change_status(conn: Connection, table: Table, old: enum.Enum, new: enum.Enum
     check_transition(old, new)
     if not rows:
         return StatusChange(table.name, (), old, new)
-    guard = [table.c.id == bindparam(ROW_ID), table.c.status == old.value]
-    if guard_epoch:
-        guard.append(table.c.lease_epoch == bindparam(ROW_EPOCH))
-    result = conn.execute(update(table).where(*guard).values(status=new.value, **(values or {})), list(rows))
+    values = dict(values or {})
+    constants = {f"set_{key}": value for key, value in values.items() if not isinstance(value, ClauseElement)}
+    expressions = {key: value for key, value in values.items() if isinstance(value, ClauseElement)}
+    binds = tuple(sorted((key, value.key) for key, value in expressions.items() if isinstance(value, BindParameter)))
+    shape = (tuple(sorted(key[4:] for key in constants)), binds)
+    if len(binds) == len(expressions):
+        statement = _update_statement(table, old.value, new.value, guard_epoch, shape)
+    else:  # an SQL expression among the values (lease_epoch + 1): built for this call
+        statement = _build_update(table, old.value, new.value, guard_epoch, shape[0], expressions)
+    if constants:
+        rows = [{**row, **constants} for row in rows]
+    result = conn.execute(statement, list(rows))
     if result.rowcount != len(rows):
         raise StaleStatus(f"{table.name}: {len(rows) - result.rowcount} of {len(rows)} rows were not "
                           f"{old.value}{' at the given lease epoch' if guard_epoch else ''}")
     return StatusChange(table.name, tuple(row[ROW_ID] for row in rows), old, new)
+
+
+@functools.lru_cache(maxsize=256)
+def _update_statement(table: Table, old: str, new: str, guard_epoch: bool,
+                      shape: tuple[tuple[str, ...], tuple[tuple[str, str], ...]]) -> Update:
+    constant_keys, binds = shape
+    return _build_update(table, old, new, guard_epoch, constant_keys, {key: bindparam(name) for key, name in binds})
+
+
+def _build_update(table: Table, old: str, new: str, guard_epoch: bool, constant_keys: Sequence[str],
+                  expressions: Mapping[str, Any]) -> Update:
+    guard = [table.c.id == bindparam(ROW_ID), table.c.status == old]
+    if guard_epoch:
+        guard.append(table.c.lease_epoch == bindparam(ROW_EPOCH))
+    return update(table).where(*guard).values(
+        status=new, **{key: bindparam(f"set_{key}") for key in constant_keys}, **expressions)
 
 
 def change_one(conn: Connection, table: Table, row_id: Any, old: enum.Enum, new: enum.Enum,
@@ -82,3 +113,21 @@ def insert_many_with_status(conn: Connection, table: Table, status: enum.Enum,
         raise ValueError(f"a new {table.name} row cannot start as {status.value}")
     if rows:
         conn.execute(insert(table), [{**row, "status": status.value} for row in rows])
+
+
+def insert_many_returning_ids(conn: Connection, table: Table, status: enum.Enum,
+                              rows: Sequence[Mapping[str, Any]]) -> list[int]:
+    """`insert_many_with_status` that returns the new primary keys in the order of `rows` (one
+    statement: SQLite's RETURNING through SQLAlchemy's insertmanyvalues). Every row has the
+    same keys."""
+    if status not in ALLOWED_INITIAL[type(status)]:
+        raise ValueError(f"a new {table.name} row cannot start as {status.value}")
+    if not rows:
+        return []
+    result = conn.execute(_insert_returning_id(table), [{**row, "status": status.value} for row in rows])
+    return [row[0] for row in result]
+
+
+@functools.lru_cache(maxsize=32)
+def _insert_returning_id(table: Table):  # noqa: ANN202
+    return insert(table).returning(table.c.id, sort_by_parameter_order=True)

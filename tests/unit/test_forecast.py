@@ -127,11 +127,11 @@ def test_the_book_persists_each_groups_forecast_and_status_reads_it(tmp_path):
         with book.sessions() as session:
             return dict(session.execute(select(Group.id, Group.forecast_tokens)).all())
 
-    assert book.persist_forecasts() == 3 and set(persisted().values()) == {64}  # nothing finished: max_tokens
-    assert book.persist_forecasts() == 0  # unchanged: nothing written
+    assert book.persist_soft_state() == 3 and set(persisted().values()) == {64}  # nothing finished: max_tokens
+    assert book.persist_soft_state() == 0  # unchanged: nothing written
     grants = sorted(book.lease(worker, wanted=64, now=1000.0), key=lambda g: g.request_id)
     _finish(book, worker, grants[0], 10, 1001.0)  # group 1's first response: its forecast drops to 10
-    assert book.persist_forecasts() == 1
+    assert book.persist_soft_state() == 1
     assert persisted() == {gid: book.state.forecast(gid) for gid in book.state.groups}
     assert persisted()[grants[0].group_id] == 10
     snapshot = read_snapshot(tmp_path, now=1002.0)

@@ -74,6 +74,7 @@ def test_snapshot_counts_progress_tail_and_workers_synthetic_engine(tmp_path):
     book.heartbeat(a, [g.chunk_id for g in held_by_a], now=1009.0,
                    stats={"tokens_per_s_recent": 12.5, "kv_usage": 0.25, "running": live, "chunks_done": 4,
                           "tokens_out": 60})
+    book.persist_soft_state()  # what the daemon's tick does: heartbeats are soft state
     snap = read_snapshot(tmp_path, now=1010.0)
     for key, kind in REQUIRED.items():
         assert isinstance(snap[key], kind), key
@@ -122,6 +123,7 @@ def test_time_left_counts_each_request_up_to_its_groups_persisted_forecast_synth
     live = {str(g.chunk_id): {"tokens": 2 + i, "changed_at": 1008.0} for i, g in enumerate(held_by_a)}
     book.heartbeat(a, [g.chunk_id for g in held_by_a], now=1009.0,
                    stats={"tokens_per_s_recent": 10.0, "running": live})
+    book.persist_soft_state()  # what the daemon's tick does: heartbeats are soft state
 
     def expected_remaining(snap, forecast_by_group_index):
         # Every unfinished request is running here, so the tail lists them all with their tokens so far.
@@ -308,6 +310,7 @@ def test_reading_status_in_a_loop_never_blocks_or_fails_the_writer_synthetic_eng
             now += 1.0
             grants = book.lease(w, 16, now=now)
             book.heartbeat(w, [g.chunk_id for g in grants], now=now, stats={"tokens_per_s_recent": 1.0})
+            book.persist_soft_state()
             book.report_many(w, [report(g, g.max_tokens) for g in grants], now=now)
     finally:
         stop.set()
