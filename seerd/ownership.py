@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import json
 import logging
+import contextlib
 import os
 import secrets
 import socket
@@ -361,10 +362,8 @@ def _claim(run_path: Path, stale: OwnerRecord, token: str, beat_count: int | Non
     beat = _read_beat(run_path, stale.token)
     woke_up = beat_count is not None and beat is not None and beat[0] != beat_count
     if moved is None or moved.token != stale.token or woke_up:  # changed since we judged it: put it back
-        try:
+        with contextlib.suppress(FileExistsError):  # a new owner came meanwhile: theirs stands
             os.link(claimed, owner_path)
-        except FileExistsError:
-            pass
         claimed.unlink()
         return False
     claimed.unlink()
