@@ -49,9 +49,9 @@ stop as if taken over. Readers (`seerd status`, `export`, `report`) and workers 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-import contextlib
 import os
 import secrets
 import socket
