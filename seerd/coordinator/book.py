@@ -6,7 +6,9 @@ only a real run has: SQLite, lease epochs and deadlines, heartbeats, prompts and
 grants, target lengths. Every mutation happens in one method, in one `BEGIN IMMEDIATE`
 transaction, every status write through `seerd/db/transitions.py`, and the in-memory state
 changes only after that transaction commits. A worker's report is acknowledged (the method
-returns) only after its commit, so every token is either durable or was never acknowledged.
+returns) only after its durable commit, so every token is either durable or was never
+acknowledged; what a restarted coordinator redoes anyway (leases, registrations, expiries,
+heartbeats, forecasts) commits without waiting for the disk (`db.base.begin`).
 Callers pass `now`: lease expiry is tested by moving time, never by sleeping.
 
 Target lengths (benchmark rows) are kept apart from everything the scheduler sees: the book
