@@ -293,7 +293,7 @@ def one_run(index: int, fault: str, rng: random.Random, base: Path, prompts: Pat
 
 
 def print_table(outcomes: list[Outcome]) -> None:
-    header = f"{'run':>3}  {'fault':<17}{'after chunks':>13}{'at s':>7}{'recovered s':>12}  {'retries':<44}verdict"
+    header = f"{'run':>3}  {'fault':<17}{'after chunks':>13}{'at s':>7}{'recovered s':>12}  {'retries':<62}verdict"
     print(header)
     print("-" * len(header))
     for o in outcomes:
@@ -304,7 +304,7 @@ def print_table(outcomes: list[Outcome]) -> None:
         verdict = "ok" if o.ok else "FAILED: " + "; ".join(o.problems)
         if o.ok and o.injected_after_chunks is None and o.fault != "poison":
             verdict = "ok (the run ended before the fault was due)"
-        print(f"{o.run:>3}  {o.fault:<17}{when:>13}{at:>7}{rec:>12}  {shown[:43]:<44}{verdict}")
+        print(f"{o.run:>3}  {o.fault:<17}{when:>13}{at:>7}{rec:>12}  {shown[:61]:<62}{verdict}")
 
 
 def main() -> int:
