@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
 from pathlib import Path
 
 import httpx
@@ -43,6 +45,23 @@ def status_json(run_dir: Path) -> dict:
     return json.loads(result.stdout)
 
 
+def pause_workers(run_dir: Path) -> list[int]:
+    """SIGSTOP every alive worker (pid from its registered address); returns the pids stopped."""
+    pids = [int(address.rsplit(":", 1)[1])
+            for (address,) in db_rows(run_dir, "select address from workers where status = 'alive'")]
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    return pids
+
+
+def resume_workers(paused: list[int]) -> None:
+    while paused:
+        try:
+            os.kill(paused.pop(), signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+
 def scrape(run_dir: Path) -> dict:
     rundir = RunDir(run_dir)
     host, port = rundir.read_address()
@@ -58,16 +77,23 @@ def test_status_and_metrics_on_a_live_run_then_status_and_report_when_finished(t
     total_tokens = write_long_prompts(tmp_path / "prompts.jsonl")
     run_dir = tmp_path / "run"
     proc = start_seerd("run", "--input", str(tmp_path / "prompts.jsonl"), "--model", str(tiny_model_dir),
-                       "--run-dir", str(run_dir), "--chunk-tokens", "32", "--workers", "2",
+                       "--run-dir", str(run_dir), "--chunk-tokens", "32", "--workers", "2", "--lease-ttl", "600",
                        "--kv-cache-gib", "0.25", "--max-num-seqs", "4", "--no-progress", log=tmp_path / "run.log")
+    paused: list[int] = []
     try:
-        # Live: both workers have sent heartbeats with their own figures, chunks are running.
+        # Live: both workers have sent heartbeats with their own figures, chunks are running. The
+        # checks run while both workers are paused (SIGSTOP; the 600 s lease TTL keeps their leases),
+        # so the run cannot finish under them however fast or slow the machine is.
         def watched() -> dict | None:
             if done_chunks(run_dir) < 20:
                 return None
+            paused.extend(pause_workers(run_dir))
             snap = status_json(run_dir)
             live = [w for w in snap["workers"] if w["tokens_per_s"] is not None and w["kv_usage"] is not None]
-            return snap if snap["state"] == "running" and len(live) == 2 and snap["tail"] else None
+            if snap["state"] == "running" and len(live) == 2 and snap["tail"]:
+                return snap
+            resume_workers(paused)
+            return None
 
         snap = wait_for(watched, timeout=400, what="a running snapshot with both workers' figures", interval=0.5)
         assert snap["coordinator"]["reachable"] is True
@@ -83,8 +109,10 @@ def test_status_and_metrics_on_a_live_run_then_status_and_report_when_finished(t
         assert sum(by_state.values()) == GROUPS * N
         assert metrics[("seerd_leases_in_flight", ())] >= 0
         assert len([k for k in metrics if k[0] == "seerd_worker_alive"]) == 2
+        resume_workers(paused)
         assert proc.wait(timeout=900) == 0
     finally:
+        resume_workers(paused)
         if proc.poll() is None:
             proc.kill()
             proc.wait()
