@@ -200,6 +200,10 @@ class RunConfig:
     # `group`, which binds groups to workers once; optional for the others.
     wait_for_workers: bool = False
     worker_wait_s: float = 300.0
+    # Continue a request in its engine across chunk boundaries when the scheduler keeps it on the
+    # same worker (no stop, no re-submission); False re-submits every chunk with its own seed, so
+    # a seeded run's tokens do not depend on where its chunks ran (docs/architecture.md).
+    in_place: bool = True
     sqlite_synchronous: str = "FULL"
     # An earlier run whose lengths seeded the group estimates (`--prior`; see coordinator/prior.py).
     prior_run_dir: str | None = None
@@ -288,6 +292,7 @@ ROLLOUT_DEFAULTS: Mapping[str, object] = MappingProxyType({
     "engine_api": EngineConfig.api,
     "lease_ttl": RunConfig.lease_ttl_s,
     "wait_for_workers": RunConfig.wait_for_workers,
+    "in_place": RunConfig.in_place,
     "spec_mode": SpecConfig.mode,
     "spec_depth": SpecConfig.gamma_max,
     "spec_probe_weight": SpecConfig.probe_weight,
@@ -305,7 +310,7 @@ ROLLOUT_DEFAULTS: Mapping[str, object] = MappingProxyType({
 def build_config(*, workers: int, input_path: Path, model_path: Path, policy: str, chunk_tokens: int, n: int,
                  max_tokens: int, temperature: float, top_p: float, top_k: int, seed: int, kv_cache_gib: float,
                  max_num_seqs: int, max_model_len: int | None, dtype: str, engine_api: str, lease_ttl: float,
-                 wait_for_workers: bool, prior_dir: Path | None, spec_mode: str, spec_depth: int,
+                 wait_for_workers: bool, in_place: bool, prior_dir: Path | None, spec_mode: str, spec_depth: int,
                  spec_probe_weight: float, spec_fixed_depth: bool, spec_profile: Path | None,
                  spec_history_dir: Path | None, kv_pool_mode: str, kv_pool_size: str | int | None,
                  kv_pool_protocol: str, kv_pool_devices: str, engine_args: dict | None = None,
@@ -319,7 +324,7 @@ def build_config(*, workers: int, input_path: Path, model_path: Path, policy: st
         sampling=SamplingDefaults(temperature=temperature, top_p=top_p, top_k=top_k),
         engine=EngineConfig(kv_cache_gib=kv_cache_gib, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                             dtype=dtype, api=engine_api, extra_args=dict(engine_args or {})),
-        lease_ttl_s=lease_ttl, wait_for_workers=wait_for_workers,
+        lease_ttl_s=lease_ttl, wait_for_workers=wait_for_workers, in_place=in_place,
         prior_run_dir=_absolute(prior_dir),
         spec=SpecConfig(mode=spec_mode, gamma_max=spec_depth, probe_weight=spec_probe_weight,
                         adaptive=not spec_fixed_depth,

@@ -80,6 +80,15 @@ class ChunkGrant(msgspec.Struct, frozen=True):
     group_id: int = 0
     prompt_len: int = 0
     is_probe: bool = False
+    # In-place continuation (`RunConfig.in_place`). `run_on`: the engine request may generate past
+    # this chunk's budget, up to `response_remaining` tokens (the response's max_tokens less those so
+    # far, cut at the target): the worker reports the chunk at its budget with `running_on` and
+    # keeps the request running until the report's reply says whether it continues there.
+    # `continues`: this chunk continues the engine request the worker kept running for the same
+    # request (its first tokens may already be generated); the worker holds its context.
+    run_on: bool = False
+    response_remaining: int = 0
+    continues: bool = False
 
     @property
     def identity(self) -> ChunkIdentity:
@@ -101,6 +110,9 @@ class ChunkReport(msgspec.Struct, frozen=True):
     logprobs: list[float]
     finish_reason: str
     cached_tokens: int | None = None
+    # The chunk ended at its budget and its engine request is still generating on this worker:
+    # the coordinator may continue it in place (a `continues` grant in the reply).
+    running_on: bool = False
 
 
 class ReportBody(msgspec.Struct):
@@ -159,6 +171,10 @@ class ReportResult(msgspec.Struct):
 class ReportReply(msgspec.Struct):
     results: list[ReportResult]  # one per report, in order
     done: bool
+    # Leases made at the report for the slots of the chunks reported `running_on`: a grant with
+    # `continues` goes on in the engine request already running; a request reported running on
+    # without one must be stopped (the scheduler gave its slot to another request, or none).
+    grants: list[ChunkGrant] = []
 
 
 class ReleaseBody(msgspec.Struct):

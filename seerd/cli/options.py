@@ -60,6 +60,10 @@ ROLLOUT_OPTIONS = [
                  help="Seconds a lease lives without a heartbeat (1 to 3600)."),
     click.option("--wait-for-workers", is_flag=True, default=DEFAULTS["wait_for_workers"],
                  help=f"Hand out no work until every worker is up (always so for {_WAITING_POLICIES})."),
+    click.option("--in-place/--no-in-place", "in_place", default=DEFAULTS["in_place"], show_default=True,
+                 help="Continue a request in its engine across chunk boundaries while the scheduler keeps "
+                      "it on the same worker; --no-in-place re-submits every chunk with its own seed (seeded "
+                      "runs then reproduce token for token whatever the timing)."),
     click.option("--spec", "spec_mode", default=DEFAULTS["spec_mode"], show_default=True,
                  type=click.Choice(["off", "ngram", "suffix", "grouped", "request"]),
                  help="Speculative decoding: grouped = drafts from all sibling responses of the group (Seer); "

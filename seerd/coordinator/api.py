@@ -227,13 +227,14 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
         except msgspec.ValidationError as exc:
             raise ApiError(422, f"invalid body: a report without an integer chunk_id and epoch ({exc})") from None
         known(body.worker_id)
-        outcomes = await control.run(book.report_many, body.worker_id, reports, clock())
+        outcomes, grants = await control.run(book.report_and_continue, body.worker_id, reports, clock(),
+                                             may_lease=control.accepting and control.scheduling_gate())
         # Work for lease calls waiting: a request to continue, a rejected chunk to run again.
         if any(o.rerun or (o.accepted and not o.request_finished and not o.duplicate) for o in outcomes) \
                 or book.is_complete():
             control.work_queued()
         results = [ReportResult(r.chunk_id, o.accepted, o.duplicate, o.reason) for r, o in zip(reports, outcomes)]
-        return _json(ReportReply(results, done=book.is_complete()))
+        return _json(ReportReply(results, done=book.is_complete(), grants=grants))
 
     @app.post(RELEASE.path)
     async def release(request: Request) -> Response:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import time
 from array import array
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 from sqlalchemy import Connection, Engine, bindparam, insert, select, update
 from sqlalchemy.orm import Session, sessionmaker
@@ -78,7 +78,8 @@ class RetiredWorker(UnknownWorker):
 
 class LeaseBook:
     def __init__(self, sessions: sessionmaker[Session], rollout_id: int, policy: Policy,
-                 *, chunk_tokens: int, lease_ttl_s: float, seed: int, vocab_size: int) -> None:
+                 *, chunk_tokens: int, lease_ttl_s: float, seed: int, vocab_size: int,
+                 in_place: bool = False) -> None:
         self.sessions = sessions
         self.engine: Engine = sessions.kw["bind"]
         self.rollout_id = rollout_id
@@ -87,6 +88,7 @@ class LeaseBook:
         self.lease_ttl_s = lease_ttl_s
         self.seed = seed
         self.vocab_size = vocab_size  # the model's: a reported token id outside it is rejected
+        self.in_place = in_place  # grants may run on past their budget (`report_and_continue`)
         self.state = SchedulerState(chunk_tokens=chunk_tokens)
         self.inputs: dict[int, GroupInputs] = {}  # group id ->
         self.progress: dict[int, RequestProgress] = {}  # request id ->
@@ -257,7 +259,11 @@ class LeaseBook:
         return [w for w in self.workers.values() if w.status == WorkerStatus.ALIVE]
 
     # ----------------------------------------------------------------- leasing
-    def lease(self, worker_id: str, wanted: int, now: float) -> list[ChunkGrant]:
+    def lease(self, worker_id: str, wanted: int, now: float, *,
+              continuing: Collection[int] = ()) -> list[ChunkGrant]:
+        """Up to `wanted` chunks for `worker_id`, as its policy plans them. `continuing`: requests
+        whose engine requests run on at this worker (`report_and_continue`): a grant for one of
+        them continues it in place, without its context."""
         worker = self._worker(worker_id)
         if worker.status != WorkerStatus.ALIVE or wanted <= 0 or not len(self.state.queue):
             return []  # a call that asks for nothing gets nothing, whatever the policy would hand out
@@ -267,7 +273,7 @@ class LeaseBook:
         self.state.check_plan(plan, worker_id)
         deadline = now + self.lease_ttl_s
         with begin(self.engine, durable=False) as conn:
-            chunk_ids, epochs = self._write_leases(conn, worker_id, plan, now, deadline)
+            chunk_ids, epochs = self._write_leases(conn, worker_id, plan, now, deadline, continuing)
         # Committed: now the state follows.
         leases = self.state.apply_leases(worker_id, plan, chunk_ids)
         if self.first_lease_at is None:
@@ -278,11 +284,12 @@ class LeaseBook:
             progress = self.progress[lease.request_id]
             progress.open_chunk = None
             self.terms[lease.chunk_id] = LeaseTerms(epoch, progress.num_chunks, deadline)
-            grants.append(self._grant(lease.chunk_id, lease.request_id, lease.max_tokens))
+            grants.append(self._grant(lease.chunk_id, lease.request_id, lease.max_tokens,
+                                      continues=lease.request_id in continuing))
         return grants
 
     def _write_leases(self, conn: Connection, worker_id: str, plan: Plan, now: float,
-                      deadline: float) -> tuple[list[int], list[int]]:
+                      deadline: float, continuing: Collection[int] = ()) -> tuple[list[int], list[int]]:
         """The rows of a checked plan, in the caller's transaction: each assignment's chunk row
         (new, or the one an ended lease left queued, epoch + 1) leased, its request running.
         Returns the chunk ids and lease epochs, in assignment order."""
@@ -320,7 +327,8 @@ class LeaseBook:
             conn.execute(FIRST_START, [{**row, "now": now} for row in request_rows])
             conn.execute(INSERT_EVENT, [
                 event_row(self.rollout_id, now, "chunk_leased", worker_id, a.request_id, chunk_id,
-                          {"seq": self.progress[a.request_id].num_chunks, "epoch": epoch, "max_tokens": a.max_tokens})
+                          {"seq": self.progress[a.request_id].num_chunks, "epoch": epoch, "max_tokens": a.max_tokens,
+                           **({"in_place": True} if a.request_id in continuing else {})})
                 for a, chunk_id, epoch in zip(plan.assignments, chunk_ids, epochs)])
         return chunk_ids, epochs
 
@@ -337,7 +345,7 @@ class LeaseBook:
             return list(progress.tokens)
         return list(self._read_tokens(conn, request_id))
 
-    def _grant(self, chunk_id: int, request_id: int, max_tokens: int) -> ChunkGrant:
+    def _grant(self, chunk_id: int, request_id: int, max_tokens: int, *, continues: bool = False) -> ChunkGrant:
         request = self.state.requests[request_id]
         group = self.state.groups[request.group_id]
         inputs = self.inputs[request.group_id]
@@ -346,12 +354,17 @@ class LeaseBook:
         # A row's own seed still differs per response and chunk; otherwise the rollout's seed.
         base_seed = self.seed if sampling.get("seed") is None else int(sampling["seed"])
         sampling["seed"] = chunk_seed(base_seed, group.index, request.response_index, terms.seq)
-        context = inputs.prompt.tolist()
-        context.extend(self.progress[request_id].tokens)
+        context = []  # a continuation runs on in the engine request holding its context
+        if not continues:
+            context = inputs.prompt.tolist()
+            context.extend(self.progress[request_id].tokens)
         target = self.worker_only_targets.get(request_id)
+        remaining = request.max_tokens - request.generated
         return ChunkGrant(chunk_id, terms.epoch, request_id, context, max_tokens, sampling, terms.deadline,
                           None if target is None else target - request.generated,
-                          group_id=request.group_id, prompt_len=group.prompt_len, is_probe=request.is_probe)
+                          group_id=request.group_id, prompt_len=group.prompt_len, is_probe=request.is_probe,
+                          run_on=self.in_place and max_tokens < remaining, response_remaining=remaining,
+                          continues=continues)
 
     # ----------------------------------------------------------------- reports
     def report(self, worker_id: str, report: ChunkReport | UnreadableReport, now: float) -> ReportOutcome:
@@ -430,6 +443,28 @@ class LeaseBook:
                 for i in unleased:
                     outcomes[i] = judge_unleased(conn, worker_id, reports[i])
         return outcomes
+
+    def report_and_continue(self, worker_id: str, reports: Sequence[ChunkReport | UnreadableReport], now: float,
+                            *, may_lease: bool = True) -> tuple[list[ReportOutcome], list[ChunkGrant]]:
+        """`report_many`, then, in the same state-thread call (no other lease can come between),
+        a lease for the slots of the chunks reported `running_on` (their engine requests still
+        generate past the boundary). The policy plans for those slots over the whole queue as at
+        any lease call: a reported request it gives this worker again continues in place (a grant
+        with `continues`, without its context: the worker holds it); one it does not is stopped by
+        the worker, and the slot runs what the plan gave instead. So the scheduler decides exactly
+        as with re-submitted chunks; only the engine's cost of a boundary goes."""
+        running_on = {}
+        for report in reports:
+            lease = self.state.leases.get(report.chunk_id)
+            if self.in_place and getattr(report, "running_on", False) and lease is not None \
+                    and lease.worker_id == worker_id:
+                running_on[report.chunk_id] = lease.request_id
+        outcomes = self.report_many(worker_id, reports, now)
+        slots = sum(1 for report, outcome in zip(reports, outcomes) if report.chunk_id in running_on
+                    and outcome.accepted and not outcome.duplicate and not outcome.request_finished)
+        if not may_lease or not slots:
+            return outcomes, []
+        return outcomes, self.lease(worker_id, slots, now, continuing=set(running_on.values()))
 
     def release(self, worker_id: str, chunk_id: int, epoch: int, reason: str, now: float,
                 *, failed: bool = False) -> bool:

@@ -113,7 +113,7 @@ class Coordinator:
         vocab_size = load_model_limits(Path(self.config.model_path)).vocab_size
         self.book = LeaseBook(self.sessions, rollout.id, make_policy(self.config.policy),
                               chunk_tokens=self.config.chunk_tokens, lease_ttl_s=self.config.lease_ttl_s,
-                              seed=self.config.seed, vocab_size=vocab_size)
+                              seed=self.config.seed, vocab_size=vocab_size, in_place=self.config.in_place)
         self.control = CoordinatorControl()
         # The job's grouped draft server (Seer's DGDS), only when workers draft from it.
         self.drafts = DraftHost() if self.config.spec.mode == "grouped" else None

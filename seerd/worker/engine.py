@@ -1,6 +1,6 @@
 """A worker's vLLM engine: runs chunks (prompt + tokens so far in, the next slice out).
 
-Two drivers behind one interface (`start`, `run`, `abort`, `shutdown`):
+Two drivers behind one interface (`start`, `open` -> `Stream`, `run`, `abort`, `shutdown`):
 - `SteppedEngine` (default without CUDA): vLLM's `LLMEngine` in this process, stepped by a
   dedicated thread; requests and results cross to the asyncio loop through a queue and futures.
   This is the engine offline `vllm.LLM` runs, so seerd and the baseline stand on the same footing.
@@ -40,6 +40,74 @@ class ChunkResult:
     logprobs: list[float]
     finish_reason: str  # "stop" (EOS or a stop token) or "length"
     cached_tokens: int | None
+
+
+class Stream:
+    """One engine request's output as it grows. The engine's side pushes (from the stepping thread
+    or AsyncLLM's output loop); the worker waits for a count (`until`) and cuts chunks from it,
+    several when the request runs on across chunk boundaries. Plain lists: pushes append, reads
+    slice; a push wakes the waiter only when its count is reached, so a request costs one wake-up
+    per chunk, not one per step."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.finish_reason: str | None = None  # set once the engine finished the request
+        self.cached_tokens: int | None = None
+        self.error: BaseException | None = None
+        self._wake_at = 1 << 62
+        self._event = asyncio.Event()
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+    def push(self, token_ids, logprobs, finish_reason: str | None, cached_tokens: int | None) -> None:  # noqa: ANN001
+        """New tokens (any thread). `finish_reason` ends the stream."""
+        self.token_ids.extend(token_ids)
+        self.logprobs.extend(float(x) for x in logprobs)
+        if cached_tokens is not None and self.cached_tokens is None:
+            self.cached_tokens = cached_tokens
+        if finish_reason is not None:
+            self.finish_reason = finish_reason
+        if finish_reason is not None or len(self.token_ids) >= self._wake_at:
+            self._wake()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self._event.set)
+        except RuntimeError:  # the loop is closed: nobody waits any more
+            pass
+
+    async def until(self, count: int) -> None:
+        """Return once `count` tokens are in or the request ended; raise the engine's error."""
+        while not self.finished and len(self.token_ids) < count:
+            self._wake_at = count
+            self._event.clear()
+            if self.finished or len(self.token_ids) >= count:  # a push between the check and the clear
+                break
+            await self._event.wait()
+        if self.error is not None:
+            raise self.error
+
+    def result(self, start: int, count: int) -> tuple[ChunkResult, bool]:
+        """The chunk of up to `count` tokens from `start`, and whether the request runs on past it.
+        Call after `until(start + count)`."""
+        end = start + count
+        token_ids, logprobs = self.token_ids[start:end], self.logprobs[start:end]
+        if len(logprobs) != len(token_ids):
+            raise EngineDead(f"stream with {len(self.token_ids)} tokens and {len(self.logprobs)} logprobs")
+        ends_here = self.finish_reason is not None and len(self.token_ids) <= end
+        if ends_here and self.finish_reason not in ("stop", "length"):
+            raise EngineDead(f"chunk ended with finish_reason {self.finish_reason!r}")
+        finish_reason = self.finish_reason if ends_here else "length"
+        return ChunkResult(token_ids, logprobs, finish_reason, self.cached_tokens if start == 0 else None), \
+            not ends_here
 
 
 @dataclass(frozen=True)
@@ -187,17 +255,6 @@ def sampling_params(max_tokens: int, sampling: dict, *, stream: bool = False):  
     )
 
 
-def chunk_result(output) -> ChunkResult:  # noqa: ANN001
-    completion = output.outputs[0]
-    token_ids = list(completion.token_ids)
-    # With skip_tokenizer_init the model's EOS travels as a stop token: it ends in token_ids and
-    # finish_reason is "stop", like any stop token.
-    logprobs = [float(x) for x in completion.logprobs.logprobs] if token_ids else []
-    if completion.finish_reason not in ("stop", "length"):
-        raise EngineDead(f"chunk ended with finish_reason {completion.finish_reason!r}")
-    return ChunkResult(token_ids, logprobs, completion.finish_reason, output.num_cached_tokens)
-
-
 def kv_capacity_tokens(vllm_config, kv_bytes: int) -> int:  # noqa: ANN001
     cache = vllm_config.cache_config
     if cache.num_gpu_blocks:
@@ -238,7 +295,7 @@ class SteppedEngine:
         self.kv_capacity_tokens = kv_tokens
         self.loop = asyncio.get_running_loop()
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.waiters: dict[str, asyncio.Future] = {}
+        self.streams: dict[str, Stream] = {}  # engine request id -> its output so far
         self.wakeup = threading.Event()
         self.stopped = False
         self.failure: BaseException | None = None
@@ -275,13 +332,25 @@ class SteppedEngine:
                 outputs = self.llm.step()
                 self.clock.record(time.monotonic() - started)
                 for output in outputs:
-                    if output.finished:
-                        self._resolve(output.request_id, output)
-        except BaseException as exc:  # the engine is gone: fail every waiter, the worker exits
+                    self._push(output)
+        except BaseException as exc:  # the engine is gone: fail every stream, the worker exits
             log.exception("engine step failed")
             self.failure = exc
-            for request_id in list(self.waiters):
-                self._resolve(request_id, EngineDead(f"engine failed: {exc!r}"))
+            for request_id in list(self.streams):
+                stream = self.streams.pop(request_id, None)
+                if stream is not None:
+                    stream.fail(EngineDead(f"engine failed: {exc!r}"))
+
+    def _push(self, output) -> None:  # noqa: ANN001
+        stream = self.streams.get(output.request_id)
+        if stream is None:
+            return  # aborted meanwhile
+        completion = output.outputs[0]
+        logprobs = completion.logprobs.logprobs if completion.token_ids else ()
+        stream.push(completion.token_ids, logprobs, completion.finish_reason if output.finished else None,
+                    output.num_cached_tokens)
+        if output.finished:
+            self.streams.pop(output.request_id, None)
 
     def _drain_inbox(self) -> None:
         while True:
@@ -295,45 +364,35 @@ class SteppedEngine:
                 except Exception as exc:  # noqa: BLE001 - vLLM refused this request (too long, bad
                     # parameters) before it entered the scheduler: it alone fails, the engine goes on
                     log.warning("engine refused %s: %r", request_id, exc)
-                    self._resolve(request_id, exc)
+                    stream = self.streams.pop(request_id, None)
+                    if stream is not None:
+                        stream.fail(exc)
             elif self.llm.has_unfinished_requests():
                 self.llm.abort_request([request_id])
 
-    def _resolve(self, request_id: str, value: object) -> None:
-        def settle() -> None:
-            future = self.waiters.pop(request_id, None)
-            if future is None or future.done():
-                return
-            if isinstance(value, BaseException):
-                future.set_exception(value)
-            else:
-                future.set_result(value)
-
-        self.loop.call_soon_threadsafe(settle)
-
-    async def run(self, request_id: str, prompt_token_ids: list[int], max_tokens: int,
-                  sampling: dict) -> ChunkResult:
+    def open(self, request_id: str, prompt_token_ids: list[int], max_tokens: int, sampling: dict,
+             *, stream: bool = False) -> Stream:
+        """Start a request; `stream`: its tokens arrive at every step (for chunks cut while it
+        runs on), else all at its end (the cheaper path for a request that ends with its chunk)."""
         from vllm.inputs import TokensPrompt
 
         if self.failure is not None:
             raise EngineDead(f"engine failed earlier: {self.failure!r}")
-        future = self.loop.create_future()
-        self.waiters[request_id] = future
+        output = self.streams[request_id] = Stream(self.loop)
         self.inbox.put(("add", request_id, (TokensPrompt(prompt_token_ids=prompt_token_ids),
-                                            sampling_params(max_tokens, sampling))))
+                                            sampling_params(max_tokens, sampling, stream=stream))))
         self.wakeup.set()
-        try:
-            output = await future
-        except asyncio.CancelledError:
-            await self.abort(request_id)
-            raise
-        return chunk_result(output)
+        return output
+
+    async def run(self, request_id: str, prompt_token_ids: list[int], max_tokens: int,
+                  sampling: dict) -> ChunkResult:
+        return await run_whole(self, request_id, prompt_token_ids, max_tokens, sampling)
 
     def progress(self) -> EngineProgress:
-        return self.clock.progress(len(self.waiters))
+        return self.clock.progress(len(self.streams))
 
     async def abort(self, request_id: str) -> None:
-        self.waiters.pop(request_id, None)
+        self.streams.pop(request_id, None)
         self.inbox.put(("abort", request_id, None))
         self.wakeup.set()
 
@@ -347,6 +406,18 @@ class SteppedEngine:
         self.llm = None
 
 
+async def run_whole(engine, request_id: str, prompt_token_ids: list[int], max_tokens: int,  # noqa: ANN001
+                    sampling: dict) -> ChunkResult:
+    """One request from start to end as one chunk (warm-up, tests, tools)."""
+    stream = engine.open(request_id, prompt_token_ids, max_tokens, sampling)
+    try:
+        await stream.until(max_tokens)
+    except asyncio.CancelledError:
+        await engine.abort(request_id)
+        raise
+    return stream.result(0, max_tokens)[0]
+
+
 class AsyncEngine:
     """vLLM's AsyncLLM: the engine core runs in its own processes."""
 
@@ -356,7 +427,7 @@ class AsyncEngine:
         self.kv_capacity_tokens = kv_tokens
         self.live: EngineLive | None = None  # the scheduler is in the core process
         self.clock = StepClock()  # counts outputs: one per running request per step
-        self.generating = 0  # chunks in `run` now
+        self.feeding: dict[str, asyncio.Task] = {}  # engine request id -> the task pushing its outputs
 
     @classmethod
     def start(cls, model_path: str, engine: dict, seed: int, spec: dict | None = None,
@@ -368,46 +439,57 @@ class AsyncEngine:
         llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
         return cls(llm, int(args["max_num_seqs"]), kv_capacity_tokens(llm.vllm_config, args["kv_cache_memory_bytes"]))
 
-    async def run(self, request_id: str, prompt_token_ids: list[int], max_tokens: int,
-                  sampling: dict) -> ChunkResult:
-        """Streams the chunk (an output per step, `RequestOutputKind.DELTA`): the engine core is in
+    def open(self, request_id: str, prompt_token_ids: list[int], max_tokens: int, sampling: dict,
+             *, stream: bool = True) -> Stream:
+        """Always streamed (an output per step, `RequestOutputKind.DELTA`): the engine core is in
         another process, and the outputs arriving are what shows it steps (`progress`)."""
+        output = Stream(asyncio.get_running_loop())
+        self.feeding[request_id] = asyncio.create_task(self._feed(request_id, prompt_token_ids, max_tokens,
+                                                                  sampling, output))
+        return output
+
+    async def _feed(self, request_id: str, prompt_token_ids: list[int], max_tokens: int, sampling: dict,
+                    output: Stream) -> None:
         from vllm.inputs import TokensPrompt
 
         from vllm.v1.engine.exceptions import EngineDeadError
 
-        token_ids: list[int] = []
-        logprobs: list[float] = []
-        last, previous_at = None, None
-        self.generating += 1
+        previous_at = None
         try:
-            async for output in self.llm.generate(TokensPrompt(prompt_token_ids=prompt_token_ids),
+            async for result in self.llm.generate(TokensPrompt(prompt_token_ids=prompt_token_ids),
                                                   sampling_params(max_tokens, sampling, stream=True),
                                                   request_id=request_id):
                 now = time.monotonic()
                 # Between two outputs of one request: a step (the first waits for admission too).
                 self.clock.record(0.0 if previous_at is None else now - previous_at)
-                previous_at, last = now, output
-                completion = output.outputs[0]
-                token_ids.extend(completion.token_ids)
-                if completion.token_ids:
-                    logprobs.extend(float(x) for x in completion.logprobs.logprobs)
+                previous_at = now
+                completion = result.outputs[0]
+                logprobs = completion.logprobs.logprobs if completion.token_ids else ()
+                output.push(completion.token_ids, logprobs,
+                            (completion.finish_reason or "abort") if result.finished else None,
+                            result.num_cached_tokens)
+            if not output.finished:
+                output.fail(EngineDead(f"engine returned nothing for {request_id}"))
         except EngineDeadError as exc:  # the core process is gone: nothing more runs here
-            raise EngineDead(f"engine failed: {exc!r}") from exc
+            output.fail(EngineDead(f"engine failed: {exc!r}"))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a request-level error: this request alone fails
+            output.fail(exc)
         finally:
-            self.generating -= 1
-        if last is None:
-            raise EngineDead(f"engine returned nothing for {request_id}")
-        finish_reason = last.outputs[0].finish_reason
-        if finish_reason not in ("stop", "length") or len(logprobs) != len(token_ids):
-            raise EngineDead(f"chunk ended with finish_reason {finish_reason!r}, {len(token_ids)} tokens and "
-                             f"{len(logprobs)} logprobs")
-        return ChunkResult(token_ids, logprobs, finish_reason, last.num_cached_tokens)
+            self.feeding.pop(request_id, None)
+
+    async def run(self, request_id: str, prompt_token_ids: list[int], max_tokens: int,
+                  sampling: dict) -> ChunkResult:
+        return await run_whole(self, request_id, prompt_token_ids, max_tokens, sampling)
 
     def progress(self) -> EngineProgress:
-        return self.clock.progress(self.generating)
+        return self.clock.progress(len(self.feeding))
 
     async def abort(self, request_id: str) -> None:
+        task = self.feeding.pop(request_id, None)
+        if task is not None:
+            task.cancel()  # AsyncLLM aborts a request whose output generator is closed
         await self.llm.abort(request_id)
 
     def shutdown(self) -> None:

@@ -21,16 +21,17 @@ import socket
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from seerd.drafts.drafter import drafter_stats
 from seerd.kvpool.pool import pool_stats
 from seerd.protocol import (
     CONFIG, HEARTBEAT, LEASE, LEASE_LONG_POLL_S, REGISTER, RELEASE, REPORT, ChunkGrant, ChunkReport, HeartbeatBody,
-    LeaseBody, RegisterBody, ReleaseBody, ReportBody, ReportReply,
+    LeaseBody, RegisterBody, ReleaseBody, ReportBody, ReportReply, lease_key, parse_engine_id,
 )
 from seerd.rundir import RunDir
 from seerd.worker.client import Backoff, CoordinatorClient, CoordinatorGone, CoordinatorRefused, NotRegistered, Retired
-from seerd.worker.engine import EngineDead, start_engine
+from seerd.worker.engine import EngineDead, Stream, start_engine
 from seerd.worker.stats import WorkerStats
 
 log = logging.getLogger("seerd.worker")
@@ -51,6 +52,17 @@ def reported_finish_reason(grant: ChunkGrant, finish_reason: str, num_tokens: in
     return finish_reason
 
 
+class LostContinuation(RuntimeError):
+    """A `continues` grant for a request whose engine request is no longer held here: the chunk
+    is given back unrun (not a failure) and runs elsewhere from its durable tokens."""
+
+
+class RunningRequest(NamedTuple):
+    engine_id: str  # the engine request (named after the chunk that started it)
+    stream: Stream
+    start: int  # where the next chunk's tokens begin in the stream
+
+
 class Worker:
     def __init__(self, client: CoordinatorClient, engine, rank: int) -> None:  # noqa: ANN001
         self.client = client
@@ -59,6 +71,11 @@ class Worker:
         self.worker_id = f"w{rank}-{socket.gethostname()}-{os.getpid()}"
         self.running: dict[int, tuple[int, asyncio.Task]] = {}  # chunk_id -> (epoch, task)
         self.engine_ids: dict[int, str] = {}  # chunk_id -> the engine's request id (see seerd.protocol)
+        self.offsets: dict[int, tuple[str, int]] = {}  # chunk_id -> (its engine request's lease key, start)
+        # In-place continuation: engine requests that run on past a reported chunk, by request id,
+        # until the report's reply continues them (`ChunkGrant.continues`) or not (then stopped).
+        self.held: dict[int, RunningRequest] = {}
+        self.held_by_chunk: dict[int, int] = {}  # reported chunk id -> its request id, while held
         self.reports: asyncio.Queue[ChunkReport] = asyncio.Queue()
         self.done = asyncio.Event()
         self.slot_freed = asyncio.Event()
@@ -124,8 +141,7 @@ class Worker:
                     self.done.set()
                     return
                 for grant in reply.chunks:
-                    task = asyncio.create_task(self._run_chunk(grant))
-                    self.running[grant.chunk_id] = (grant.epoch, task)
+                    self._start_chunk(grant)
                 retry_after = reply.retry_after_s
                 if reply.chunks:
                     continue
@@ -133,30 +149,85 @@ class Worker:
             with contextlib.suppress(asyncio.TimeoutError):  # poll again after retry_after
                 await asyncio.wait_for(self.slot_freed.wait(), timeout=retry_after)
 
+    def _start_chunk(self, grant: ChunkGrant) -> None:
+        task = asyncio.create_task(self._run_chunk(grant))
+        self.running[grant.chunk_id] = (grant.epoch, task)
+
+    def _open(self, grant: ChunkGrant) -> RunningRequest:
+        """The engine request a grant runs in: the one kept running for its request (`continues`),
+        or a new one; with `run_on` it may generate past the chunk, up to the response's end."""
+        if grant.continues:
+            held = self.held.pop(grant.request_id, None)
+            if held is None:  # stopped meanwhile (an abort, a re-registration): nothing to continue
+                raise LostContinuation(f"no running engine request for request {grant.request_id}")
+            return held
+        engine_id = grant.identity.engine_id
+        limit = generation_budget(grant)
+        if grant.run_on:
+            limit = grant.response_remaining if grant.target_remaining is None else \
+                min(grant.response_remaining, grant.target_remaining)
+        return RunningRequest(engine_id, self.engine.open(engine_id, grant.prompt_token_ids, limit, grant.sampling,
+                                                          stream=grant.run_on), 0)
+
     async def _run_chunk(self, grant: ChunkGrant) -> None:
         chunk_id, epoch = grant.chunk_id, grant.epoch
-        engine_id = self.engine_ids[chunk_id] = grant.identity.engine_id
+        opened = None
         try:
-            result = await self.engine.run(engine_id, grant.prompt_token_ids, generation_budget(grant), grant.sampling)
+            opened = self._open(grant)
+            self.engine_ids[chunk_id] = opened.engine_id
+            identity = parse_engine_id(opened.engine_id)
+            self.offsets[chunk_id] = (identity.lease_key if identity else opened.engine_id, opened.start)
+            budget = generation_budget(grant)
+            await opened.stream.until(opened.start + budget)
+            result, runs_on = opened.stream.result(opened.start, budget)
         except asyncio.CancelledError:
+            if opened is not None:
+                await self.engine.abort(opened.engine_id)
             raise
         except Exception as exc:  # the engine failed this chunk: give it back, it runs elsewhere
             log.exception("chunk %d failed", chunk_id)
-            self.running.pop(chunk_id, None)
-            self.engine_ids.pop(chunk_id, None)
+            if opened is not None:
+                await self.engine.abort(opened.engine_id)
+            self._forget(chunk_id)
             self.slot_freed.set()
             # Not taken (a restarted coordinator already voided the lease; a refusal): it expires.
             with contextlib.suppress(NotRegistered, CoordinatorRefused, Retired):
                 await self.client.call(RELEASE, ReleaseBody(self.worker_id, chunk_id, epoch, repr(exc)[:2000],
-                                                            failed=True))
+                                                            failed=not isinstance(exc, LostContinuation)))
             if isinstance(exc, EngineDead):  # nothing more can run here: exit, to be restarted
                 self.fatal = exc
                 self.done.set()
             return
         self.stats.chunk_done(chunk_id, len(result.token_ids))
         finish_reason = reported_finish_reason(grant, result.finish_reason, len(result.token_ids))
+        runs_on = runs_on and finish_reason == "length"
+        if runs_on:  # held until the report's reply says whether it continues here
+            self.held_by_chunk[chunk_id] = grant.request_id
+            self.held[grant.request_id] = opened._replace(start=opened.start + len(result.token_ids))
         await self.reports.put(ChunkReport(chunk_id, epoch, result.token_ids, result.logprobs, finish_reason,
-                                           result.cached_tokens))
+                                           result.cached_tokens, running_on=runs_on))
+
+    def _forget(self, chunk_id: int) -> None:
+        self.running.pop(chunk_id, None)
+        self.engine_ids.pop(chunk_id, None)
+        self.offsets.pop(chunk_id, None)
+
+    async def _settle_held(self, batch: list[ChunkReport], grants: list[ChunkGrant]) -> None:
+        """After a report's reply: start its grants (a `continues` one picks up the engine request
+        held for it) and stop every held request the reply did not continue."""
+        continued = {grant.request_id for grant in grants if grant.continues}
+        stopped = []
+        for report in batch:
+            request_id = self.held_by_chunk.pop(report.chunk_id, None)
+            if request_id is not None and request_id not in continued:
+                held = self.held.pop(request_id, None)
+                if held is not None:  # tokens past the boundary were never reported: dropped
+                    stopped.append(held.engine_id)
+        # The grants take their slots before the first await, so the lease loop never sees them free.
+        for grant in grants:
+            self._start_chunk(grant)
+        for engine_id in stopped:
+            await self.engine.abort(engine_id)
 
     async def _report_loop(self) -> None:
         while True:
@@ -180,8 +251,8 @@ class Worker:
                 if not result.accepted:
                     log.warning("report of chunk %d rejected: %s", result.chunk_id, result.reason)
             for report in batch:
-                self.running.pop(report.chunk_id, None)
-                self.engine_ids.pop(report.chunk_id, None)
+                self._forget(report.chunk_id)
+            await self._settle_held(batch, reply.grants)
             self.slot_freed.set()
             if reply.done:
                 self.done.set()
@@ -189,7 +260,8 @@ class Worker:
     async def _heartbeat_loop(self) -> None:
         while True:
             await asyncio.sleep(self.heartbeat_interval_s)
-            stats = self.stats.payload({cid: epoch for cid, (epoch, _) in self.running.items()},
+            stats = self.stats.payload({cid: self.offsets.get(cid, (lease_key(cid, epoch), 0))
+                                        for cid, (epoch, _) in self.running.items()},
                                        getattr(self.engine, "live", None), drafter_stats(), pool_stats())
             try:
                 reply = await self.client.call(HEARTBEAT, HeartbeatBody(self.worker_id, list(self.running), stats,
@@ -206,12 +278,16 @@ class Worker:
                 self.done.set()
 
     async def _abort(self, chunk_id: int) -> None:
-        entry = self.running.pop(chunk_id, None)
+        entry = self.running.get(chunk_id)
         if entry is None:
             return
         _epoch, task = entry
         task.cancel()
-        engine_id = self.engine_ids.pop(chunk_id, None)
+        engine_id = self.engine_ids.get(chunk_id)
+        self._forget(chunk_id)
+        request_id = self.held_by_chunk.pop(chunk_id, None)
+        if request_id is not None:  # reported and held: its engine request stops too
+            self.held.pop(request_id, None)
         if engine_id is not None:
             await self.engine.abort(engine_id)
         self.slot_freed.set()
@@ -219,6 +295,10 @@ class Worker:
     async def _reregister(self) -> None:
         for chunk_id in list(self.running):
             await self._abort(chunk_id)
+        for held in list(self.held.values()):
+            await self.engine.abort(held.engine_id)
+        self.held.clear()
+        self.held_by_chunk.clear()
         await self.register()
 
 

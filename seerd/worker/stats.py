@@ -14,8 +14,6 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from seerd.protocol import lease_key
-
 RECENT_WINDOW_S = 10.0  # "tokens/s now": long enough to span a few heartbeats and chunk ends
 
 
@@ -41,9 +39,11 @@ class WorkerStats:
         self.running.pop(chunk_id, None)
         self._ended.add(chunk_id)  # until its report is through, the worker still lists it
 
-    def payload(self, running: dict[int, int], engine_live, spec: dict | None = None,  # noqa: ANN001
+    def payload(self, running: dict[int, tuple[str, int]], engine_live, spec: dict | None = None,  # noqa: ANN001
                 kv_pool: dict | None = None) -> dict:
-        """The heartbeat's `stats`: `running` maps chunk id -> lease epoch (lease key c{id}e{epoch});
+        """The heartbeat's `stats`: `running` maps chunk id -> (the lease key c{id}e{epoch} of the
+        engine request it runs in, that request's tokens before the chunk: a chunk continued in
+        place runs in the request its predecessor started);
         `engine_live` is the engine's latest `EngineLive` or None; `spec` the drafter's totals
         (drafted, accepted, ...) when seerd's drafter runs in this process; `kv_pool` the KV pool
         connector's counters (blocks loaded and saved, bytes, hits) when it runs in this process."""
@@ -53,10 +53,11 @@ class WorkerStats:
             if chunk_id not in running:
                 del self.running[chunk_id]
         self._ended &= running.keys()
-        for chunk_id, epoch in running.items():
+        for chunk_id, (engine_key, start) in running.items():
             if chunk_id in self._ended:
                 continue
-            tokens = progress.get(lease_key(chunk_id, epoch))
+            tokens = progress.get(engine_key)
+            tokens = None if tokens is None else max(0, tokens - start)
             entry = self.running.setdefault(chunk_id, RunningChunk(changed_at=now))
             if tokens is not None and tokens != entry.tokens:
                 entry.tokens, entry.changed_at = tokens, now

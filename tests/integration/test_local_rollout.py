@@ -41,20 +41,29 @@ def test_rollout_has_every_response_once_with_logprobs(tiny_model_dir, tmp_path)
     assert_complete_output(run_dir, 32)
 
 
+IN_PLACE = "select count(*) from events where kind = 'chunk_leased' and json_extract(data_json, '$.in_place')"
+
+
 def test_chunking_is_invisible_under_greedy_sampling(tiny_model_dir, tmp_path):
+    """Chunks continued in the engine (in place, the default), chunks re-submitted with their
+    context (--no-in-place) and unchunked responses give the same greedy tokens."""
     prompts = write_token_prompts(tmp_path / "prompts.jsonl", groups=6, seed=11)
     outputs = {}
-    for policy, chunk in (("divided", "16"), ("group", "100000")):
-        run_dir = tmp_path / policy
+    for name, options in (("in-place", ["--policy", "seer", "--chunk-tokens", "16"]),
+                          ("resubmitted", ["--policy", "divided", "--chunk-tokens", "16", "--no-in-place"]),
+                          ("group", ["--policy", "group", "--chunk-tokens", "100000"])):
+        run_dir = tmp_path / name
         result = run_seerd("run", "--input", str(prompts), "--model", str(tiny_model_dir), "--run-dir",
-                           str(run_dir), "--policy", policy, "--chunk-tokens", chunk, "--n", "2",
-                           "--max-tokens", "64", "--temperature", "0", *COMMON)
+                           str(run_dir), *options, "--n", "2", "--max-tokens", "64", "--temperature", "0", *COMMON)
         assert result.returncode == 0, result.stderr[-3000:]
         rows = assert_complete_output(run_dir, 12)
-        outputs[policy] = {(r["group_index"], r["response_index"]): r["token_ids"] for r in rows}
+        outputs[name] = {(r["group_index"], r["response_index"]): r["token_ids"] for r in rows}
         chunks = max(r["num_chunks"] for r in rows)
-        assert chunks == (4 if policy == "divided" else 1) or any(r["finish_reason"] == "stop" for r in rows)
-    assert outputs["divided"] == outputs["group"]
+        assert chunks == (1 if name == "group" else 4) or any(r["finish_reason"] == "stop" for r in rows)
+        in_place = db_rows(run_dir, IN_PLACE)[0][0]
+        # 12 requests on 64 slots: the scheduler keeps every one on its worker.
+        assert in_place > 0 if name == "in-place" else in_place == 0, (name, in_place)
+    assert outputs["in-place"] == outputs["resubmitted"] == outputs["group"]
 
 
 def test_seer_policy_serves_every_groups_probe_first(tiny_model_dir, tmp_path):

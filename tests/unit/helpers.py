@@ -21,7 +21,7 @@ from seerd.db.migrate import upgrade
 from seerd.io.prompts import PromptRow
 from seerd.protocol import parse_engine_id
 from seerd.scheduler import make_policy
-from seerd.worker.engine import ChunkResult, StepClock
+from seerd.worker.engine import ChunkResult, StepClock, Stream, run_whole
 
 REPO = Path(__file__).resolve().parents[2]
 # A process that owns RUN_DIR (pretending to live on HOST when given) until it is killed.
@@ -86,7 +86,7 @@ VOCAB_SIZE = 1024  # the tiny model's (tools/make_tiny_model.py)
 
 def make_book(tmp_path: Path, *, policy: str = "divided", chunk_tokens: int = 16, lease_ttl_s: float = 10.0,
               prompt_rows: list[PromptRow] | None = None, now: float = 1000.0,
-              db_name: str = "state.db", prior: PriorLengths | None = None) -> LeaseBook:
+              db_name: str = "state.db", prior: PriorLengths | None = None, in_place: bool = False) -> LeaseBook:
     engine = make_engine(tmp_path / db_name, synchronous="NORMAL")
     upgrade(engine)
     sessions = make_sessionmaker(engine)
@@ -96,7 +96,7 @@ def make_book(tmp_path: Path, *, policy: str = "divided", chunk_tokens: int = 16
         rollout_id = create_rollout(session, config, prompt_rows or rows(), input_sha256="0" * 64, now=now,
                                     prior=prior)
     book = LeaseBook(sessions, rollout_id, make_policy(policy), chunk_tokens=chunk_tokens,
-                     lease_ttl_s=lease_ttl_s, seed=0, vocab_size=VOCAB_SIZE)
+                     lease_ttl_s=lease_ttl_s, seed=0, vocab_size=VOCAB_SIZE, in_place=in_place)
     book.load(now)
     return book
 
@@ -108,32 +108,63 @@ def scripted_tokens(request_id: int, start: int, count: int) -> list[int]:
 
 class ScriptedEngine:
     """A worker's engine without vLLM (what `seerd.worker.main.Worker` drives): each response is
-    `length_of(request id)` tokens long, `scripted_tokens`, each chunk after a short pause."""
+    `length_of(request id)` tokens long, `scripted_tokens`, each chunk's worth after a short pause.
+    A request opened to run on past its chunk (`stream`) keeps producing a chunk's worth
+    (`chunk_tokens`) per pause until its limit or its end, as a real engine keeps decoding."""
 
     live = None  # no live figures for the heartbeat
 
-    def __init__(self, length_of: Callable[[int], int], *, max_chunks: int = 4, pause_s: float = 0.01) -> None:
+    def __init__(self, length_of: Callable[[int], int], *, max_chunks: int = 4, pause_s: float = 0.01,
+                 chunk_tokens: int = 16) -> None:
         self.length_of = length_of
         self.max_chunks = max_chunks
         self.kv_capacity_tokens = 1_000_000
         self.pause_s = pause_s
-        self.clock = StepClock()  # a step per chunk
+        self.chunk_tokens = chunk_tokens
+        self.clock = StepClock()  # a step per pause
+        self.opened: list[str] = []  # engine request ids, in the order they were opened
+        self.aborted: list[str] = []
+        self.feeding: dict[str, asyncio.Task] = {}
 
     def progress(self):  # noqa: ANN201
-        return self.clock.progress(generating=0)
+        return self.clock.progress(generating=len(self.feeding))
 
-    async def run(self, engine_id: str, prompt_token_ids: list[int], max_tokens: int, _sampling: dict) -> ChunkResult:
+    def open(self, engine_id: str, prompt_token_ids: list[int], max_tokens: int, _sampling: dict,
+             *, stream: bool = False) -> Stream:
+        output = Stream(asyncio.get_running_loop())
+        self.opened.append(engine_id)
+        self.feeding[engine_id] = asyncio.create_task(self._feed(engine_id, prompt_token_ids, max_tokens, stream,
+                                                                 output))
+        return output
+
+    async def _feed(self, engine_id: str, prompt_token_ids: list[int], max_tokens: int, stream: bool,
+                    output: Stream) -> None:
         chunk = parse_engine_id(engine_id)
-        generated = len(prompt_token_ids) - chunk.prompt_len
-        left = self.length_of(chunk.request_id) - generated
-        count = min(max_tokens, left)
-        await asyncio.sleep(self.pause_s)
-        self.clock.record(self.pause_s)
-        return ChunkResult(scripted_tokens(chunk.request_id, generated, count), [-0.5] * count,
-                           "stop" if count == left else "length", None)
+        position = len(prompt_token_ids) - chunk.prompt_len
+        end = min(self.length_of(chunk.request_id), position + max_tokens)
+        step = self.chunk_tokens if stream else max_tokens
+        try:
+            while True:
+                await asyncio.sleep(self.pause_s)
+                self.clock.record(self.pause_s)
+                count = min(step, end - position)
+                finished = position + count >= end
+                reason = None if not finished else ("stop" if end == self.length_of(chunk.request_id) else "length")
+                output.push(scripted_tokens(chunk.request_id, position, count), [-0.5] * count, reason, None)
+                position += count
+                if finished:
+                    return
+        finally:
+            self.feeding.pop(engine_id, None)
 
-    async def abort(self, _engine_id: str) -> None:
-        return None
+    async def run(self, engine_id: str, prompt_token_ids: list[int], max_tokens: int, sampling: dict) -> ChunkResult:
+        return await run_whole(self, engine_id, prompt_token_ids, max_tokens, sampling)
+
+    async def abort(self, engine_id: str) -> None:
+        self.aborted.append(engine_id)
+        task = self.feeding.pop(engine_id, None)
+        if task is not None:
+            task.cancel()
 
     def shutdown(self) -> None:
         return None
@@ -142,7 +173,8 @@ class ScriptedEngine:
 def reopen(book: LeaseBook, now: float) -> LeaseBook:
     """A new coordinator on the same database (what a restart does)."""
     again = LeaseBook(book.sessions, book.rollout_id, book.policy, chunk_tokens=book.chunk_tokens,
-                      lease_ttl_s=book.lease_ttl_s, seed=book.seed, vocab_size=book.vocab_size)
+                      lease_ttl_s=book.lease_ttl_s, seed=book.seed, vocab_size=book.vocab_size,
+                      in_place=book.in_place)
     again.load(now)
     return again
 

@@ -72,15 +72,16 @@ def test_every_endpoint_type_has_a_message_above():
 def test_grant_and_report_keep_their_wire_names():
     grant = json.loads(msgspec.json.encode(GRANT))
     assert list(grant) == ["chunk_id", "epoch", "request_id", "prompt_token_ids", "max_tokens", "sampling",
-                           "deadline", "target_remaining", "group_id", "prompt_len", "is_probe"]
+                           "deadline", "target_remaining", "group_id", "prompt_len", "is_probe", "run_on",
+                           "response_remaining", "continues"]
     assert grant["prompt_token_ids"] == [1, 2, 3, 9] and grant["target_remaining"] == 4
     report = json.loads(msgspec.json.encode(REPORT))
     assert report == {"chunk_id": 11, "epoch": 2, "token_ids": [9, 8], "logprobs": [-0.5, -1.25],
-                      "finish_reason": "length", "cached_tokens": 3}
+                      "finish_reason": "length", "cached_tokens": 3, "running_on": False}
     # A report without the optional field decodes (what an older worker sent), grants as the book builds them.
     bare = msgspec.json.decode(b'{"chunk_id":1,"epoch":1,"token_ids":[],"logprobs":[],"finish_reason":"stop"}',
                                type=ChunkReport)
-    assert bare.cached_tokens is None
+    assert bare.cached_tokens is None and not bare.running_on
     assert ChunkGrant(1, 1, 2, [5], 8, {}, 0.0).target_remaining is None
 
 

@@ -262,16 +262,16 @@ def test_worker_stats_count_a_finished_chunk_once():
     clock = FakeTime()
     stats = WorkerStats(clock=clock)
     live = EngineLive(at=0.0, kv_usage=0.5, progress={"c1e1": 10, "c2e1": 4})
-    first = stats.payload({1: 1, 2: 1}, live)
+    first = stats.payload({1: ("c1e1", 0), 2: ("c2e1", 0)}, live)
     assert first["running"] == {"1": {"tokens": 10, "changed_at": 100.0}, "2": {"tokens": 4, "changed_at": 100.0}}
     clock.now = 105.0
     stats.chunk_done(1, 16)  # done, its report not yet through: the worker still lists it
-    later = stats.payload({1: 1, 2: 1}, EngineLive(at=5.0, kv_usage=0.4, progress={"c2e1": 4}))
+    later = stats.payload({1: ("c1e1", 0), 2: ("c2e1", 0)}, EngineLive(at=5.0, kv_usage=0.4, progress={"c2e1": 4}))
     assert set(later["running"]) == {"2"} and later["running"]["2"]["changed_at"] == 100.0  # no progress
     # In flight 14 -> 16 done + 4 in flight over 5 s: 6 tokens / 5 s.
     assert later["tokens_per_s_recent"] == pytest.approx(6 / 5)
     assert later["tokens_out"] == 16 and later["kv_usage"] == 0.4
-    assert stats.payload({2: 1}, None)["kv_usage"] is None  # an engine that shows nothing
+    assert stats.payload({2: ("c2e1", 0)}, None)["kv_usage"] is None  # an engine that shows nothing
 
 
 class FakeTime:

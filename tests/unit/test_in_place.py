@@ -1,0 +1,121 @@
+"""In-place continuation (`RunConfig.in_place`): a chunk reported at its budget while its engine
+request runs on gets, in the report's reply, the lease the scheduler would have given at that
+moment anyway; a continuation of the same request is marked `continues`. The book on real SQLite,
+the worker's loops against the real API with a scripted engine."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from sqlalchemy import select
+
+from seerd.coordinator.api import CoordinatorControl, create_app
+from seerd.db import Chunk, ChunkStatus, Request, RequestStatus
+from seerd.io.codec import unpack_ints
+from seerd.protocol import ChunkReport
+from seerd.worker.main import Worker
+from tests.unit.helpers import ScriptedEngine, make_book, rows, scripted_tokens
+from tests.unit.test_worker_answers import SECRET, client_of
+
+
+def register(book, name="w0", rank=0, now=1000.0, max_chunks=8):
+    return book.register(rank=rank, address="test", max_chunks=max_chunks, kv_capacity_tokens=100_000,
+                         worker_id=name, now=now).id
+
+
+def running_on(grant, token=7):
+    n = grant.max_tokens
+    return ChunkReport(grant.chunk_id, grant.epoch, [token] * n, [-1.0] * n, "length", running_on=True)
+
+
+def test_a_request_kept_on_its_worker_continues_without_its_context(tmp_path):
+    book = make_book(tmp_path, chunk_tokens=16, prompt_rows=rows(groups=1, n=1, max_tokens=40), in_place=True)
+    w = register(book)
+    (first,) = book.lease(w, wanted=1, now=1000.0)
+    assert first.run_on and first.response_remaining == 40 and not first.continues
+    outcomes, (second,) = book.report_and_continue(w, [running_on(first)], now=1001.0)
+    assert outcomes[0].accepted
+    assert second.continues and second.request_id == first.request_id and second.prompt_token_ids == []
+    assert (second.max_tokens, second.response_remaining, second.run_on) == (16, 24, True)
+    outcomes, (third,) = book.report_and_continue(w, [running_on(second)], now=1002.0)
+    assert third.continues and (third.max_tokens, third.run_on) == (8, False)  # the last chunk: nothing past it
+    outcomes, grants = book.report_and_continue(
+        w, [ChunkReport(third.chunk_id, third.epoch, [7] * 8, [-1.0] * 8, "length")], now=1003.0)
+    assert outcomes[0].accepted and grants == [] and book.is_complete()
+    with book.sessions.begin() as s:
+        request = s.scalars(select(Request)).one()
+        assert (request.status, request.generated_tokens, request.num_chunks) == (RequestStatus.FINISHED, 40, 3)
+
+
+def test_a_slot_the_scheduler_gives_to_another_request_carries_no_continuation(tmp_path):
+    # divided is first come first served: the reported request queues behind the one waiting.
+    book = make_book(tmp_path, chunk_tokens=16, prompt_rows=rows(groups=2, n=1, max_tokens=40), in_place=True)
+    w = register(book, max_chunks=1)
+    (first,) = book.lease(w, wanted=1, now=1000.0)
+    _, (grant,) = book.report_and_continue(w, [running_on(first)], now=1001.0)
+    assert grant.request_id != first.request_id and not grant.continues and grant.prompt_token_ids
+    # The reported request waits in the queue with its tokens durable; its next lease carries its context.
+    (later,) = book.lease(register(book, "w1", rank=1), wanted=1, now=1002.0)
+    assert later.request_id == first.request_id and not later.continues
+    assert later.prompt_token_ids[-16:] == [7] * 16
+
+
+def test_no_continuation_for_a_duplicate_a_rejected_or_a_finished_report(tmp_path):
+    book = make_book(tmp_path, chunk_tokens=16, prompt_rows=rows(groups=1, n=2, max_tokens=40), in_place=True)
+    w = register(book)
+    first, other = book.lease(w, wanted=2, now=1000.0)
+    _, grants = book.report_and_continue(w, [running_on(first)], now=1001.0)
+    assert len(grants) == 1
+    _, again = book.report_and_continue(w, [running_on(first)], now=1001.5)  # the same report once more
+    assert again == []
+    stopped = ChunkReport(other.chunk_id, other.epoch, [7] * 3, [-1.0] * 3, "stop", running_on=True)
+    outcomes, grants = book.report_and_continue(w, [stopped], now=1002.0)  # finished: no slot to fill
+    assert outcomes[0].accepted and outcomes[0].request_finished and grants == []
+    _, grants = book.report_and_continue(w, [running_on(first)], now=1003.0, may_lease=False)  # draining
+    assert grants == []
+
+
+def test_without_in_place_grants_never_run_on(tmp_path):
+    book = make_book(tmp_path, chunk_tokens=16, prompt_rows=rows(groups=1, n=1, max_tokens=40))
+    w = register(book)
+    (grant,) = book.lease(w, wanted=1, now=1000.0)
+    assert not grant.run_on
+    _, grants = book.report_and_continue(w, [running_on(grant)], now=1001.0)  # a worker that claims it anyway
+    assert all(not g.continues for g in grants)
+
+
+def length_of(request_id: int) -> int:
+    return 5 + request_id * 13 % 60
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "resubmitted"])
+def test_a_worker_continues_requests_in_place_and_each_token_lands_once(tmp_path, in_place):
+    book = make_book(tmp_path, chunk_tokens=8, lease_ttl_s=30.0, prompt_rows=rows(groups=3, n=2, max_tokens=64),
+                     now=time.time(), in_place=in_place)
+    app = create_app(book, SECRET, CoordinatorControl(), time.time)
+    engine = ScriptedEngine(length_of, max_chunks=8, pause_s=0.01, chunk_tokens=8)
+
+    async def scenario() -> Worker:
+        worker = Worker(client_of(app), engine, rank=0)
+        try:
+            await asyncio.wait_for(worker.run(), timeout=60)
+        finally:
+            await worker.client.close()
+        return worker
+
+    worker = asyncio.run(scenario())
+    assert worker.fatal is None and book.is_complete()
+    with book.sessions.begin() as s:
+        chunks = s.scalar(select(Chunk.id).order_by(Chunk.id.desc()).limit(1))
+        for request in s.scalars(select(Request)):
+            assert (request.status, request.generated_tokens) == (RequestStatus.FINISHED, length_of(request.id))
+            tokens = [t for blob in s.scalars(select(Chunk.token_ids).where(
+                Chunk.request_id == request.id, Chunk.status == ChunkStatus.DONE).order_by(Chunk.seq))
+                for t in unpack_ints(blob)]
+            assert tokens == scripted_tokens(request.id, 0, length_of(request.id))
+    # One engine request per response when each continues in place (8 slots, 6 requests: the
+    # scheduler always keeps them); one per chunk otherwise.
+    assert len(engine.opened) == (6 if in_place else chunks)
+    assert not worker.held and not worker.held_by_chunk
