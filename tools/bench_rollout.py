@@ -6,14 +6,17 @@ Configurations, each repeated and run side by side in one invocation on the same
                 whole to an offline `vllm.LLM.generate` (n samples per prompt) in its own process;
                 both start together after loading. Throughput = output tokens / makespan.
   seerd-group   `seerd run --policy group` (groups bound round-robin, no chunking).
-  seerd-divided `seerd run --policy divided --chunk-tokens K`.
+  seerd-divided `seerd run --policy divided --chunk-tokens K` (chunks continue in place, the default).
+  seerd-seer    `seerd run --policy seer --chunk-tokens K` (seerd's default policy).
+  seerd-divided-resubmit, seerd-seer-resubmit  the same with `--no-in-place`: every chunk boundary
+                stops the request and re-submits it (what seerd did before in-place continuation).
   seerd-div-async  (--with-async) the same on AsyncLLM workers instead of in-process LLMEngine.
 For seerd, the time counted is the generation phase read from the run's database (first lease to
 the rollout's end, export included); engine start-up is excluded for every configuration.
 Lengths: the tiny random model almost never emits EOS, so each group's length is its max_tokens,
 drawn heavy-tailed (lognormal) so that a few groups form a tail, as in RL rollouts.
 
-    python tools/bench_rollout.py [--groups 32] [--n 4] [--repeats 3] [--chunk-tokens 128]
+    python tools/bench_rollout.py [--groups 32] [--n 4] [--repeats 3] [--chunk-tokens 128] [--configs A,B]
 """
 
 from __future__ import annotations
@@ -112,13 +115,14 @@ def run_direct(model: str, rows: list[dict], n: int, work: Path, seed: int) -> d
 
 # --------------------------------------------------------------------------- seerd
 def run_seerd(model: str, prompts: Path, policy: str, chunk_tokens: int, n: int, work: Path, seed: int,
-              engine_api: str = "stepped") -> dict:
+              engine_api: str = "stepped", in_place: bool = True) -> dict:
     run_dir = work / f"run-{policy}-{time.time_ns()}"
     cmd = [sys.executable, "-m", "seerd.cli.main", "run", "--input", str(prompts), "--model", model,
            "--run-dir", str(run_dir), "--workers", "2", "--policy", policy, "--chunk-tokens", str(chunk_tokens),
            "--n", str(n), "--max-tokens", "100000", "--temperature", "1.0", "--seed", str(seed),
            "--kv-cache-gib", str(ENGINE["kv_cache_gib"]), "--max-num-seqs", str(ENGINE["max_num_seqs"]),
            "--dtype", ENGINE["dtype"], "--engine-api", engine_api, "--no-progress",
+           "--in-place" if in_place else "--no-in-place",
            "--wait-for-workers"]  # like the baseline's barrier: both engines up before the clock starts
     done = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
@@ -129,7 +133,10 @@ def run_seerd(model: str, prompts: Path, policy: str, chunk_tokens: int, n: int,
         tokens = db.execute("select sum(generated_tokens) from requests").fetchone()[0]
         load = json.loads(db.execute("select data_json from events where kind='coordinator_load'").fetchone()[0])
         chunks = db.execute("select count(*) from chunks").fetchone()[0]
-    return {"tokens": tokens, "seconds": end - first, "coordinator_cpu_share": load["cpu_share"], "chunks": chunks}
+        in_place = db.execute("select count(*) from events where kind = 'chunk_leased' "
+                              "and json_extract(data_json, '$.in_place')").fetchone()[0]
+    return {"tokens": tokens, "seconds": end - first, "coordinator_cpu_share": load["cpu_share"], "chunks": chunks,
+            "in_place": in_place}
 
 
 def main() -> int:
@@ -144,6 +151,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--with-async", action="store_true",
                         help="also run seerd-divided on AsyncLLM workers (--engine-api async)")
+    parser.add_argument("--configs", help="comma-separated configurations to run (default: all but the "
+                                          "async one; vllm-direct always runs, it is the base)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="seerd-bench-"))
@@ -158,10 +167,21 @@ def main() -> int:
         "vllm-direct": lambda s: run_direct(model, rows, args.n, work, s),
         "seerd-group": lambda s: run_seerd(model, prompts, "group", 10**6, args.n, work, s),
         "seerd-divided": lambda s: run_seerd(model, prompts, "divided", args.chunk_tokens, args.n, work, s),
+        "seerd-seer": lambda s: run_seerd(model, prompts, "seer", args.chunk_tokens, args.n, work, s),
+        "seerd-divided-resubmit": lambda s: run_seerd(model, prompts, "divided", args.chunk_tokens, args.n, work, s,
+                                                      in_place=False),
+        "seerd-seer-resubmit": lambda s: run_seerd(model, prompts, "seer", args.chunk_tokens, args.n, work, s,
+                                                   in_place=False),
     }
     if args.with_async:
         configs["seerd-div-async"] = lambda s: run_seerd(model, prompts, "divided", args.chunk_tokens, args.n, work,
                                                          s, engine_api="async")
+    if args.configs:
+        wanted = {"vllm-direct", *args.configs.split(",")}
+        unknown = wanted - configs.keys()
+        if unknown:
+            parser.error(f"unknown configurations {sorted(unknown)}; known: {sorted(configs)}")
+        configs = {name: fn for name, fn in configs.items() if name in wanted}
     samples: dict[str, list[dict]] = {name: [] for name in configs}
     for repeat in range(args.repeats):  # interleaved, so drift on a noisy machine hits all alike
         for name, fn in configs.items():
@@ -177,18 +197,23 @@ def main() -> int:
         busy = [r["coordinator_cpu_share"] for r in runs if "coordinator_cpu_share" in r]
         table.append({"config": name, "median_tok_s": med, "ratio_to_direct": med / base,
                       "samples_tok_s": [round(r["tok_s"]) for r in runs],
-                      "coordinator_cpu_share": statistics.median(busy) if busy else None})
+                      "coordinator_cpu_share": statistics.median(busy) if busy else None,
+                      "chunks": statistics.median(r["chunks"] for r in runs) if "chunks" in runs[0] else None,
+                      "in_place": statistics.median(r["in_place"] for r in runs) if "in_place" in runs[0] else None})
     if args.json:
         print(json.dumps({"args": vars(args), "table": table}, indent=1))
         return 0
     lengths = sorted(r["max_tokens"] for r in rows)
     print(f"{args.groups} groups x n={args.n}, lengths median {lengths[len(lengths) // 2]} max {lengths[-1]}, "
           f"chunk {args.chunk_tokens}, {args.repeats} repeats, 2 engines (OMP_NUM_THREADS=1)")
-    print(f"{'config':<14} {'median tok/s':>12} {'x direct':>9} {'coord CPU':>10}  samples")
+    print(f"{'config':<23} {'median tok/s':>12} {'x direct':>9} {'coord CPU':>10} {'chunks':>7} {'in place':>8}"
+          f"  samples")
     for row in table:
         busy = f"{row['coordinator_cpu_share']:.2%}" if row["coordinator_cpu_share"] is not None else "-"
-        print(f"{row['config']:<14} {row['median_tok_s']:>12.0f} {row['ratio_to_direct']:>9.2f} {busy:>10}  "
-              f"{row['samples_tok_s']}")
+        chunks = "-" if row["chunks"] is None else f"{row['chunks']:.0f}"
+        in_place = "-" if row["in_place"] is None else f"{row['in_place']:.0f}"
+        print(f"{row['config']:<23} {row['median_tok_s']:>12.0f} {row['ratio_to_direct']:>9.2f} {busy:>10} "
+              f"{chunks:>7} {in_place:>8}  {row['samples_tok_s']}")
     return 0
 
 

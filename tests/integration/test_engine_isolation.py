@@ -46,18 +46,32 @@ def test_a_prompt_the_engine_refuses_fails_alone(tiny_model_dir):
 
 
 # AsyncLLM chunks stream (an output per step, for liveness): the same result as asking vLLM for
-# the final output only, tokens and logprobs, greedy and seeded.
+# the final output only, tokens and logprobs, greedy and seeded; and chunks cut from one request
+# running on (in-place continuation) add up to the same.
 STREAM_SCRIPT = r"""
 import asyncio, json, sys
 from vllm.inputs import TokensPrompt
-from seerd.worker.engine import AsyncEngine, chunk_result, sampling_params
+from seerd.worker.engine import AsyncEngine, sampling_params
 
 async def final_only(engine, request_id, prompt, max_tokens, sampling):
     final = None
     async for output in engine.llm.generate(TokensPrompt(prompt_token_ids=prompt), sampling_params(max_tokens, sampling),
                                             request_id=request_id):
         final = output
-    return chunk_result(final)
+    completion = final.outputs[0]
+    return list(completion.token_ids), [float(x) for x in completion.logprobs.logprobs], completion.finish_reason
+
+async def cut(engine, request_id, prompt, max_tokens, sampling, sizes):
+    stream = engine.open(request_id, prompt, max_tokens, sampling, stream=True)
+    token_ids, logprobs, start, runs_on = [], [], 0, []
+    for size in sizes:
+        await stream.until(start + size)
+        chunk, more = stream.result(start, size)
+        token_ids += chunk.token_ids
+        logprobs += chunk.logprobs
+        runs_on.append(more)
+        start += size
+    return token_ids, logprobs, chunk.finish_reason, runs_on
 
 async def main(model):
     engine = AsyncEngine.start(model, {"kv_cache_gib": 0.1, "max_num_seqs": 4, "max_model_len": 128,
@@ -65,9 +79,10 @@ async def main(model):
     cases = [([5, 6, 7, 8], {"temperature": 0.0}), ([9, 10, 11], {"temperature": 1.0, "seed": 3})]
     streamed = await asyncio.gather(*(engine.run(f"s{i}", p, 40, s) for i, (p, s) in enumerate(cases)))
     final = await asyncio.gather(*(final_only(engine, f"f{i}", p, 40, s) for i, (p, s) in enumerate(cases)))
+    chunks = await asyncio.gather(*(cut(engine, f"c{i}", p, 40, s, (16, 16, 8)) for i, (p, s) in enumerate(cases)))
     print(json.dumps({"streamed": [[r.token_ids, r.logprobs, r.finish_reason] for r in streamed],
-                      "final": [[r.token_ids, r.logprobs, r.finish_reason] for r in final],
-                      "steps": engine.progress().steps}))
+                      "final": [list(r) for r in final], "cut": [list(r[:3]) for r in chunks],
+                      "runs_on": [r[3] for r in chunks], "steps": engine.progress().steps}))
     engine.shutdown()
 
 if __name__ == "__main__":
@@ -82,6 +97,7 @@ def test_a_streamed_async_chunk_equals_the_final_only_one(tiny_model_dir, tmp_pa
                             timeout=300, env=test_env(), cwd=REPO_ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     answer = json.loads([line for line in result.stdout.splitlines() if line.startswith("{")][-1])
-    assert answer["streamed"] == answer["final"]
+    assert answer["streamed"] == answer["final"] == answer["cut"]
+    assert answer["runs_on"] == [[True, True, False]] * 2  # the last chunk ends the request
     assert all(len(tokens) == 40 for tokens, _, _ in answer["streamed"])
     assert answer["steps"] >= 80  # an output per step of each streamed chunk
