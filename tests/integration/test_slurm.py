@@ -69,8 +69,10 @@ def chunks_leased_after(run_dir: Path, ts: float) -> set[int]:
 def test_sbatch_rollout_completes_with_every_response(tmp_path, tiny_model_dir):
     prompts = write_token_prompts(tmp_path / "prompts.jsonl", groups=4, seed=11)
     run_dir = tmp_path / "run"
+    # --wait-for-workers: both register whatever the timing (without it the first worker up may
+    # finish the 16 responses before the second registers; it did once chunks ran on in place).
     job = sbatch(CPU_JOB, rollout_args(tiny_model_dir, prompts, run_dir, "--chunk-tokens", "16", "--n", "4",
-                                       "--max-tokens", "48"), tmp_path)
+                                       "--max-tokens", "48", "--wait-for-workers"), tmp_path)
     log = tmp_path / f"job-{job}.out"
     # While it runs: the address is the node's, and the secret is on no command line and in no
     # process environment of the job (only in the run directory, 0600).
