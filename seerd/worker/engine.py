@@ -18,6 +18,7 @@ reports committed chunks only.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -79,10 +80,8 @@ class Stream:
         self._wake()
 
     def _wake(self) -> None:
-        try:
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits any more
             self.loop.call_soon_threadsafe(self._event.set)
-        except RuntimeError:  # the loop is closed: nobody waits any more
-            pass
 
     async def until(self, count: int) -> None:
         """Return once `count` tokens are in or the request ended; raise the engine's error."""
