@@ -206,6 +206,7 @@ class HeartbeatBody(msgspec.Struct):
     running: list[int] = []  # chunk ids the worker still runs: only their leases are extended
     stats: dict = {}  # the worker's live figures (seerd.worker.stats), kept for `seerd status`
     engine: EngineProgress | None = None  # None: the engine does not tell; the heartbeat alone renews
+    leaving: bool = False  # the worker's last word after hearing the rollout is done: its final figures
 
 
 class HeartbeatReply(msgspec.Struct):

@@ -64,6 +64,7 @@ class CoordinatorControl:
         self.scheduling_gate: Callable[[], bool] = lambda: True  # e.g. wait for every worker
         self.worker_stats: dict[str, dict] = {}
         self.told_done: set[str] = set()  # workers that have heard the rollout is complete
+        self.left: set[str] = set()  # workers that said goodbye (`HeartbeatBody.leaving`) with their final figures
         self.busy_s = 0.0  # wall time inside API calls (overlapping calls count twice)
         self.calls = 0
         self._queued = asyncio.Event()
@@ -252,6 +253,8 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
         known(body.worker_id)
         abort = await control.run(book.heartbeat, body.worker_id, body.running, clock(), body.stats, body.engine)
         control.worker_stats[body.worker_id] = body.stats
+        if body.leaving:
+            control.left.add(body.worker_id)
         return _json(HeartbeatReply(abort, done=done_for(body.worker_id)))
 
     def draft_host() -> DraftHost:

@@ -209,7 +209,9 @@ class LeaseBook:
 
     def retire_workers(self) -> None:
         """The coordinator stops: its workers exit with it (told done, or their leases void), so
-        none is alive any more, whatever their last heartbeat said."""
+        none is alive any more, whatever their last heartbeat said. Their last figures (the
+        goodbye heartbeat among them) are written first: they are what status shows from now on."""
+        self.persist_soft_state()
         with begin(self.engine, durable=True) as conn:
             self._retire_all(conn)
         for worker in self.workers.values():

@@ -42,7 +42,8 @@ from seerd.scheduler.registry import policy_traits
 log = logging.getLogger("seerd.coordinator")
 
 EXPIRY_INTERVAL_S = 0.5
-# After the last response, keep answering for this long so that every worker hears "done".
+# After the last response, keep answering for this long so that every worker hears "done" and
+# says goodbye with its final figures (what `seerd status` and `seerd report` show afterwards).
 DONE_LINGER_S = 5.0
 
 
@@ -322,7 +323,7 @@ class Coordinator:
         deadline = self.clock() + DONE_LINGER_S
         while self.clock() < deadline and self._stop_reason is None:
             live = await self.control.run(lambda: [w.id for w in self.book.live_workers()])
-            if not any(w not in self.control.told_done for w in live):
+            if not any(w not in self.control.left for w in live):
                 break
             await asyncio.sleep(0.1)
         return CoordinatorResult(RolloutStatus.FINISHED, export, load=self.load)

@@ -21,6 +21,7 @@ import logging
 import os
 import re
 import signal
+import shutil
 import socket
 import subprocess
 from collections.abc import Callable, Mapping
@@ -80,6 +81,11 @@ class WorkerLayout:
 
 def expand_nodelist(nodelist: str) -> list[str]:
     """Slurm's compressed node list (`gpu[01-04]`) as host names, as Slurm itself expands it."""
+    if "[" not in nodelist and nodelist.strip():  # plain names (`node01`, `a,b`): nothing to expand
+        return [name for name in nodelist.split(",") if name]
+    if shutil.which("scontrol") is None:  # a Slurm environment without Slurm's tools on PATH
+        raise LayoutError(f"cannot expand the node list {nodelist!r}: scontrol is not on PATH "
+                          "(run inside a Slurm job on a node with Slurm's client tools)")
     out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=60)
     if out.returncode != 0 or not out.stdout.split():
         raise LayoutError(f"cannot expand the node list {nodelist!r}: {out.stderr.strip()}")

@@ -257,15 +257,24 @@ class Worker:
             if reply.done:
                 self.done.set()
 
+    def _heartbeat(self, leaving: bool = False) -> HeartbeatBody:
+        stats = self.stats.payload({cid: self.offsets.get(cid, (lease_key(cid, epoch), 0))
+                                    for cid, (epoch, _) in self.running.items()},
+                                   getattr(self.engine, "live", None), drafter_stats(), pool_stats())
+        return HeartbeatBody(self.worker_id, list(self.running), stats, self.engine.progress(), leaving=leaving)
+
+    async def say_goodbye(self) -> None:
+        """The rollout is done: one last heartbeat with the final figures (drafted and accepted
+        tokens, chunks), which the coordinator waits for before it stops. Best effort: a
+        coordinator already gone keeps the figures of the last periodic heartbeat."""
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.client.call(HEARTBEAT, self._heartbeat(leaving=True)), timeout=2.0)
+
     async def _heartbeat_loop(self) -> None:
         while True:
             await asyncio.sleep(self.heartbeat_interval_s)
-            stats = self.stats.payload({cid: self.offsets.get(cid, (lease_key(cid, epoch), 0))
-                                        for cid, (epoch, _) in self.running.items()},
-                                       getattr(self.engine, "live", None), drafter_stats(), pool_stats())
             try:
-                reply = await self.client.call(HEARTBEAT, HeartbeatBody(self.worker_id, list(self.running), stats,
-                                                                        self.engine.progress()))
+                reply = await self.client.call(HEARTBEAT, self._heartbeat())
             except NotRegistered:
                 await self._reregister()
                 continue
@@ -326,6 +335,8 @@ async def amain(run_dir: RunDir, rank: int, patience_s: float, address_timeout_s
         await worker.run()
         if worker.stopped_by:
             await worker.release_all(worker.stopped_by)
+        elif worker.fatal is None:
+            await worker.say_goodbye()
     except Retired as exc:  # its leases already run elsewhere; its engine may not stop politely
         log.error("exiting: the coordinator took this worker out: %s", exc)
         shutdown_within(engine, ENGINE_SHUTDOWN_S)

@@ -164,3 +164,13 @@ def test_a_worker_without_a_coordinator_gives_up_with_a_clear_message(tmp_path):
                           "--wait-for-coordinator", "1"], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 3
     assert "no coordinator address appeared" in out.stderr and "within 1s" in out.stderr
+
+
+def test_a_plain_node_list_needs_no_scontrol_and_a_compressed_one_without_it_is_a_clear_error(monkeypatch):
+    from seerd.launch.slurm import expand_nodelist
+
+    monkeypatch.setenv("PATH", "/nonexistent")  # no Slurm tools on this node
+    assert expand_nodelist("node01") == ["node01"]
+    assert expand_nodelist("a,b") == ["a", "b"]
+    with pytest.raises(LayoutError, match="scontrol is not on PATH"):
+        expand_nodelist("gpu[01-02]")
