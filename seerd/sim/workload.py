@@ -125,12 +125,17 @@ def next_iteration(workload: Workload, preset: Preset, seed: int, *,
 
 
 def load_trace(path: Path, preset: Preset) -> Workload:
-    """JSONL, one line per request: {"group": id, "length": L, "prompt_len": P (optional)}.
+    """JSONL, one line per request: {"group": id, "length": L, "prompt_len": P (optional),
+    "max_tokens": M (optional)}.
 
-    Groups are formed by id in order of first appearance; max_tokens is the preset's.
+    Groups are formed by id in order of first appearance. A group's max_tokens is its rows'
+    `max_tokens` where given (a real run's cap: a response at it finished by length), else the
+    larger of the preset's and the trace's longest response, so that a trace of real lengths
+    replays on any preset's engines.
     """
     by_group: dict[object, list[int]] = {}
     prompt_of: dict[object, int] = {}
+    cap_of: dict[object, int | None] = {}
     try:
         text = Path(path).read_text()
     except OSError as exc:
@@ -145,12 +150,15 @@ def load_trace(path: Path, preset: Preset) -> Workload:
             raise TraceError(f"{where}: not JSON ({exc.msg})") from None
         if not isinstance(row, dict) or "group" not in row or "length" not in row:
             raise TraceError(f'{where}: expected an object with "group" and "length"')
+        cap = row.get("max_tokens")
+        if cap is not None and (not _positive_int(cap)):
+            raise TraceError(f"{where}: max_tokens must be a positive integer, got {cap!r}")
         length = row["length"]
-        if not isinstance(length, int) or isinstance(length, bool) or not 1 <= length <= preset.max_tokens:
-            raise TraceError(f"{where}: length must be an integer in 1..{preset.max_tokens} "
-                             f"(the preset's max_tokens), got {length!r}")
+        if not _positive_int(length) or (cap is not None and length > cap):
+            raise TraceError(f"{where}: length must be an integer in 1..{cap if cap is not None else 'max_tokens'}, "
+                             f"got {length!r}")
         prompt_len = row.get("prompt_len", preset.prompt_tokens)
-        if not isinstance(prompt_len, int) or isinstance(prompt_len, bool) or prompt_len < 1:
+        if not _positive_int(prompt_len):
             raise TraceError(f"{where}: prompt_len must be a positive integer, got {prompt_len!r}")
         key = row["group"]
         if not isinstance(key, (int, str)) or isinstance(key, bool):
@@ -158,8 +166,15 @@ def load_trace(path: Path, preset: Preset) -> Workload:
         by_group.setdefault(key, []).append(length)
         if prompt_of.setdefault(key, prompt_len) != prompt_len:
             raise TraceError(f"{where}: group {key!r} has two prompt lengths ({prompt_of[key]} and {prompt_len})")
+        if cap_of.setdefault(key, cap) != cap:
+            raise TraceError(f"{where}: group {key!r} has two max_tokens ({cap_of[key]} and {cap})")
     if not by_group:
         raise TraceError(f"{path}: the trace holds no requests")
-    groups = tuple(SimGroup(i, prompt_of[key], preset.max_tokens, tuple(lengths))
+    default_cap = max(preset.max_tokens, max(max(lengths) for lengths in by_group.values()))
+    groups = tuple(SimGroup(i, prompt_of[key], cap_of[key] or default_cap, tuple(lengths))
                    for i, (key, lengths) in enumerate(by_group.items()))
     return Workload(groups, f"trace:{Path(path).name}")
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1

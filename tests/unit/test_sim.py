@@ -104,8 +104,15 @@ def test_trace_replay_and_its_errors(tmp_path) -> None:
     workload = load_trace(trace, QWEN)
     assert [g.lengths for g in workload.groups] == [(10, 30), (20,)]
     assert [g.prompt_len for g in workload.groups] == [5, QWEN.prompt_tokens]
+    assert {g.max_tokens for g in workload.groups} == {QWEN.max_tokens}
+    # A real run's lengths past the preset's max_tokens replay: the trace's own maximum, or its rows' caps.
+    trace.write_text('{"group": "a", "length": 50000}\n{"group": "b", "length": 7, "max_tokens": 2048}\n')
+    assert [g.max_tokens for g in load_trace(trace, QWEN).groups] == [50000, 2048]
     for text, message in [('{"group": 1}', "length"), ("nope", "not JSON"),
-                          ('{"group": 1, "length": 99999999}', "1..40960"),
+                          ('{"group": 1, "length": 0}', "1..max_tokens"),
+                          ('{"group": 1, "length": 3000, "max_tokens": 2048}', "1..2048"),
+                          ('{"group": 1, "length": 3, "max_tokens": 2.5}', "max_tokens must be"),
+                          ('{"group": 1, "length": 3, "max_tokens": 8}\n{"group": 1, "length": 3}', "two max_tokens"),
                           ('{"group": 1, "length": 3, "prompt_len": 2}\n{"group": 1, "length": 3, "prompt_len": 4}',
                            "two prompt lengths"), ("", "no requests")]:
         trace.write_text(text)
