@@ -144,6 +144,7 @@ def _workers(conn: Connection, rid: int, clock: float, lease_ttl_s: float) -> li
             "tokens_out": stats.get("tokens_out"),
             "spec": _spec_part(spec) if spec else None,
             "kv_pool": _pool_part(pool) if pool else None,
+            "engine": stats.get("engine"),  # the engine scheduler's steps, preemptions, mean running
             "live_running": stats.get("running") or {} if alive else {},
         })
     return workers

@@ -160,6 +160,44 @@ class StepClock:
         return EngineProgress(self.steps, max(self._longest_before, self._longest_now), generating)
 
 
+class EngineCounters:
+    """What the engine's own scheduler did, cumulative: steps, running sequences summed over
+    steps (their mean is the batch the engine kept), and preemptions (vLLM evicting a running
+    sequence when KV runs out, to recompute it later). Kept by the stepping thread from vLLM's
+    in-process scheduler (v1 internals: `attach` returns None if they moved, and the figures are
+    simply missing), read by the heartbeat: plain ints, no lock."""
+
+    def __init__(self, scheduler) -> None:  # noqa: ANN001
+        self.scheduler = scheduler
+        self.steps = 0
+        self.running_sum = 0
+        self.preemptions = 0
+        preempt = scheduler._preempt_request
+
+        def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            self.preemptions += 1
+            return preempt(*args, **kwargs)
+
+        scheduler._preempt_request = counted
+
+    @classmethod
+    def attach(cls, llm) -> EngineCounters | None:  # noqa: ANN001
+        try:
+            scheduler = llm.engine_core.engine_core.scheduler
+            len(scheduler.running)
+            return cls(scheduler) if callable(scheduler._preempt_request) else None
+        except (AttributeError, TypeError):
+            return None
+
+    def after_step(self) -> None:
+        self.steps += 1
+        self.running_sum += len(self.scheduler.running)
+
+    def figures(self) -> dict:
+        return {"steps": self.steps, "preemptions": self.preemptions,
+                "mean_running": self.running_sum / self.steps if self.steps else 0.0}
+
+
 class EngineDead(RuntimeError):
     """The engine failed; every chunk in it is lost (the coordinator re-runs them elsewhere)."""
 
@@ -300,6 +338,7 @@ class SteppedEngine:
         self.failure: BaseException | None = None
         self.live: EngineLive | None = None  # replaced (never mutated) by the stepping thread
         self.clock = StepClock()
+        self.counters = EngineCounters.attach(llm)
         self.thread = threading.Thread(target=self._step_loop, name="vllm-stepper", daemon=True)
         self.thread.start()
 
@@ -330,6 +369,8 @@ class SteppedEngine:
                 started = time.monotonic()
                 outputs = self.llm.step()
                 self.clock.record(time.monotonic() - started)
+                if self.counters is not None:
+                    self.counters.after_step()
                 for output in outputs:
                     self._push(output)
         except BaseException as exc:  # the engine is gone: fail every stream, the worker exits
@@ -425,6 +466,7 @@ class AsyncEngine:
         self.max_chunks = max_chunks
         self.kv_capacity_tokens = kv_tokens
         self.live: EngineLive | None = None  # the scheduler is in the core process
+        self.counters: EngineCounters | None = None  # likewise
         self.clock = StepClock()  # counts outputs: one per running request per step
         self.feeding: dict[str, asyncio.Task] = {}  # engine request id -> the task pushing its outputs
 

@@ -52,6 +52,11 @@ def reported_finish_reason(grant: ChunkGrant, finish_reason: str, num_tokens: in
     return finish_reason
 
 
+def engine_figures(engine) -> dict | None:  # noqa: ANN001
+    counters = getattr(engine, "counters", None)
+    return None if counters is None else counters.figures()
+
+
 class LostContinuation(RuntimeError):
     """A `continues` grant for a request whose engine request is no longer held here: the chunk
     is given back unrun (not a failure) and runs elsewhere from its durable tokens."""
@@ -260,7 +265,8 @@ class Worker:
     def _heartbeat(self, leaving: bool = False) -> HeartbeatBody:
         stats = self.stats.payload({cid: self.offsets.get(cid, (lease_key(cid, epoch), 0))
                                     for cid, (epoch, _) in self.running.items()},
-                                   getattr(self.engine, "live", None), drafter_stats(), pool_stats())
+                                   getattr(self.engine, "live", None), drafter_stats(), pool_stats(),
+                                   engine_figures(self.engine))
         return HeartbeatBody(self.worker_id, list(self.running), stats, self.engine.progress(), leaving=leaving)
 
     async def say_goodbye(self) -> None:

@@ -40,13 +40,15 @@ class WorkerStats:
         self._ended.add(chunk_id)  # until its report is through, the worker still lists it
 
     def payload(self, running: dict[int, tuple[str, int]], engine_live, spec: dict | None = None,  # noqa: ANN001
-                kv_pool: dict | None = None) -> dict:
+                kv_pool: dict | None = None, engine: dict | None = None) -> dict:
         """The heartbeat's `stats`: `running` maps chunk id -> (the lease key c{id}e{epoch} of the
         engine request it runs in, that request's tokens before the chunk: a chunk continued in
         place runs in the request its predecessor started);
         `engine_live` is the engine's latest `EngineLive` or None; `spec` the drafter's totals
         (drafted, accepted, ...) when seerd's drafter runs in this process; `kv_pool` the KV pool
-        connector's counters (blocks loaded and saved, bytes, hits) when it runs in this process."""
+        connector's counters (blocks loaded and saved, bytes, hits) when it runs in this process;
+        `engine` the engine scheduler's totals (steps, preemptions, mean running sequences:
+        `worker.engine.EngineCounters`) where the engine shows them."""
         now = self.clock()
         progress = engine_live.progress if engine_live is not None else {}
         for chunk_id in list(self.running):
@@ -78,4 +80,5 @@ class WorkerStats:
             "sampled_at": None if engine_live is None else engine_live.at,
             **({"spec": spec} if spec else {}),
             **({"kv_pool": kv_pool} if kv_pool else {}),
+            **({"engine": engine} if engine else {}),
         }
