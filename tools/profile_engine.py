@@ -63,6 +63,7 @@ def main() -> None:
                                       "dtype": args.dtype},
                          seed=0)
     llm = LLMEngine.from_engine_args(EngineArgs(**engine))
+    vocab = min(1000, json.loads((Path(model) / "config.json").read_text())["vocab_size"])  # prompt token ids below it
     decode_rows, prefill_rows = [], []
     counter = 0
     for prompt_len in prompts:
@@ -72,7 +73,7 @@ def main() -> None:
                 for _ in range(batch):
                     counter += 1
                     # distinct prompts: the prefix cache must not serve them
-                    tokens = [(counter * 7919 + i) % 900 + 4 for i in range(prompt_len)]
+                    tokens = [(counter * 7919 + i) % (vocab - 5) + 4 for i in range(prompt_len)]
                     llm.add_request(f"r{counter}", TokensPrompt(prompt_token_ids=tokens), params)
                 times = []
                 while llm.has_unfinished_requests():
