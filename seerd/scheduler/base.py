@@ -6,7 +6,7 @@ and the simulator drive the very same policies over one `SchedulerState` (`state
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 from seerd.scheduler.views import Assignment, Plan, QueuedRequest, Snapshot
 
@@ -29,6 +29,23 @@ def chunk_budget(request: QueuedRequest, chunk_tokens: int) -> int:
 def kv_need(request: QueuedRequest, budget: int) -> int:
     """KV tokens a chunk can occupy at its end: the whole context plus its budget."""
     return request.prompt_len + request.generated + budget
+
+
+def continuing_first(snapshot: Snapshot, ordered: Iterable[QueuedRequest],
+                     key: Callable[[QueuedRequest], object] | None = None) -> Iterator[QueuedRequest]:
+    """`ordered`, with the requests that continue in place on the asking worker first (in `key`
+    order, else oldest first). A chunk boundary stays a scheduling point (a request the worker
+    has no slot or KV room for, or that balance sends elsewhere, is stopped and runs again
+    wherever it is leased next) but not a rotation: swapping a running request for a queued
+    one of the same class costs a prefill of its context later and gains nothing (the paper's
+    Seer re-queues after every chunk too, but moves KV through its pool at no prefill)."""
+    held = snapshot.continuing
+    if not held:
+        yield from ordered
+        return
+    first = [snapshot.queued.get(rid) for rid in held if rid in snapshot.queued]
+    yield from sorted(first, key=key or (lambda r: (r.queued_at, r.request_id)))
+    yield from (r for r in ordered if r.request_id not in held)
 
 
 def free_slots(snapshot: Snapshot) -> int:

@@ -4,11 +4,14 @@ Every request is an independent unit; after each chunk it goes back to the buffe
 given chunks while it has free sequence slots and KV room for each chunk's whole context plus its
 budget, so admitted chunks never exceed the engine's KV (no preemption by construction), and
 while it stays within 32 chunks in flight of the least loaded worker with room (`balanced_slots`).
+A request whose engine request runs on at the asking worker (in-place continuation) comes first:
+FCFS decides which request starts, not which running one is stopped at a boundary
+(`base.continuing_first`).
 """
 
 from __future__ import annotations
 
-from seerd.scheduler.base import DEFAULT_BALANCE_SPREAD, admit, balanced_slots
+from seerd.scheduler.base import DEFAULT_BALANCE_SPREAD, admit, balanced_slots, continuing_first
 from seerd.scheduler.views import Plan, Snapshot
 
 
@@ -20,4 +23,6 @@ class DividedPolicy:
 
     def plan(self, snapshot: Snapshot) -> Plan:
         limit = balanced_slots(snapshot, self.balance_spread)
-        return admit(snapshot, snapshot.queued.fcfs(), limit=limit) if limit > 0 else Plan()
+        if limit <= 0:
+            return Plan()
+        return admit(snapshot, continuing_first(snapshot, snapshot.queued.fcfs()), limit=limit)

@@ -24,6 +24,10 @@ Each time a worker asks for work, queued requests are served in this order:
    A response that runs past its group's forecast raises the forecast itself (the "running"
    term), so it is never left behind at a chunk boundary, which the literal order did to long
    responses of groups whose first finished response was short.
+In-place continuation: a non-probe whose engine request runs on at the asking worker past the
+chunk it reported (`Snapshot.continuing`) comes before every other non-probe, in the order above
+(`base.continuing_first`): the order decides which request starts, not which running one is
+stopped at a boundary; only a waiting probe, balance or KV room stops one.
 Admission (`base.admit`): chunks only while the worker has free sequence slots and KV room for
 the chunk's whole context plus its budget (no preemption by construction); a request that fits
 only another worker is left for it, and one that fits no worker stops admission (nothing smaller
@@ -37,9 +41,11 @@ of the least loaded worker with room (`balanced_slots`): the paper's "least load
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
+from dataclasses import replace
 
-from seerd.scheduler.base import DEFAULT_BALANCE_SPREAD, admit, balanced_slots, chunk_budget, kv_need
+from seerd.scheduler.base import DEFAULT_BALANCE_SPREAD, admit, balanced_slots, chunk_budget, continuing_first, kv_need
 from seerd.scheduler.forecast import GrowthRatios, expected_remaining
 from seerd.scheduler.views import Plan, QueuedRequest, Snapshot
 
@@ -78,9 +84,20 @@ class SeerPolicy:
             starved.add(request.request_id)
             yield request
         growth = snapshot.growth
-        for request in snapshot.queued.ordered("seer", lambda r: seer_key(r, growth), growth.version):
-            if request.request_id not in starved:
-                yield request
+        ordered = (r for r in snapshot.queued.ordered("seer", lambda r: seer_key(r, growth), growth.version)
+                   if r.request_id not in starved)
+        held = frozenset(rid for rid in snapshot.continuing - starved
+                         if rid in snapshot.queued and not snapshot.queued.get(rid).is_probe)
+        for request in ordered:  # probes first (their class), then the rest
+            if not request.is_probe:
+                # Requests continuing in place on this worker keep their slots before any other
+                # non-probe starts (`base.continuing_first`): seer orders who starts, a waiting
+                # probe may still take a slot at a boundary.
+                rest = itertools.chain([request], ordered)
+                yield from continuing_first(replace(snapshot, continuing=held),
+                                            (r for r in rest if not r.is_probe), key=lambda r: seer_key(r, growth))
+                return
+            yield request
 
     def plan(self, snapshot: Snapshot) -> Plan:
         limit = balanced_slots(snapshot, self.balance_spread)

@@ -201,9 +201,10 @@ class SchedulerState:
             self._changed()
 
     # ------------------------------------------------------------- the policy's side
-    def snapshot(self, worker_id: str, wanted: int, now: float) -> Snapshot:
+    def snapshot(self, worker_id: str, wanted: int, now: float, continuing: frozenset[int] = frozenset()) -> Snapshot:
         return Snapshot(now, worker_id, wanted, self.worker_loads(), QueueView(self.queue, self.version),
-                        self._bindings_view, self._groups_view, self.chunk_tokens, self.growth.current)
+                        self._bindings_view, self._groups_view, self.chunk_tokens, self.growth.current,
+                        continuing)
 
     def worker_loads(self) -> tuple[WorkerLoad, ...]:
         """Every live worker's load, in the order they joined."""

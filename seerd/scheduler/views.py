@@ -79,6 +79,11 @@ class Snapshot:
     group_indices: Mapping[int, int]  # group_id -> group_index, for every unfinished group
     chunk_tokens: int
     growth: GrowthRatios = NO_GROWTH  # learned from this rollout's completed groups (seer)
+    # Queued requests whose engine request still runs on the asking worker past the chunk it just
+    # reported (in-place continuation): continuing one costs nothing, stopping it costs a prefill
+    # of its whole context when it runs again. Policies keep them before other queued requests
+    # of their class (`base.continuing_first`), so a boundary is not a rotation.
+    continuing: frozenset[int] = frozenset()
 
     @cached_property
     def loads_by_id(self) -> dict[str, WorkerLoad]:

@@ -50,8 +50,10 @@ def test_a_request_kept_on_its_worker_continues_without_its_context(tmp_path):
 
 
 def test_a_slot_the_scheduler_gives_to_another_request_carries_no_continuation(tmp_path):
-    # divided is first come first served: the reported request queues behind the one waiting.
-    book = make_book(tmp_path, chunk_tokens=16, prompt_rows=rows(groups=2, n=1, max_tokens=40), in_place=True)
+    # seer serves probes shortest generated first: the waiting probe (0 tokens) goes before the one
+    # that just reported 16 (each group of n=1 is its own probe).
+    book = make_book(tmp_path, policy="seer", chunk_tokens=16, prompt_rows=rows(groups=2, n=1, max_tokens=40),
+                     in_place=True)
     w = register(book, max_chunks=1)
     (first,) = book.lease(w, wanted=1, now=1000.0)
     _, (grant,) = book.report_and_continue(w, [running_on(first)], now=1001.0)

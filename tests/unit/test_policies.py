@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from seerd.scheduler import (
     DividedPolicy, GroupPolicy, QueuedRequest, RequestQueue, SeerPolicy, Snapshot, WorkerLoad,
 )
@@ -247,3 +249,29 @@ def test_a_request_that_fits_only_another_worker_is_left_for_it():
     assert [a.request_id for a in DividedPolicy().plan(snap("a", small_here, queued)).assignments] == [2]
     nowhere = [load("a", 0, kv=100), load("b", 1, kv=150)]  # the head fits no worker: wait for room
     assert DividedPolicy().plan(snap("a", nowhere, queued)).assignments == ()
+
+
+# ------------------------------------------------------------ in-place continuation
+def test_divided_keeps_a_request_continuing_in_place_before_older_queued_ones():
+    """FCFS decides which request starts, not which running one stops at a boundary: a request
+    whose engine request runs on here (reported, re-queued last) keeps its slot."""
+    queued = [req(1, 0, 0, queued_at=1.0), req(2, 1, 1, queued_at=2.0), req(9, 9, 9, queued_at=9.0, generated=32)]
+    base = snap("a", [load("a", 0, max_chunks=1)], queued, wanted=1)
+    assert [a.request_id for a in DividedPolicy().plan(base).assignments] == [1]  # without: the oldest
+    continuing = replace(base, continuing=frozenset({9}))
+    assert [a.request_id for a in DividedPolicy().plan(continuing).assignments] == [9]
+
+
+def test_seer_keeps_continuing_non_probes_before_other_non_probes_but_not_before_a_waiting_probe():
+    queued = [seer_req(1, 0, estimate=900), seer_req(2, 1, probe=True),
+              seer_req(3, 2, estimate=300, generated=256, queued_at=5.0),  # continues in place
+              seer_req(4, 3, estimate=500, generated=256, queued_at=6.0)]  # continues in place
+    base = snap("a", [load("a", 0)], queued)
+    assert [r.request_id for r in SeerPolicy().order(base)] == [2, 1, 4, 3]
+    continuing = replace(base, continuing=frozenset({3, 4}))
+    # The probe first (its class), then the continuing ones in seer's own order, then the rest.
+    assert [r.request_id for r in SeerPolicy().order(continuing)] == [2, 4, 3, 1]
+    # A continuing probe is a probe: ordered with the probes, never twice.
+    queued[1] = seer_req(2, 1, probe=True, generated=256)
+    both = replace(snap("a", [load("a", 0)], queued), continuing=frozenset({2, 3}))
+    assert [r.request_id for r in SeerPolicy().order(both)] == [2, 3, 1, 4]
