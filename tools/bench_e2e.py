@@ -147,6 +147,7 @@ def run_direct(model: str, settings: Path, rows: list[dict], workload: Workload,
                                                              [g * workload.n:(g + 1) * workload.n])]
     return {"tokens": sum(r["tokens"] for r in results), "finished": finished, "lengths": lengths,
             "preemptions": sum(r["preemptions"] or 0 for r in results),
+            "longest_step_s": max(r["longest_step_s"] or 0.0 for r in results),
             "mean_running": [r["mean_running"] for r in results]}
 
 
@@ -198,6 +199,8 @@ def run_seerd(config: str, model: str, prompts: Path, workload: Workload, engine
     return {"tokens": tokens, "finished": finished, "chunks": chunks, "coordinator_cpu_share": load["cpu_share"],
             "kv_tokens": kv_tokens, "lengths": lengths,
             "preemptions": sum(e["preemptions"] for e in engines) if engines else None,
+            "longest_step_s": max(e.get("longest_step_s", 0.0) for e in engines) if engines else None,
+            "longest_commit_s": load.get("longest_commit_s"),
             "mean_running": [e["mean_running"] for e in engines],
             "accepted_per_drafted": (sum(s["accepted"] for s in spec) / max(1, sum(s["drafted"] for s in spec))
                                      if spec else None)}
@@ -245,7 +248,8 @@ def print_table(document: dict) -> None:
           f"{1e3 * bound['solo_step_s']:.2f} ms/step; all tokens {bound['all_tokens_s']:.2f} s at peak "
           f"{bound['peak_tokens_per_s']:,.0f} tok/s)")
     head = (f"{'config':<16} {'tok/s':>7} {'x direct':>8} {'makespan':>8} {'x bound':>7} {'tail s':>6} "
-            f"{'tail x dir':>10} {'preempt':>7} {'running':>7} {'chunks':>6} {'coord':>6} "
+            f"{'tail x dir':>10} {'preempt':>7} {'running':>7} {'chunks':>6} {'coord':>6} {'step max':>8} "
+            f"{'commit max':>10} "
             f"{'sim tok/s':>9} {'sim tail':>8}  samples tok/s")
     print(head)
     for name, c in configs.items():
@@ -255,6 +259,7 @@ def print_table(document: dict) -> None:
         print(f"{name:<16} {tok_s:>7.0f} {tok_s / base_tok_s:>8.2f} {seconds:>8.2f} {seconds / bound['seconds']:>7.2f} "
               f"{tail:>6.2f} {tail / base_tail if base_tail else float('nan'):>10.2f} {cell('preemptions', '.0f'):>7} "
               f"{cell('mean_running', '.1f'):>7} {cell('chunks', '.0f'):>6} {cell('coordinator_cpu_share', '.1%'):>6} "
+              f"{cell('longest_step_s', '.2f'):>8} {cell('longest_commit_s', '.2f'):>10} "
               f"{format(sim['tok_s'], '.0f') if sim else '-':>9} {format(sim['tail_s'], '.2f') if sim else '-':>8}  "
               f"{[round(x) for x in c['tok_s']]}")
 
@@ -371,7 +376,8 @@ def main() -> int:
     for name, rs in runs.items():
         entry = {"tok_s": [r["tok_s"] for r in rs], "seconds": [r["seconds"] for r in rs],
                  "tail_s": [r["tail_s"] for r in rs], "tokens": [r["tokens"] for r in rs]}
-        for key in ("preemptions", "chunks", "coordinator_cpu_share", "accepted_per_drafted"):
+        for key in ("preemptions", "chunks", "coordinator_cpu_share", "accepted_per_drafted", "longest_step_s",
+                    "longest_commit_s"):
             values = [r[key] for r in rs if r.get(key) is not None]
             entry[key] = median(values) if values else None
         running = [sum(r["mean_running"]) for r in rs if r.get("mean_running")]

@@ -79,9 +79,10 @@ def generate(llm, shard: Path, out: Path, go: Path) -> None:  # noqa: ANN001
     finished: list[float | None] = [None] * len(requests)
     lengths = [0] * len(requests)
     while llm.has_unfinished_requests():
+        started = time.monotonic()
         outputs = llm.step()
         if counters is not None:
-            counters.after_step()
+            counters.after_step(time.monotonic() - started)
         now = time.time()
         for output in outputs:
             if output.finished:
@@ -90,6 +91,7 @@ def generate(llm, shard: Path, out: Path, go: Path) -> None:  # noqa: ANN001
     figures = counters.figures() if counters is not None else {}
     out.write_text(json.dumps({"start": start, "finished": finished, "tokens": sum(lengths), "lengths": lengths,
                                "preemptions": figures.get("preemptions"),
+                               "longest_step_s": figures.get("longest_step_s"),
                                "mean_running": figures.get("mean_running")}))
 
 

@@ -29,6 +29,7 @@ from seerd.coordinator.drafts import REFRESH_S, DraftHost, book_sequences, histo
 from seerd.coordinator.kvpool import PoolHost, model_revision, run_tag
 from seerd.coordinator.model_identity import verify_model
 from seerd.db import Rollout, RolloutStatus, WorkerStatus, add_event, make_engine, make_sessionmaker
+from seerd.db.base import CommitTimes
 from seerd.db.migrate import upgrade_run_database
 from seerd.db.read import UnreadableDatabase
 from seerd.io.export import ExportResult, export_run
@@ -350,7 +351,8 @@ class Coordinator:
         generating = max(now - (self.book.first_lease_at or self.started_at), 1e-9)
         cpu = time.process_time() - (self.book.first_lease_cpu or self.cpu_started)
         return {"wall_s": wall, "generation_s": generating, "cpu_s": cpu, "api_wall_s": self.control.busy_s,
-                "export_s": export_s, "api_calls": self.control.calls, "cpu_share": cpu / generating}
+                "export_s": export_s, "api_calls": self.control.calls, "cpu_share": cpu / generating,
+                "longest_commit_s": CommitTimes.longest_s, "slow_commits": CommitTimes.slow}
 
     def record_event(self, kind: str, data: dict) -> None:
         """One event in its own transaction (outside the state thread only before or after `serve`)."""

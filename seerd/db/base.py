@@ -6,13 +6,17 @@ the caller owns the transaction (Prefect's habit).
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from sqlalchemy import Connection, Engine, MetaData, create_engine, event
 from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
+
+log = logging.getLogger("seerd.db")
 
 # Stable constraint names so that Alembic batch migrations on SQLite can find them.
 NAMING_CONVENTION = {
@@ -24,6 +28,24 @@ NAMING_CONVENTION = {
 }
 
 BUSY_TIMEOUT_MS = 10_000
+SLOW_COMMIT_S = 1.0  # a write transaction longer than this is logged: the disk (fsync) or a lock
+
+
+class CommitTimes:
+    """The longest write transaction and how many passed `SLOW_COMMIT_S`, for this process: a
+    coordinator that stops answering for seconds is often waiting on its disk, which its own CPU
+    time does not show (`coordinator_load` carries these)."""
+
+    longest_s = 0.0
+    slow = 0
+
+    @classmethod
+    def record(cls, seconds: float, durable: bool) -> None:
+        cls.longest_s = max(cls.longest_s, seconds)
+        if seconds > SLOW_COMMIT_S:
+            cls.slow += 1
+            log.warning("a %s write transaction took %.1f s (the disk's fsync, or another writer's lock)",
+                        "durable" if durable else "non-durable", seconds)
 
 
 class Base(DeclarativeBase):
@@ -92,9 +114,11 @@ def begin(engine: Engine, *, durable: bool = True) -> Iterator[Connection]:
         raw = conn.connection.driver_connection
         if relaxed:  # outside a transaction: SQLite refuses it inside one
             raw.execute("PRAGMA synchronous=NORMAL")
+        started = time.monotonic()
         try:
             with conn.begin():
                 yield conn
+            CommitTimes.record(time.monotonic() - started, durable)
         finally:
             if relaxed:  # back: a plain `engine.begin()` elsewhere stays durable
                 raw.execute(f"PRAGMA synchronous={durable_setting}")

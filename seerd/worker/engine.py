@@ -172,6 +172,7 @@ class EngineCounters:
         self.steps = 0
         self.running_sum = 0
         self.preemptions = 0
+        self.longest_step_s = 0.0
         preempt = scheduler._preempt_request
 
         def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
@@ -189,12 +190,13 @@ class EngineCounters:
         except (AttributeError, TypeError):
             return None
 
-    def after_step(self) -> None:
+    def after_step(self, seconds: float) -> None:
         self.steps += 1
         self.running_sum += len(self.scheduler.running)
+        self.longest_step_s = max(self.longest_step_s, seconds)
 
     def figures(self) -> dict:
-        return {"steps": self.steps, "preemptions": self.preemptions,
+        return {"steps": self.steps, "preemptions": self.preemptions, "longest_step_s": self.longest_step_s,
                 "mean_running": self.running_sum / self.steps if self.steps else 0.0}
 
 
@@ -368,9 +370,10 @@ class SteppedEngine:
                     continue
                 started = time.monotonic()
                 outputs = self.llm.step()
-                self.clock.record(time.monotonic() - started)
+                took = time.monotonic() - started
+                self.clock.record(took)
                 if self.counters is not None:
-                    self.counters.after_step()
+                    self.counters.after_step(took)
                 for output in outputs:
                     self._push(output)
         except BaseException as exc:  # the engine is gone: fail every stream, the worker exits
