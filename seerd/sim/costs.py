@@ -232,7 +232,8 @@ class ProfiledCosts:
         T(B, C, D) = T(B, C) * S(B, D/B) / S(B, 0) + draft_s_per_request * B
     The spec profile was taken on another model and context than the decode profile, so only
     its relative cost of verifying drafts is used (S between whole depths is linear in the
-    depth); the drafting time is the spec profile's, absolute. The profile's noise (at B=2 the
+    depth; past the profile's largest batch, that batch's ratio); the drafting time is the spec
+    profile's, absolute. The profile's noise (at B=2 the
     shipped CPU profile has depth 3 faster than depth 0) is removed by a running maximum over
     the depth, so a draft token never makes a step cheaper.
     """
@@ -260,9 +261,10 @@ class ProfiledCosts:
         depth = drafts / batch
         low = min(int(depth), self._verify.gamma_max)
         high = min(low + 1, self._verify.gamma_max)
-        s_low, s_high = self._verify.step_time(batch, low), self._verify.step_time(batch, high)
+        measured = min(batch, self._verify.batch_sizes[-1])  # past the profile: its largest batch's ratio
+        s_low, s_high = self._verify.step_time(measured, low), self._verify.step_time(measured, high)
         drafted = s_low + (s_high - s_low) * (depth - low)
-        return drafted / self._verify.step_time(batch, 0), self.spec_profile.draft_s_per_request * batch
+        return drafted / self._verify.step_time(measured, 0), self.spec_profile.draft_s_per_request * batch
 
     def step_time(self, batch: int, context: float, drafts: int = 0) -> float:
         plain = self.a + self.b * batch + self.c * context
