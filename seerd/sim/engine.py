@@ -260,7 +260,7 @@ class SimInstance:
             self._admissions += 1
             seq.admitted_order = self._admissions
             self.running[seq.chunk_id] = seq
-            if self.planner is None:  # with a planner, ends are set when it plans the segment
+            if self.planner is None:  # with a planner, ends move at every re-plan and are found by a scan
                 heapq.heappush(self._ends, (seq.end_step, seq.chunk_id))
             self.kv_used += context
             self.stats.peak_kv = max(self.stats.peak_kv, self.kv_used)
