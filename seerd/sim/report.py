@@ -15,13 +15,25 @@ from seerd.scheduler.seer import SeerPolicy
 from seerd.sim.costs import Efficiency
 from seerd.sim.driver import SimResult, Simulation
 from seerd.sim.presets import Preset
+from seerd.sim.spec import Speculation, acceptance_table
 from seerd.sim.workload import Workload, generate, next_iteration
 
 SIM_POLICIES = ("group", "divided", "seer", "oracle", "streamrl-oracle")
 REVEALED_POLICY = "seer-revealed"  # diagnostic, with an optional ":SIGMA" (scheduler/oracle.py)
+PRIOR_POLICY = "seer+prior"  # seer with estimates seeded from the previous iteration
+SPEC_SUFFIX = "+sd"  # any policy with speculative decoding on (e.g. seer+sd: full Seer)
+
+
+def without_speculation(name: str) -> str:
+    return name.removesuffix(SPEC_SUFFIX)
+
+
+def speculates(name: str) -> bool:
+    return name.endswith(SPEC_SUFFIX)
 
 
 def is_sim_policy(name: str) -> bool:
+    name = without_speculation(name)
     base, colon, sigma = name.partition(":")
     if base == REVEALED_POLICY:
         try:
@@ -29,7 +41,6 @@ def is_sim_policy(name: str) -> bool:
         except ValueError:
             return False
     return name in SIM_POLICIES or name == PRIOR_POLICY
-PRIOR_POLICY = "seer+prior"  # seer with estimates seeded from the previous iteration
 
 
 @dataclass(frozen=True)
@@ -45,12 +56,21 @@ class SimSettings:
     kv_tokens: int | None = None  # override the KV capacity per instance
     chunk_gap_s: float | None = None  # override the preset's control-plane gap per chunk
     growth_quantile: float | None = None  # override the quantile of seer's growth ratios
+    speculation: Speculation | None = None  # what `+sd` policies run (None: `default_speculation`)
+
+
+def default_speculation(preset: Preset) -> Speculation:
+    """Grouped drafts at the paper's gamma_max 8 and lambda 2, with the preset's acceptance table."""
+    return Speculation(acceptance_table(preset.acceptance))
 
 
 def simulate(settings: SimSettings, workload: Workload, policy: str, seed: int,
              priors: dict[int, int] | None = None) -> SimResult:
     preset = settings.preset
-    name = policy.removesuffix("+prior")
+    name = without_speculation(policy).removesuffix("+prior")
+    speculation = None
+    if speculates(policy):
+        speculation = settings.speculation or default_speculation(preset)
     chosen: str | SeerPolicy = name
     if name == "seer" and settings.seer_starvation_s is not None:
         chosen = SeerPolicy(starvation_s=settings.seer_starvation_s)
@@ -59,7 +79,7 @@ def simulate(settings: SimSettings, workload: Workload, policy: str, seed: int,
                      max_num_seqs=preset.max_num_seqs, seed=seed, pool_hit_rate=settings.pool_hit_rate,
                      priors=priors, record_timeline=settings.record_timeline, kv_capacity=settings.kv_tokens,
                      chunk_gap_s=preset.chunk_gap_s if settings.chunk_gap_s is None else settings.chunk_gap_s,
-                     growth_quantile=settings.growth_quantile)
+                     growth_quantile=settings.growth_quantile, speculation=speculation)
     result = sim.run()
     result.policy = policy
     return result
@@ -80,7 +100,7 @@ def run_comparison(settings: SimSettings, policies: Sequence[str], seeds: Sequen
                 previous, current = current, next_iteration(current, settings.preset, seed * 1000 + iteration,
                                                             within_share=settings.within_share)
             for policy in policies:
-                if policy == PRIOR_POLICY:
+                if without_speculation(policy) == PRIOR_POLICY:
                     if previous is None:
                         continue
                     priors = {g.index: max(g.lengths) for g in previous.groups}
@@ -113,8 +133,12 @@ def summarize(results: dict[str, list[SimResult]]) -> dict[str, dict]:
             "local_continuations": _median([r.local_continuations for r in runs]),
             "pool_loads": _median([r.pool_loads for r in runs]),
             "mean_batch": _median([r.mean_batch for r in runs]),
+            "tokens_per_sequence_step": _median([r.tokens_per_sequence_step for r in runs]),
             "sim_wall_s": _median([r.wall_s for r in runs]),
         }
+        if speculates(policy):
+            entry["spec_step_share"] = _median([r.spec_steps / max(1, r.decode_steps) for r in runs])
+            entry["draft_acceptance"] = _median([r.draft_acceptance for r in runs if r.draft_acceptance is not None])
         for base in ("group", "oracle"):
             base_runs = results.get(base) or []
             if len(base_runs) == len(runs):
@@ -132,17 +156,21 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 def format_table(summary: dict[str, dict], preset: Preset) -> str:
+    """One row per policy; with a `+sd` policy among them, a column of tokens per sequence-step."""
     paper = preset.paper
-    paper_x = {"divided": paper.divided_x, "seer": paper.seer_x, "oracle": paper.oracle_x}
-    header = ("policy", "tok/s", "total s", "tail s", "preempt", "idle", "x group (range)", "x oracle",
-              "tail x group", "paper x group")
+    paper_x = {"divided": paper.divided_x, "seer": paper.seer_x, "seer" + SPEC_SUFFIX: paper.seer_sd_x,
+               "oracle": paper.oracle_x}
+    drafting = any(speculates(policy) for policy in summary)
+    header = ("policy", "tok/s", "total s", "tail s", "preempt", "idle", *(("tok/step",) if drafting else ()),
+              "x group (range)", "x oracle", "tail x group", "paper x group")
     rows = [header]
     for policy, e in summary.items():
         rng = e.get("x_group_range")
         x_group = _fmt(e.get("x_group"), ".2f") + (f" ({rng[0]:.2f}-{rng[1]:.2f})" if rng and e["runs"] > 1 else "")
+        tokens_per_step = (_fmt(e["tokens_per_sequence_step"], ".2f"),) if drafting else ()
         rows.append((policy, _fmt(e["throughput_tok_s"], ",.0f"), _fmt(e["total_time_s"], ",.0f"),
                      _fmt(e["tail_time_s"], ",.0f"), _fmt(e["preemptions"], ",.0f"), _fmt(e["idle_fraction"], ".2f"),
-                     x_group, _fmt(e.get("x_oracle"), ".3f"), _fmt(e.get("tail_x_group"), ".2f"),
+                     *tokens_per_step, x_group, _fmt(e.get("x_oracle"), ".3f"), _fmt(e.get("tail_x_group"), ".2f"),
                      _fmt(paper_x.get(policy), ".2f")))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))

@@ -197,6 +197,15 @@ def test_readers_simulator_and_workers_never_import_the_coordinator(importer):
     fail_if_any(imports_from(importer, "seerd.coordinator"), f"{importer} imports the coordinator")
 
 
+def test_the_simulator_uses_the_scheduler_the_protocol_and_the_draft_depth_policy_only():
+    # sim -> drafts is allowed for the workers' depth planner (pure, imports nothing from seerd), so
+    # `+sd` policies run the workers' own code; never the drafter or its client (vLLM, HTTP).
+    allowed = ("seerd.sim", "seerd.scheduler", "seerd.protocol", "seerd.tail", "seerd.drafts.policy")
+    fail_if_any([found for found in imports_from("seerd.sim", "seerd")
+                 if not any(in_package(found.imported, package) for package in allowed)],
+                "seerd.sim imports more than the scheduler, the protocol, seerd.tail and seerd.drafts.policy")
+
+
 def test_status_does_not_import_the_scheduler():
     # Issue 14: status reads the coordinator's forecast (persisted or served), not the scheduler's code.
     fail_if_any(imports_from("seerd.status", "seerd.scheduler"), "seerd.status imports the scheduler")
