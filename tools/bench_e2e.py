@@ -21,6 +21,10 @@ Clock: for seerd, from the first lease to the last finished response (engine sta
 `--wait-for-workers`, so both engines are up when the first chunk is leased); for direct, from
 the moment both engines start to the last finished response. Throughput = output tokens / that
 makespan; tail = makespan minus the time when 90% of the responses had finished.
+Same responses everywhere: direct samples response k of group g with the seed seerd gives that
+response's first chunk (`chunk_seed`), which a response continued in place keeps to its end, and
+vLLM's per-request generators do not depend on the batch; so the configurations generate the
+same tokens (a response seerd stopped and ran again elsewhere samples on with another seed).
 
 Beside them:
   bound  the workload's physical bound on these engines, measured in the same invocation: the
@@ -122,16 +126,22 @@ def finish(procs: list[subprocess.Popen], work: Path, tag: str) -> None:
             raise RuntimeError(f"an engine process failed; see {work}/{tag}-*.log")
 
 
-def run_direct(model: str, settings: Path, rows: list[dict], workload: Workload, work: Path) -> dict:
+def run_direct(model: str, settings: Path, rows: list[dict], workload: Workload, work: Path, seed: int) -> dict:
+    from seerd.coordinator.records import chunk_seed
+
     half = (len(rows) + 1) // 2
     shards = []
     for rank, shard_rows in enumerate((rows[:half], rows[half:])):  # veRL: contiguous data-parallel shards
         shard = work / f"shard{rank}.jsonl"
         lines = []
-        for row in shard_rows:
-            sampling = {"max_tokens": row.get("max_tokens", workload.max_tokens), "temperature": workload.temperature,
-                        "ignore_eos": row.get("ignore_eos", False)}
-            lines += [json.dumps({"prompt_token_ids": row["prompt_token_ids"], "sampling": sampling})] * workload.n
+        for g, row in enumerate(shard_rows, start=0 if rank == 0 else half):
+            for k in range(workload.n):
+                # The seed seerd gives response k of group g for its first chunk, which a response
+                # continued in place keeps to its end: both sides sample the same responses.
+                sampling = {"max_tokens": row.get("max_tokens", workload.max_tokens),
+                            "temperature": workload.temperature, "ignore_eos": row.get("ignore_eos", False),
+                            "seed": chunk_seed(seed, g, k, 0)}
+                lines.append(json.dumps({"prompt_token_ids": row["prompt_token_ids"], "sampling": sampling}))
         shard.write_text("\n".join(lines) + "\n")
         shards.append(shard)
     go = work / "go"
@@ -339,7 +349,7 @@ def main() -> int:
         settings.write_text(json.dumps({"engine": engine, "seed": seed}))
         for name in configs:
             if name == "direct":
-                result = run_direct(model, settings, rows, workload, work)
+                result = run_direct(model, settings, rows, workload, work, seed)
             else:
                 result = run_seerd(name, model, prompts, workload, engine, work, seed)
             result["seconds"] = result["finished"][-1]

@@ -118,6 +118,7 @@ class EngineLive:
     progress: dict[str, int] = field(default_factory=dict)  # lease key c{chunk}e{epoch} -> tokens so far
 
 
+SLOW_STEP_S = 1.0  # a step longer than this is logged (a large prefill, or the machine stalled)
 LIVE_SAMPLE_INTERVAL_S = 0.5  # sampling walks every running request: not at every step
 
 
@@ -189,6 +190,11 @@ class EngineCounters:
             return cls(scheduler) if callable(scheduler._preempt_request) else None
         except (AttributeError, TypeError):
             return None
+
+    def reset(self) -> None:
+        """Forget what came before (the warm-up step's lazy initialisation, seconds here)."""
+        self.steps = self.running_sum = self.preemptions = 0
+        self.longest_step_s = 0.0
 
     def after_step(self, seconds: float) -> None:
         self.steps += 1
@@ -371,6 +377,8 @@ class SteppedEngine:
                 started = time.monotonic()
                 outputs = self.llm.step()
                 took = time.monotonic() - started
+                if took > SLOW_STEP_S:
+                    log.info("engine step took %.2f s (%d requests in the engine)", took, len(self.streams))
                 self.clock.record(took)
                 if self.counters is not None:
                     self.counters.after_step(took)

@@ -322,6 +322,8 @@ async def warm_up(engine) -> None:  # noqa: ANN001
     on some platforms) is paid before any chunk waits on it, and the step clock the coordinator
     judges progress by has its first figure. Not a seerd chunk id: no drafts, no KV pool."""
     await engine.run("seerd-warm-up", [1, 2, 3, 4], 2, {"temperature": 0.0})
+    if getattr(engine, "counters", None) is not None:  # the engine's figures are of the rollout only
+        engine.counters.reset()
 
 
 async def amain(run_dir: RunDir, rank: int, patience_s: float, address_timeout_s: float = 120.0) -> int:
