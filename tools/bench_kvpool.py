@@ -5,7 +5,7 @@
    from the pool; against an engine without the pool that recomputes the context, and against a
    pool-enabled engine whose lookup misses (what the pool costs when it cannot help: the lookup and
    the saves). Medians over repeats, each repeat on fresh prompts.
-2. Rollouts that migrate often (2 workers, `--policy divided`, chunks well below the response
+2. Rollouts that migrate often (2 workers, `--policy divided --no-in-place`, chunks well below the response
    length, greedy with ignore_eos so both runs produce the same tokens), with `--kv-pool mooncake`
    and `off`, alternating: throughput, prefill tokens recomputed and avoided by continued chunks,
    moved chunks and the pool hit rate over their response tokens, bytes moved and load bandwidth.
@@ -205,7 +205,8 @@ def rollouts(args: argparse.Namespace, work: Path) -> None:
                        str(args.model), "--run-dir", str(run_dir), "--workers", "2", "--policy", "divided",
                        "--chunk-tokens", str(args.chunk_tokens), "--n", str(args.n), "--max-tokens",
                        str(args.max_tokens), "--temperature", "0", "--dtype", "float32", "--kv-cache-gib", "0.5",
-                       "--max-num-seqs", str(args.max_num_seqs), "--wait-for-workers", "--no-progress", "--kv-pool", mode]
+                       "--max-num-seqs", str(args.max_num_seqs), "--wait-for-workers", "--no-progress", "--kv-pool", mode,
+                       "--no-in-place"]  # re-submitted chunks move; continued in place, they stay
             done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT)
             if done.returncode != 0:
                 raise SystemExit(f"{mode} run failed:\n{done.stderr[-3000:]}")

@@ -25,10 +25,12 @@ MODEL = REPO_ROOT / "tools" / "motif_model" / "weights"
 # several full blocks (128 tokens), on whichever worker asks first (divided: first come first served).
 # Six sequences per worker for 16 requests: neither worker can take every request back after its
 # chunks (with 64, the first to ask held all 16 and nothing ever moved on a CI machine), and the four
-# left queued each round go to the other worker, so chunks move whatever the timing.
+# left queued each round go to the other worker, so chunks move whatever the timing. Chunks are
+# re-submitted (--no-in-place): continued in place, a running request keeps its slot and never
+# moves here, and a move is what the pool is for.
 COMMON = ["--model", str(MODEL), "--workers", "2", "--policy", "divided", "--chunk-tokens", "96", "--n", "2",
           "--max-tokens", "384", "--temperature", "0", "--dtype", "float32", "--kv-cache-gib", "0.25",
-          "--max-num-seqs", "6", "--wait-for-workers", "--no-progress"]
+          "--max-num-seqs", "6", "--wait-for-workers", "--no-in-place", "--no-progress"]
 
 
 def write_prompts(path: Path, groups: int) -> Path:
