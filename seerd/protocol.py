@@ -37,6 +37,7 @@ class RegisterBody(msgspec.Struct, forbid_unknown_fields=True):
     address: str
     max_chunks: int
     kv_capacity_tokens: int
+    kv_block_tokens: int = 1  # the engine's KV block: a sequence holds whole blocks
 
 
 class RegisterReply(msgspec.Struct):

@@ -192,10 +192,13 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
     @app.post(REGISTER.path)
     async def register(request: Request) -> Response:
         body = await _decode(request, REGISTER.body)
-        if body.rank < 0 or body.max_chunks < 1 or body.kv_capacity_tokens < 1 or not body.worker_id:
-            raise ApiError(422, "rank >= 0, max_chunks >= 1, kv_capacity_tokens >= 1 and a worker_id are required")
+        if (body.rank < 0 or body.max_chunks < 1 or body.kv_capacity_tokens < 1 or not body.worker_id
+                or not 1 <= body.kv_block_tokens <= body.kv_capacity_tokens):
+            raise ApiError(422, "rank >= 0, max_chunks >= 1, kv_capacity_tokens >= 1, kv_block_tokens in "
+                                "1..kv_capacity_tokens and a worker_id are required")
         worker = await control.run(book.register, rank=body.rank, address=body.address, max_chunks=body.max_chunks,
                                    kv_capacity_tokens=body.kv_capacity_tokens, worker_id=body.worker_id[:100],
+                                   kv_block_tokens=body.kv_block_tokens,
                                    now=clock())
         return _json(RegisterReply(worker.id, book.lease_ttl_s, heartbeat_interval(book.lease_ttl_s)))
 

@@ -165,7 +165,7 @@ class LeaseBook:
 
     # ----------------------------------------------------------------- workers
     def register(self, *, rank: int, address: str, max_chunks: int, kv_capacity_tokens: int,
-                 worker_id: str, now: float) -> WorkerLiveness:
+                 worker_id: str, now: float, kv_block_tokens: int = 1) -> WorkerLiveness:
         with begin(self.engine, durable=False) as conn:
             if conn.execute(select(WORKERS.c.id).where(WORKERS.c.id == worker_id)).first() is not None:
                 # Same id again (a restarted coordinator, a worker back from a partition): a new
@@ -178,8 +178,9 @@ class LeaseBook:
             conn.execute(INSERT_EVENT, [event_row(
                 self.rollout_id, now, "worker_registered", worker_id,
                 data={"rank": rank, "address": address, "max_chunks": max_chunks,
-                      "kv_capacity_tokens": kv_capacity_tokens})])
-        self.state.add_worker(worker_id, rank=rank, max_chunks=max_chunks, kv_capacity_tokens=kv_capacity_tokens)
+                      "kv_capacity_tokens": kv_capacity_tokens, "kv_block_tokens": kv_block_tokens})])
+        self.state.add_worker(worker_id, rank=rank, max_chunks=max_chunks, kv_capacity_tokens=kv_capacity_tokens,
+                              kv_block_tokens=kv_block_tokens)
         worker = self.workers[worker_id] = WorkerLiveness(worker_id, WorkerStatus.ALIVE, now, now)
         return worker
 

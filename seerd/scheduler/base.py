@@ -26,9 +26,12 @@ def chunk_budget(request: QueuedRequest, chunk_tokens: int) -> int:
     return min(chunk_tokens, request.remaining)
 
 
-def kv_need(request: QueuedRequest, budget: int) -> int:
-    """KV tokens a chunk can occupy at its end: the whole context plus its budget."""
-    return request.prompt_len + request.generated + budget
+def kv_need(request: QueuedRequest, budget: int, block_tokens: int = 1) -> int:
+    """KV tokens a chunk can occupy at its end: the whole context plus its budget, in the whole
+    blocks the engine allocates (vLLM-CPU's are 128 tokens: on a small KV cache the rounding
+    is a quarter of it, and counting tokens let the engine preempt what the scheduler admitted)."""
+    tokens = request.prompt_len + request.generated + budget
+    return -(-tokens // block_tokens) * block_tokens
 
 
 def continuing_first(snapshot: Snapshot, ordered: Iterable[QueuedRequest],
@@ -110,7 +113,7 @@ def admit(snapshot: Snapshot, ordered: Iterable[QueuedRequest],
             passed_over += 1
             continue
         budget = chunk_budget(request, snapshot.chunk_tokens)
-        need = kv_need(request, budget)
+        need = kv_need(request, budget, load.kv_block_tokens)
         if need > kv_free:
             if need <= room_elsewhere:
                 passed_over += 1

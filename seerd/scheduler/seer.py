@@ -116,7 +116,7 @@ class SeerPolicy:
             if home is None or home.running_chunks >= home.max_chunks:
                 return False
             headroom = home.kv_capacity_tokens - home.reserved_kv_tokens
-            return (headroom >= kv_need(request, chunk_budget(request, snapshot.chunk_tokens))
+            return (headroom >= kv_need(request, chunk_budget(request, snapshot.chunk_tokens), home.kv_block_tokens)
                     and home.running_chunks - asking.running_chunks <= self.affinity_spread
                     and snapshot.now - request.queued_at <= self.starvation_s)
 

@@ -71,9 +71,10 @@ class WorkerRecord:
     rank: int
     max_chunks: int
     kv_capacity_tokens: int
+    kv_block_tokens: int = 1  # its engine's KV block size: a chunk reserves whole blocks
     live: bool = True  # only live workers are offered to policies
     chunks: set[int] = field(default_factory=set)  # its leases' chunk ids
-    kv_reserved: int = 0  # sum over its leases of context + budget
+    kv_reserved: int = 0  # sum over its leases of context + budget, in whole blocks
 
 
 @dataclass(frozen=True)
@@ -186,10 +187,12 @@ class SchedulerState:
         self._changed()
 
     # ------------------------------------------------------------- workers
-    def add_worker(self, worker_id: str, *, rank: int, max_chunks: int, kv_capacity_tokens: int) -> WorkerRecord:
+    def add_worker(self, worker_id: str, *, rank: int, max_chunks: int, kv_capacity_tokens: int,
+                   kv_block_tokens: int = 1) -> WorkerRecord:
         if worker_id in self.workers:
             raise ValueError(f"worker {worker_id} is already known")
-        worker = self.workers[worker_id] = WorkerRecord(worker_id, rank, max_chunks, kv_capacity_tokens)
+        worker = self.workers[worker_id] = WorkerRecord(worker_id, rank, max_chunks, kv_capacity_tokens,
+                                                        max(1, kv_block_tokens))
         self._changed()
         return worker
 
@@ -210,7 +213,8 @@ class SchedulerState:
         """Every live worker's load, in the order they joined."""
         if self._loads is None:  # rebuilt only after a change
             self._loads = tuple(WorkerLoad(w.id, w.rank, len(w.chunks), w.kv_reserved, w.max_chunks,
-                                           w.kv_capacity_tokens) for w in self.workers.values() if w.live)
+                                           w.kv_capacity_tokens, w.kv_block_tokens)
+                                for w in self.workers.values() if w.live)
         return self._loads
 
     def version(self) -> int:
@@ -244,7 +248,7 @@ class SchedulerState:
             view = self.queue.remove(assignment.request_id)
             request = self.requests[assignment.request_id]
             lease = LeaseRecord(chunk_id, request.id, worker_id, assignment.max_tokens,
-                                kv_need(view, assignment.max_tokens), request.last_worker)
+                                kv_need(view, assignment.max_tokens, worker.kv_block_tokens), request.last_worker)
             request.last_worker = worker_id
             self.leases[chunk_id] = lease
             worker.chunks.add(chunk_id)

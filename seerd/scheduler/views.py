@@ -63,9 +63,10 @@ class WorkerLoad:
     worker_id: str
     rank: int
     running_chunks: int
-    reserved_kv_tokens: int  # sum over its leases of context + chunk budget
+    reserved_kv_tokens: int  # sum over its leases of context + chunk budget, in whole blocks
     max_chunks: int
     kv_capacity_tokens: int
+    kv_block_tokens: int = 1  # the engine allocates KV in blocks of this many tokens
 
 
 @dataclass(frozen=True)

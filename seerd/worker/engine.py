@@ -300,6 +300,11 @@ def sampling_params(max_tokens: int, sampling: dict, *, stream: bool = False):  
     )
 
 
+def kv_block_tokens(vllm_config) -> int:  # noqa: ANN001
+    """The engine's KV block size (tokens): vLLM allocates a sequence's KV in whole blocks."""
+    return int(getattr(vllm_config.cache_config, "block_size", None) or 1)
+
+
 def kv_capacity_tokens(vllm_config, kv_bytes: int) -> int:  # noqa: ANN001
     cache = vllm_config.cache_config
     if cache.num_gpu_blocks:
@@ -338,6 +343,7 @@ class SteppedEngine:
         self.llm = llm
         self.max_chunks = max_chunks
         self.kv_capacity_tokens = kv_tokens
+        self.kv_block_tokens = kv_block_tokens(llm.vllm_config)
         self.loop = asyncio.get_running_loop()
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.streams: dict[str, Stream] = {}  # engine request id -> its output so far
@@ -476,6 +482,7 @@ class AsyncEngine:
         self.llm = llm
         self.max_chunks = max_chunks
         self.kv_capacity_tokens = kv_tokens
+        self.kv_block_tokens = kv_block_tokens(llm.vllm_config)
         self.live: EngineLive | None = None  # the scheduler is in the core process
         self.counters: EngineCounters | None = None  # likewise
         self.clock = StepClock()  # counts outputs: one per running request per step

@@ -107,7 +107,8 @@ class Worker:
     async def register(self) -> None:
         reply = await self.client.call_until_answered(REGISTER, RegisterBody(
             self.worker_id, self.rank, address=f"{socket.gethostname()}:{os.getpid()}",
-            max_chunks=self.engine.max_chunks, kv_capacity_tokens=self.engine.kv_capacity_tokens))
+            max_chunks=self.engine.max_chunks, kv_capacity_tokens=self.engine.kv_capacity_tokens,
+            kv_block_tokens=getattr(self.engine, "kv_block_tokens", 1)))
         self.worker_id = reply.worker_id
         self.heartbeat_interval_s = reply.heartbeat_interval_s
         log.info("registered as %s (capacity %d chunks, %d KV tokens)", self.worker_id,

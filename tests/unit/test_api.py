@@ -247,3 +247,14 @@ def test_draft_endpoints_say_when_the_run_has_no_draft_server(client):
     auth = {"Authorization": f"Bearer {SECRET}"}
     response = client.post("/v1/drafts/fetch", json={"cursors": {}}, headers=auth)
     assert response.status_code == 404 and "--spec" in response.json()["detail"]
+
+
+def test_registration_carries_the_engines_kv_block_and_refuses_an_impossible_one(client):
+    auth = {"Authorization": f"Bearer {SECRET}"}
+    bad = client.post("/v1/register", json={**REGISTER, "kv_block_tokens": 101}, headers=auth)  # > capacity 100
+    assert bad.status_code == 422 and "kv_block_tokens" in bad.json()["detail"]
+    reg = client.post("/v1/register", json={**REGISTER, "kv_block_tokens": 16}, headers=auth).json()
+    assert client.book.state.workers[reg["worker_id"]].kv_block_tokens == 16
+    (grant,) = client.post("/v1/lease", json={"worker_id": reg["worker_id"], "wanted": 1}, headers=auth).json()["chunks"]
+    # The chunk reserves its context + budget rounded up to whole blocks of 16.
+    assert client.book.state.workers[reg["worker_id"]].kv_reserved % 16 == 0

@@ -275,3 +275,12 @@ def test_seer_keeps_continuing_non_probes_before_other_non_probes_but_not_before
     queued[1] = seer_req(2, 1, probe=True, generated=256)
     both = replace(snap("a", [load("a", 0)], queued), continuing=frozenset({2, 3}))
     assert [r.request_id for r in SeerPolicy().order(both)] == [2, 3, 1, 4]
+
+
+def test_kv_is_reserved_in_the_engines_whole_blocks():
+    """vLLM holds a sequence's KV in whole blocks: 42 tokens of context + budget take one block of
+    128, so a worker with 4 blocks takes 4 chunks, not 512 / 42 = 12."""
+    queued = [req(i, i, i, queued_at=float(i)) for i in range(8)]  # each 10 + 0 + 32 = 42 tokens
+    worker = WorkerLoad("a", 0, 0, 0, 16, 512, kv_block_tokens=128)
+    assert len(DividedPolicy().plan(snap("a", [worker], queued)).assignments) == 4
+    assert len(DividedPolicy().plan(snap("a", [load("a", 0, kv=512, max_chunks=16)], queued)).assignments) == 8
