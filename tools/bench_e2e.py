@@ -26,6 +26,12 @@ response's first chunk (`chunk_seed`), which a response continued in place keeps
 vLLM's per-request generators do not depend on the batch; so the configurations generate the
 same tokens (a response seerd stopped and ran again elsewhere samples on with another seed).
 
+Columns besides throughput, makespan and tail (medians over the repeats): preempt = sequences
+the engines' own schedulers evicted for lack of KV (recomputed later); resub = seerd's later
+chunks that did not continue in place (stopped at a boundary and prefilled again, unless the
+prefix cache still held them); running = sequences per engine step, summed over both engines;
+chunks; coord = the coordinator's CPU share of the generation phase; step max / commit max =
+the longest engine step and the longest database write (stalls).
 Beside them:
   bound  the workload's physical bound on these engines, measured in the same invocation: the
          larger of the longest response decoded alone at an engine's median step time with one
@@ -200,6 +206,11 @@ def run_seerd(config: str, model: str, prompts: Path, workload: Workload, engine
         tokens = db.execute("select sum(generated_tokens) from requests").fetchone()[0]
         load = json.loads(db.execute("select data_json from events where kind='coordinator_load'").fetchone()[0])
         chunks = db.execute("select count(*) from chunks").fetchone()[0]
+        # Later chunks that did not continue in place: their context was prefilled again (unless
+        # the engine's prefix cache still held it), as a preemption's is.
+        resubmitted = db.execute("select count(*) from chunks where seq > 0").fetchone()[0] - db.execute(
+            "select count(*) from events where kind = 'chunk_leased' and json_extract(data_json, '$.in_place')"
+        ).fetchone()[0]
         kv_tokens = db.execute("select max(kv_capacity_tokens) from workers").fetchone()[0]
         stats = [json.loads(s) for (s,) in db.execute("select stats_json from workers where stats_json is not null")]
         lengths = db.execute("select g.group_index, r.generated_tokens, g.prompt_len from requests r "
@@ -207,6 +218,7 @@ def run_seerd(config: str, model: str, prompts: Path, workload: Workload, engine
     engines = [s["engine"] for s in stats if s.get("engine")]
     spec = [s["spec"] for s in stats if s.get("spec")]
     return {"tokens": tokens, "finished": finished, "chunks": chunks, "coordinator_cpu_share": load["cpu_share"],
+            "resubmitted": resubmitted,
             "kv_tokens": kv_tokens, "lengths": lengths,
             "preemptions": sum(e["preemptions"] for e in engines) if engines else None,
             "longest_step_s": max(e.get("longest_step_s", 0.0) for e in engines) if engines else None,
@@ -258,7 +270,7 @@ def print_table(document: dict) -> None:
           f"{1e3 * bound['solo_step_s']:.2f} ms/step; all tokens {bound['all_tokens_s']:.2f} s at peak "
           f"{bound['peak_tokens_per_s']:,.0f} tok/s)")
     head = (f"{'config':<16} {'tok/s':>7} {'x direct':>8} {'makespan':>8} {'x bound':>7} {'tail s':>6} "
-            f"{'tail x dir':>10} {'preempt':>7} {'running':>7} {'chunks':>6} {'coord':>6} {'step max':>8} "
+            f"{'tail x dir':>10} {'preempt':>7} {'resub':>5} {'running':>7} {'chunks':>6} {'coord':>6} {'step max':>8} "
             f"{'commit max':>10} "
             f"{'sim tok/s':>9} {'sim tail':>8}  samples tok/s")
     print(head)
@@ -268,6 +280,7 @@ def print_table(document: dict) -> None:
         cell = lambda key, fmt: "-" if c.get(key) is None else format(c[key], fmt)  # noqa: E731
         print(f"{name:<16} {tok_s:>7.0f} {tok_s / base_tok_s:>8.2f} {seconds:>8.2f} {seconds / bound['seconds']:>7.2f} "
               f"{tail:>6.2f} {tail / base_tail if base_tail else float('nan'):>10.2f} {cell('preemptions', '.0f'):>7} "
+              f"{cell('resubmitted', '.0f'):>5} "
               f"{cell('mean_running', '.1f'):>7} {cell('chunks', '.0f'):>6} {cell('coordinator_cpu_share', '.1%'):>6} "
               f"{cell('longest_step_s', '.2f'):>8} {cell('longest_commit_s', '.2f'):>10} "
               f"{format(sim['tok_s'], '.0f') if sim else '-':>9} {format(sim['tail_s'], '.2f') if sim else '-':>8}  "
@@ -386,7 +399,8 @@ def main() -> int:
     for name, rs in runs.items():
         entry = {"tok_s": [r["tok_s"] for r in rs], "seconds": [r["seconds"] for r in rs],
                  "tail_s": [r["tail_s"] for r in rs], "tokens": [r["tokens"] for r in rs]}
-        for key in ("preemptions", "chunks", "coordinator_cpu_share", "accepted_per_drafted", "longest_step_s",
+        for key in ("preemptions", "resubmitted", "chunks", "coordinator_cpu_share", "accepted_per_drafted",
+                    "longest_step_s",
                     "longest_commit_s"):
             values = [r[key] for r in rs if r.get(key) is not None]
             entry[key] = median(values) if values else None

@@ -51,6 +51,17 @@ def continuing_first(snapshot: Snapshot, ordered: Iterable[QueuedRequest],
     yield from (r for r in ordered if r.request_id not in held)
 
 
+# The shortest chunk a request is shrunk to when the worker's KV cannot hold its whole budget:
+# below it a chunk's report round trip would cost more than the tokens it carries.
+MIN_SHRUNK_BUDGET = 16
+
+
+def fitting_budget(request: QueuedRequest, kv_free: int, block_tokens: int = 1) -> int:
+    """The largest budget whose chunk, context included, fits in `kv_free` tokens of whole blocks
+    (at most the request's chunk budget); 0 or less if not even its context fits."""
+    return min(request.remaining, (kv_free // block_tokens) * block_tokens - request.prompt_len - request.generated)
+
+
 def free_slots(snapshot: Snapshot) -> int:
     load = snapshot.worker(snapshot.worker_id)
     return min(snapshot.wanted, load.max_chunks - load.running_chunks)
@@ -94,9 +105,14 @@ def admit(snapshot: Snapshot, ordered: Iterable[QueuedRequest],
     A request's chunk needs KV for its whole context plus its budget, so admitted chunks never
     exceed the worker's KV (no preemption). A request whose chunk failed on this worker's engine
     waits for another live worker's (`failed_here`). A request that does not fit here but fits another
-    live worker with a free slot is left for that one; one that fits no worker stops admission,
-    so smaller ones never overtake a head that waits for room (the paper: "choose an instance
-    with room; if none has room, schedule nothing"). `limit` caps the number of chunks.
+    live worker with a free slot is left for that one. One that fits no worker with its whole
+    budget gets a shorter chunk where the KV left holds at least `MIN_SHRUNK_BUDGET` tokens past
+    its context (`fitting_budget`): the engine then runs as many sequences as its KV holds, as
+    vLLM's own admission does, without the preemptions that admission pays when sequences grow
+    (a chunk is the growth the scheduler has reserved for). Only a request that cannot get even
+    that stops admission, so smaller ones never overtake a head that waits for room (the paper:
+    "choose an instance with room; if none has room, schedule nothing"). `limit` caps the number
+    of chunks.
     """
     load = snapshot.worker(snapshot.worker_id)
     slots = free_slots(snapshot) if limit is None else min(limit, free_slots(snapshot))
@@ -118,7 +134,10 @@ def admit(snapshot: Snapshot, ordered: Iterable[QueuedRequest],
             if need <= room_elsewhere:
                 passed_over += 1
                 continue  # another worker has room for it and takes it when it asks
-            break
+            budget = fitting_budget(request, kv_free, load.kv_block_tokens)
+            if budget < min(MIN_SHRUNK_BUDGET, request.remaining):
+                break
+            need = kv_need(request, budget, load.kv_block_tokens)
         kv_free -= need
         assignments.append(Assignment(request.request_id, snapshot.worker_id, budget))
     return Plan(tuple(assignments))

@@ -284,3 +284,25 @@ def test_kv_is_reserved_in_the_engines_whole_blocks():
     worker = WorkerLoad("a", 0, 0, 0, 16, 512, kv_block_tokens=128)
     assert len(DividedPolicy().plan(snap("a", [worker], queued)).assignments) == 4
     assert len(DividedPolicy().plan(snap("a", [load("a", 0, kv=512, max_chunks=16)], queued)).assignments) == 8
+
+
+def test_a_chunk_is_shortened_to_the_kv_left_rather_than_left_waiting():
+    """Requests of context 10 and chunk 32 (42 tokens each): with 2 x 42 + 10 + MIN_SHRUNK_BUDGET
+    tokens free, two get whole chunks and the third the shortest chunk allowed; with one token
+    less the third waits."""
+    from seerd.scheduler.base import MIN_SHRUNK_BUDGET
+
+    queued = [req(i, i, i, queued_at=float(i)) for i in range(4)]
+    free = 2 * 42 + 10 + MIN_SHRUNK_BUDGET
+    plan = DividedPolicy().plan(snap("a", [load("a", 0, reserved=200 - free, kv=200, max_chunks=10)], queued))
+    assert [a.max_tokens for a in plan.assignments] == [32, 32, MIN_SHRUNK_BUDGET]
+    plan = DividedPolicy().plan(snap("a", [load("a", 0, reserved=200 - free + 1, kv=200, max_chunks=10)], queued))
+    assert [a.max_tokens for a in plan.assignments] == [32, 32]
+
+
+def test_a_shortened_chunk_fills_the_last_block_and_never_exceeds_it():
+    # Blocks of 128, 2 free: a context of 200 holds 256 - 200 = 56 more tokens, not its chunk of 100.
+    queued = [QueuedRequest(1, 1, 1, 0, 150, 50, 1000, True, 1000, None, 0.0)]
+    worker = WorkerLoad("a", 0, 0, 128 * 8, 16, 128 * 10, kv_block_tokens=128)
+    (assignment,) = DividedPolicy().plan(snap("a", [worker], queued, chunk=100)).assignments
+    assert assignment.max_tokens == 56
