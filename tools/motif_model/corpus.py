@@ -3,11 +3,23 @@
 
 A prompt holds one length token and 3-6 key tokens among filler tokens; each key selects a
 motif (4-12 content tokens) from a fixed global bank. A response is a number of numbered steps:
-each step is the prompt's motifs in order, with some noise, ended by the step's marker token
-(<step_01>, <step_02>, ...); EOS follows the last marker. The number of steps is set by the
-length token (a log-uniform scale in 1..24) times lognormal noise (sigma 0.25) per response, so
-lengths are heavy-tailed across prompts and correlated within a group, and sibling responses
-share long runs of tokens that a suffix-matching drafter can predict.
+each step is the prompt's motifs in order, with some noise, ended by three tokens: the step-end
+token (<f_00>, a filler reused), the step's marker and the prompt's length token echoed
+(`... <f_00> <step_01> <len_17> ... <f_00> <step_02> <len_17>`); EOS follows the last echo.
+The number of steps is set by the length token (a log-uniform scale in 1..24) times lognormal
+noise (sigma 0.25) per response, so lengths are heavy-tailed across prompts and correlated
+within a group, and sibling responses share long runs of tokens that a suffix-matching drafter
+can predict.
+
+The three tokens are there for the model (README.md has the attempts). Without them, the stop
+decision at a marker needs the length token from the prompt, up to ~2000 positions back, and a
+model of this size trained for half an hour on this CPU did not learn that (its lengths ignored
+the length token). With them, each is predicted from a distinctive token just before it: the
+step end from the motifs (where a step ends), the marker from the step end (the previous
+marker's number plus one), the echo from the marker (a copy of the length token), and EOS or the
+next step from the echo, with the step's number one position back: a (level, step) lookup.
+Structure tokens predicted from a plain motif token (an echo before the marker, or a marker
+right after the motifs) were learned slowly or not at all in the same time.
 
 Noise per motif token: 5% substituted, 5% preceded by an inserted token (both random content
 tokens). Per motif occurrence: 4% skipped, 4% repeated (8% skips/repeats).
@@ -35,6 +47,7 @@ MAX_STEPS, STEP0 = 64, LEN0 + 32  # step markers <step_01>..<step_64>: ids 37..1
 N_KEYS, KEY0 = 64, STEP0 + 64  # key tokens <key_00>..<key_63>: ids 101..164
 N_FILL, FILL0 = 32, KEY0 + 64  # filler tokens <f_00>..<f_31>: ids 165..196
 CONTENT0 = FILL0 + 32  # content tokens w000..: ids 197..511
+STEP_END = FILL0  # <f_00> (a prompt filler) also ends every step of a response, before its marker
 N_CONTENT = VOCAB_SIZE - CONTENT0
 
 MIN_SCALE, MAX_SCALE = 1.0, 24.0  # steps per response, before the per-response noise
@@ -82,6 +95,10 @@ def is_marker(tok: int) -> bool:
     return STEP0 <= tok < STEP0 + MAX_STEPS
 
 
+def is_length(tok: int) -> bool:
+    return LEN0 <= tok < LEN0 + N_LEN
+
+
 def sample_prompt(rng: random.Random) -> dict:
     """One prompt: token ids plus what it encodes (level, scale, keys)."""
     total = rng.randint(*PROMPT_LEN)
@@ -104,7 +121,8 @@ def sample_steps(rng: random.Random, scale: float) -> int:
 
 
 def sample_response(rng: random.Random, prompt: dict, steps: int | None = None) -> list[int]:
-    """One response to `prompt`: `steps` noisy steps, each ended by its marker, then EOS."""
+    """One response to `prompt`: `steps` noisy steps, each ended by its marker and the prompt's
+    length token echoed, then EOS."""
     if steps is None:
         steps = sample_steps(rng, prompt["scale"])
     out: list[int] = []
@@ -118,7 +136,9 @@ def sample_response(rng: random.Random, prompt: dict, steps: int | None = None) 
                     if rng.random() < P_INS:
                         out.append(CONTENT0 + rng.randrange(N_CONTENT))
                     out.append(CONTENT0 + rng.randrange(N_CONTENT) if rng.random() < P_SUB else tok)
+        out.append(STEP_END)
         out.append(marker(step))
+        out.append(LEN0 + prompt["level"])  # the echo: see the module docstring
     out.append(EOS_ID)
     return out
 

@@ -6,8 +6,10 @@ predict them from sibling responses, and their lengths are heavy-tailed across p
 correlated within a group. One CPU thread, three time-boxed stages on freshly sampled data:
 
   1. from scratch, plain next-token loss on response tokens;
-  2. 5x loss weight on EOS and step-marker tokens (where the length is decided);
-  3. plain loss again, with the learning rate decaying to zero.
+  2. 5x loss weight on the step structure: step-end, marker and echoed length tokens and EOS
+     (where the length is decided; the weight on EOS also raises the stop probability, so
+     lengths after this stage are short);
+  3. plain loss again (recalibrates the stop probability), the learning rate decaying to zero.
 
 The result (config.json, model.safetensors, tokenizer files) is written atomically to OUT_DIR
 after each stage: built in a temp dir next to it, then renamed into place.
@@ -127,10 +129,13 @@ def to_tensors(batch, weight_special: float):
     for i, (seq, start) in enumerate(batch):
         weights[i, start - 1 : len(seq) - 1] = 1.0
     tgt = ids[:, 1:]
-    special = (tgt == C.EOS_ID) | ((tgt >= C.STEP0) & (tgt < C.STEP0 + C.MAX_STEPS))
+    # The step structure, where the length is decided: step end, marker, echoed length, EOS.
+    echo = (tgt >= C.LEN0) & (tgt < C.LEN0 + C.N_LEN)
+    marker = (tgt >= C.STEP0) & (tgt < C.STEP0 + C.MAX_STEPS)
+    special = (tgt == C.EOS_ID) | (tgt == C.STEP_END) | marker | echo
     if weight_special != 1.0:
         weights = torch.where(special & (weights > 0), weights * weight_special, weights)
-    return ids, mask, weights, special
+    return ids, mask, weights, special, echo
 
 
 def train(out: Path, minutes: list[float], seed: int, batch_tokens: int, lr: float,
@@ -156,7 +161,7 @@ def train(out: Path, minutes: list[float], seed: int, batch_tokens: int, lr: flo
         t0 = time.time()
         budget = mins * 60
         tok_seen = tok_pad = 0
-        acc = {"loss": 0.0, "special": 0.0, "n": 0, "nspec": 0}
+        acc = {"loss": 0.0, "special": 0.0, "n": 0, "nspec": 0, "echo": 0.0, "necho": 0}
         while time.time() - t0 < budget:
             frac = (time.time() - t0) / budget
             cur = lr1 + (lr0 - lr1) * 0.5 * (1 + math.cos(math.pi * frac))
@@ -164,7 +169,7 @@ def train(out: Path, minutes: list[float], seed: int, batch_tokens: int, lr: flo
                 cur *= (step + 1) / warmup
             for g in opt.param_groups:
                 g["lr"] = cur
-            ids, mask, weights, special = to_tensors(next(data), w_special)
+            ids, mask, weights, special, echo = to_tensors(next(data), w_special)
             logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
             ce = F.cross_entropy(logits.reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1),
                                  reduction="none").view_as(weights)
@@ -183,15 +188,20 @@ def train(out: Path, minutes: list[float], seed: int, batch_tokens: int, lr: flo
                 sp = special & counted
                 acc["special"] += float(ce[sp].sum())
                 acc["nspec"] += int(sp.sum())
+                ec = echo & counted
+                acc["echo"] += float(ce[ec].sum())
+                acc["necho"] += int(ec.sum())
             if step % log_every == 0:
                 el = time.time() - t0
                 print(f"stage {si} step {step:6d} t {el / 60:5.1f}m lr {cur:.2e} "
                       f"loss {acc['loss'] / max(1, acc['n']):.4f} "
-                      f"eos/marker loss {acc['special'] / max(1, acc['nspec']):.4f} "
+                      f"eos/marker/echo loss {acc['special'] / max(1, acc['nspec']):.4f} "
+                      f"echo loss {acc['echo'] / max(1, acc['necho']):.4f} "
                       f"padded tok/s {tok_pad / el:,.0f}", flush=True)
                 history.append({"stage": si, "step": step, "loss": acc["loss"] / max(1, acc["n"]),
-                                "special_loss": acc["special"] / max(1, acc["nspec"])})
-                acc = {"loss": 0.0, "special": 0.0, "n": 0, "nspec": 0}
+                                "special_loss": acc["special"] / max(1, acc["nspec"]),
+                                "echo_loss": acc["echo"] / max(1, acc["necho"])})
+                acc = {"loss": 0.0, "special": 0.0, "n": 0, "nspec": 0, "echo": 0.0, "necho": 0}
         meta = {"seed": seed, "minutes_per_stage": minutes, "stages_done": si, "steps": step,
                 "batch_tokens": batch_tokens, "lr": lr, "params": n_params,
                 "wall_seconds": round(time.time() - t_all, 1), "history_tail": history[-5:]}
