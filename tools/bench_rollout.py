@@ -17,6 +17,12 @@ Lengths: the tiny random model almost never emits EOS, so each group's length is
 drawn heavy-tailed (lognormal) so that a few groups form a tail, as in RL rollouts.
 
     python tools/bench_rollout.py [--groups 32] [--n 4] [--repeats 3] [--chunk-tokens 128] [--configs A,B]
+                                  [--before CHECKOUT]
+
+`--before CHECKOUT` (a git worktree of an earlier commit): every seerd configuration also runs on
+that checkout's code (PYTHONPATH), interleaved with this one's, and the table adds the
+coordinator's CPU per chunk before and after (CPU time of the coordinator process in the
+generation phase / chunks): the same command measuring both sides of a change.
 """
 
 from __future__ import annotations
@@ -49,9 +55,8 @@ def make_prompts(path: Path, groups: int, seed: int, mean_tokens: int, max_token
     return rows
 
 
-def env() -> dict[str, str]:
-    e = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind", PYTHONPATH=str(REPO))
-    return e
+def env(code: Path = REPO) -> dict[str, str]:
+    return dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind", PYTHONPATH=str(code))
 
 
 # --------------------------------------------------------------------------- direct vLLM (veRL-like)
@@ -115,16 +120,17 @@ def run_direct(model: str, rows: list[dict], n: int, work: Path, seed: int) -> d
 
 # --------------------------------------------------------------------------- seerd
 def run_seerd(model: str, prompts: Path, policy: str, chunk_tokens: int, n: int, work: Path, seed: int,
-              engine_api: str = "stepped", in_place: bool = True) -> dict:
+              engine_api: str = "stepped", in_place: bool = True, code: Path = REPO) -> dict:
     run_dir = work / f"run-{policy}-{time.time_ns()}"
     cmd = [sys.executable, "-m", "seerd.cli.main", "run", "--input", str(prompts), "--model", model,
            "--run-dir", str(run_dir), "--workers", "2", "--policy", policy, "--chunk-tokens", str(chunk_tokens),
            "--n", str(n), "--max-tokens", "100000", "--temperature", "1.0", "--seed", str(seed),
            "--kv-cache-gib", str(ENGINE["kv_cache_gib"]), "--max-num-seqs", str(ENGINE["max_num_seqs"]),
            "--dtype", ENGINE["dtype"], "--engine-api", engine_api, "--no-progress",
-           "--in-place" if in_place else "--no-in-place",
            "--wait-for-workers"]  # like the baseline's barrier: both engines up before the clock starts
-    done = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=1800)
+    if code == REPO or not in_place:  # an earlier checkout may predate the option (and re-submit anyway)
+        cmd.append("--in-place" if in_place else "--no-in-place")
+    done = subprocess.run(cmd, env=env(code), capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"seerd run failed: {done.stderr[-2000:]}")
     with sqlite3.connect(f"file:{run_dir / 'state.db'}?mode=ro", uri=True) as db:
@@ -136,7 +142,7 @@ def run_seerd(model: str, prompts: Path, policy: str, chunk_tokens: int, n: int,
         in_place = db.execute("select count(*) from events where kind = 'chunk_leased' "
                               "and json_extract(data_json, '$.in_place')").fetchone()[0]
     return {"tokens": tokens, "seconds": end - first, "coordinator_cpu_share": load["cpu_share"], "chunks": chunks,
-            "in_place": in_place}
+            "in_place": in_place, "cpu_ms_per_chunk": 1e3 * load["cpu_s"] / chunks}
 
 
 def main() -> int:
@@ -154,6 +160,7 @@ def main() -> int:
     parser.add_argument("--configs", help="comma-separated configurations to run (default: all but the "
                                           "async one; vllm-direct always runs, it is the base)")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--before", help="an earlier checkout: run every seerd configuration on its code too")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="seerd-bench-"))
     model = args.model
@@ -176,12 +183,20 @@ def main() -> int:
     if args.with_async:
         configs["seerd-div-async"] = lambda s: run_seerd(model, prompts, "divided", args.chunk_tokens, args.n, work,
                                                          s, engine_api="async")
+    if args.before:
+        before = Path(args.before).resolve()
+        for name in [n for n in configs if n.startswith("seerd-") and "async" not in n]:
+            policy = "seer" if "seer" in name else name.split("-")[1]
+            chunk = 10**6 if policy == "group" else args.chunk_tokens
+            resubmit = name.endswith("-resubmit")
+            configs[f"{name}@before"] = (lambda p, c, r: lambda s: run_seerd(
+                model, prompts, p, c, args.n, work, s, in_place=not r, code=before))(policy, chunk, resubmit)
     if args.configs:
         wanted = {"vllm-direct", *args.configs.split(",")}
         unknown = wanted - configs.keys()
         if unknown:
             parser.error(f"unknown configurations {sorted(unknown)}; known: {sorted(configs)}")
-        configs = {name: fn for name, fn in configs.items() if name in wanted}
+        configs = {name: fn for name, fn in configs.items() if name.removesuffix("@before") in wanted}
     samples: dict[str, list[dict]] = {name: [] for name in configs}
     for repeat in range(args.repeats):  # interleaved, so drift on a noisy machine hits all alike
         for name, fn in configs.items():
@@ -199,6 +214,8 @@ def main() -> int:
                       "samples_tok_s": [round(r["tok_s"]) for r in runs],
                       "coordinator_cpu_share": statistics.median(busy) if busy else None,
                       "chunks": statistics.median(r["chunks"] for r in runs) if "chunks" in runs[0] else None,
+                      "cpu_ms_per_chunk": (statistics.median(r["cpu_ms_per_chunk"] for r in runs)
+                                           if "cpu_ms_per_chunk" in runs[0] else None),
                       "in_place": statistics.median(r["in_place"] for r in runs) if "in_place" in runs[0] else None})
     if args.json:
         print(json.dumps({"args": vars(args), "table": table}, indent=1))
@@ -206,14 +223,19 @@ def main() -> int:
     lengths = sorted(r["max_tokens"] for r in rows)
     print(f"{args.groups} groups x n={args.n}, lengths median {lengths[len(lengths) // 2]} max {lengths[-1]}, "
           f"chunk {args.chunk_tokens}, {args.repeats} repeats, 2 engines (OMP_NUM_THREADS=1)")
-    print(f"{'config':<23} {'median tok/s':>12} {'x direct':>9} {'coord CPU':>10} {'chunks':>7} {'in place':>8}"
-          f"  samples")
+    print(f"{'config':<30} {'median tok/s':>12} {'x direct':>9} {'coord CPU':>10} {'ms/chunk':>8} {'chunks':>7} "
+          f"{'in place':>8}  samples")
     for row in table:
         busy = f"{row['coordinator_cpu_share']:.2%}" if row["coordinator_cpu_share"] is not None else "-"
         chunks = "-" if row["chunks"] is None else f"{row['chunks']:.0f}"
         in_place = "-" if row["in_place"] is None else f"{row['in_place']:.0f}"
-        print(f"{row['config']:<23} {row['median_tok_s']:>12.0f} {row['ratio_to_direct']:>9.2f} {busy:>10} "
-              f"{chunks:>7} {in_place:>8}  {row['samples_tok_s']}")
+        per_chunk = "-" if row["cpu_ms_per_chunk"] is None else f"{row['cpu_ms_per_chunk']:.2f}"
+        print(f"{row['config']:<30} {row['median_tok_s']:>12.0f} {row['ratio_to_direct']:>9.2f} {busy:>10} "
+              f"{per_chunk:>8} {chunks:>7} {in_place:>8}  {row['samples_tok_s']}")
+        before = next((b for b in table if b["config"] == f"{row['config']}@before"), None)
+        if before is not None and row["cpu_ms_per_chunk"] and before["cpu_ms_per_chunk"]:
+            print(f"{'':<30} coordinator CPU per chunk after / before: "
+                  f"{row['cpu_ms_per_chunk'] / before['cpu_ms_per_chunk']:.2f}")
     return 0
 
 
