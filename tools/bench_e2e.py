@@ -26,7 +26,8 @@ response's first chunk (`chunk_seed`), which a response continued in place keeps
 vLLM's per-request generators do not depend on the batch; so the configurations generate the
 same tokens (a response seerd stopped and ran again elsewhere samples on with another seed).
 
-Columns besides throughput, makespan and tail (medians over the repeats): preempt = sequences
+Columns besides throughput, makespan and tail (medians over the repeats; `per rep` = the median
+of each repeat's ratio to direct, the two having run the same responses minutes apart): preempt = sequences
 the engines' own schedulers evicted for lack of KV (recomputed later); resub = seerd's later
 chunks that did not continue in place (stopped at a boundary and prefilled again, unless the
 prefix cache still held them); running = sequences per engine step, summed over both engines;
@@ -269,7 +270,7 @@ def print_table(document: dict) -> None:
     print(f"bound {bound['seconds']:.2f} s (longest alone {bound['longest_alone_s']:.2f} s at "
           f"{1e3 * bound['solo_step_s']:.2f} ms/step; all tokens {bound['all_tokens_s']:.2f} s at peak "
           f"{bound['peak_tokens_per_s']:,.0f} tok/s)")
-    head = (f"{'config':<16} {'tok/s':>7} {'x direct':>8} {'makespan':>8} {'x bound':>7} {'tail s':>6} "
+    head = (f"{'config':<16} {'tok/s':>7} {'x direct':>8} {'per rep':>7} {'makespan':>8} {'x bound':>7} {'tail s':>6} "
             f"{'tail x dir':>10} {'preempt':>7} {'resub':>5} {'running':>7} {'chunks':>6} {'coord':>6} {'step max':>8} "
             f"{'commit max':>10} "
             f"{'sim tok/s':>9} {'sim tail':>8}  samples tok/s")
@@ -278,7 +279,9 @@ def print_table(document: dict) -> None:
         tok_s, seconds, tail = median(c["tok_s"]), median(c["seconds"]), median(c["tail_s"])
         sim = c.get("sim") or {}
         cell = lambda key, fmt: "-" if c.get(key) is None else format(c[key], fmt)  # noqa: E731
-        print(f"{name:<16} {tok_s:>7.0f} {tok_s / base_tok_s:>8.2f} {seconds:>8.2f} {seconds / bound['seconds']:>7.2f} "
+        per_repeat = median([a / b for a, b in zip(c["tok_s"], base["tok_s"])])  # same responses, same moment
+        print(f"{name:<16} {tok_s:>7.0f} {tok_s / base_tok_s:>8.2f} {per_repeat:>7.2f} {seconds:>8.2f} "
+              f"{seconds / bound['seconds']:>7.2f} "
               f"{tail:>6.2f} {tail / base_tail if base_tail else float('nan'):>10.2f} {cell('preemptions', '.0f'):>7} "
               f"{cell('resubmitted', '.0f'):>5} "
               f"{cell('mean_running', '.1f'):>7} {cell('chunks', '.0f'):>6} {cell('coordinator_cpu_share', '.1%'):>6} "
