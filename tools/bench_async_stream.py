@@ -10,14 +10,14 @@ import asyncio
 import statistics
 import time
 
-from seerd.worker.engine import AsyncEngine, chunk_result, sampling_params
+from seerd.worker.engine import AsyncEngine, sampling_params
 
 async def run_final(engine, rid, prompt, n, sampling):
     from vllm.inputs import TokensPrompt
     final = None
     async for out in engine.llm.generate(TokensPrompt(prompt_token_ids=prompt), sampling_params(n, sampling), request_id=rid):
         final = out
-    return chunk_result(final)
+    return final.outputs[0]  # a CompletionOutput: token_ids, as the streamed ChunkResult has
 
 async def main(model, repeats):
     engine = AsyncEngine.start(model, {"kv_cache_gib": 0.5, "max_num_seqs": 64, "max_model_len": 512, "dtype": "float32"}, seed=0)
