@@ -137,7 +137,8 @@ class PoolHost:
     def _open_cleaner(self, address) -> None:  # noqa: ANN001
         try:
             self._store = open_store(address, local_host=self.local_host, segment_bytes=0,
-                                     buffer_bytes=CLEANER_BUFFER_BYTES)
+                                     buffer_bytes=CLEANER_BUFFER_BYTES,
+                                     log_path=self.service.log_dir / "kvpool-cleaner.log")
         except PoolUnavailable as exc:  # cleaning is best effort: the pool's own eviction bounds it
             log.warning("KV pool: no cleaning client (%s)", exc)
             self._store = None

@@ -18,6 +18,7 @@ Traps of the store (platform.md, measured again here):
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import socket
@@ -54,14 +55,37 @@ class PoolUnavailable(RuntimeError):
         self.code = code
 
 
+@contextlib.contextmanager
+def stderr_to(path: os.PathLike | str | None):  # noqa: ANN201
+    """Send this process's file descriptor 2 to `path` (appended, private) for the block.
+
+    Mooncake logs through glog, which writes to fd 2 before anyone calls InitGoogleLogging and
+    has no other switch: a store client set up in a process whose stderr is the user's terminal
+    (the coordinator of `seerd run`) would print a screen of INFO lines there. Python's own
+    writes to stderr from other threads land in the file for the same few milliseconds."""
+    if path is None:
+        yield
+        return
+    saved = os.dup(2)
+    target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        os.dup2(target, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(target)
+
+
 def open_store(address: PoolAddress, *, local_host: str, segment_bytes: int,
                buffer_bytes: int, attempts: int = SETUP_ATTEMPTS,
-               backoff_s: float = 0.5) -> MooncakeDistributedStore:
+               backoff_s: float = 0.5, log_path: os.PathLike | str | None = None) -> MooncakeDistributedStore:
     """A store client set up against `address`.
 
     `local_host` is the address other clients reach this one at (its transfer port is chosen by
     Mooncake). `segment_bytes` is the memory this client contributes to the pool (0 for engines:
-    their data would die with them), `buffer_bytes` its local staging buffer. Raises
+    their data would die with them), `buffer_bytes` its local staging buffer. `log_path`, if
+    given, receives what Mooncake prints while it sets up (`stderr_to`). Raises
     `PoolUnavailable` after `attempts` failed tries, each with up to ~10 s of Mooncake setup."""
     from mooncake.store import MooncakeDistributedStore  # heavy (loads the transfer engine)
 
@@ -76,9 +100,10 @@ def open_store(address: PoolAddress, *, local_host: str, segment_bytes: int,
         except PoolUnavailable as exc:
             last = exc
             continue
-        store = MooncakeDistributedStore()
-        code = store.setup(local_host, address.metadata_url, int(segment_bytes), int(buffer_bytes),
-                           address.protocol, address.devices, address.master)
+        with stderr_to(log_path):
+            store = MooncakeDistributedStore()
+            code = store.setup(local_host, address.metadata_url, int(segment_bytes), int(buffer_bytes),
+                               address.protocol, address.devices, address.master)
         if code == 0:
             return store
         last = PoolUnavailable(f"Mooncake store setup against master {address.master} (generation "
