@@ -79,10 +79,10 @@ def generate(llm, shard: Path, out: Path, go: Path) -> None:  # noqa: ANN001
     finished: list[float | None] = [None] * len(requests)
     lengths = [0] * len(requests)
     while llm.has_unfinished_requests():
-        started = time.monotonic()
+        started, cpu_started = time.monotonic(), time.thread_time()
         outputs = llm.step()
         if counters is not None:
-            counters.after_step(time.monotonic() - started)
+            counters.after_step(time.monotonic() - started, time.thread_time() - cpu_started)
         now = time.time()
         for output in outputs:
             if output.finished:
@@ -92,7 +92,9 @@ def generate(llm, shard: Path, out: Path, go: Path) -> None:  # noqa: ANN001
     out.write_text(json.dumps({"start": start, "finished": finished, "tokens": sum(lengths), "lengths": lengths,
                                "preemptions": figures.get("preemptions"),
                                "longest_step_s": figures.get("longest_step_s"),
-                               "mean_running": figures.get("mean_running")}))
+                               "mean_running": figures.get("mean_running"),
+                               "ms_per_step": 1e3 * figures["step_s"] / figures["steps"] if figures.get("steps") else None,
+                               "step_cpu_share": figures["step_cpu_s"] / figures["step_s"] if figures.get("step_s") else None}))
 
 
 def decode_alone_then_together(llm, settings: dict, rank: int, out: Path, go: Path, batch_go: Path) -> None:  # noqa: ANN001

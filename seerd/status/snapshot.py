@@ -145,6 +145,7 @@ def _workers(conn: Connection, rid: int, clock: float, lease_ttl_s: float) -> li
             "spec": _spec_part(spec) if spec else None,
             "kv_pool": _pool_part(pool) if pool else None,
             "engine": stats.get("engine"),  # the engine scheduler's steps, preemptions, mean running
+            "cpu": stats.get("cpu"),  # the worker's event loop and process CPU seconds
             "live_running": stats.get("running") or {} if alive else {},
         })
     return workers

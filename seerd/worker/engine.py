@@ -169,8 +169,10 @@ class StepClock:
 
 class EngineCounters:
     """What the engine's own scheduler did, cumulative: steps, running sequences summed over
-    steps (their mean is the batch the engine kept), and preemptions (vLLM evicting a running
-    sequence when KV runs out, to recompute it later). Kept by the stepping thread from vLLM's
+    steps (their mean is the batch the engine kept), preemptions (vLLM evicting a running
+    sequence when KV runs out, to recompute it later), and the seconds spent inside steps, wall
+    and the stepping thread's CPU (a step whose wall time exceeds its CPU time waited: for a
+    core another process held, or for the GIL another thread of the worker held). Kept by the stepping thread from vLLM's
     in-process scheduler (v1 internals: `attach` returns None if they moved, and the figures are
     simply missing), read by the heartbeat: plain ints, no lock."""
 
@@ -180,6 +182,7 @@ class EngineCounters:
         self.running_sum = 0
         self.preemptions = 0
         self.longest_step_s = 0.0
+        self.step_s = self.step_cpu_s = 0.0
         preempt = scheduler._preempt_request
 
         def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
@@ -200,16 +203,18 @@ class EngineCounters:
     def reset(self) -> None:
         """Forget what came before (the warm-up step's lazy initialisation, seconds here)."""
         self.steps = self.running_sum = self.preemptions = 0
-        self.longest_step_s = 0.0
+        self.longest_step_s = self.step_s = self.step_cpu_s = 0.0
 
-    def after_step(self, seconds: float) -> None:
+    def after_step(self, seconds: float, cpu_seconds: float = 0.0) -> None:
         self.steps += 1
         self.running_sum += len(self.scheduler.running)
         self.longest_step_s = max(self.longest_step_s, seconds)
+        self.step_s += seconds
+        self.step_cpu_s += cpu_seconds
 
     def figures(self) -> dict:
         return {"steps": self.steps, "preemptions": self.preemptions, "longest_step_s": self.longest_step_s,
-                "mean_running": self.running_sum / self.steps if self.steps else 0.0}
+                "step_s": self.step_s, "step_cpu_s": self.step_cpu_s, "mean_running": self.running_sum / self.steps if self.steps else 0.0}
 
 
 class EngineDead(RuntimeError):
@@ -388,14 +393,14 @@ class SteppedEngine:
                     self.wakeup.wait(0.05)
                     self.wakeup.clear()
                     continue
-                started = time.monotonic()
+                started, cpu_started = time.monotonic(), time.thread_time()
                 outputs = self.llm.step()
                 took = time.monotonic() - started
                 if took > SLOW_STEP_S:
                     log.info("engine step took %.2f s (%d requests in the engine)", took, len(self.streams))
                 self.clock.record(took)
                 if self.counters is not None:
-                    self.counters.after_step(took)
+                    self.counters.after_step(took, time.thread_time() - cpu_started)
                 for output in outputs:
                     self._push(output)
         except BaseException as exc:  # the engine is gone: fail every stream, the worker exits

@@ -85,6 +85,9 @@ class Worker:
         self.done = asyncio.Event()
         self.slot_freed = asyncio.Event()
         self.stats = WorkerStats()
+        # CPU clocks from here on (after the engine's warm-up): the event loop thread's own (reports,
+        # grants, heartbeats: what a chunk costs the worker beside the engine) and the process's.
+        self._cpu_since = (time.thread_time(), time.process_time())
         self.heartbeat_interval_s = 2.0
         self.stopped_by: str | None = None
         self.fatal: BaseException | None = None
@@ -268,6 +271,8 @@ class Worker:
                                     for cid, (epoch, _) in self.running.items()},
                                    getattr(self.engine, "live", None), drafter_stats(), pool_stats(),
                                    engine_figures(self.engine))
+        stats["cpu"] = {"loop_s": time.thread_time() - self._cpu_since[0],
+                        "process_s": time.process_time() - self._cpu_since[1]}
         return HeartbeatBody(self.worker_id, list(self.running), stats, self.engine.progress(), leaving=leaving)
 
     async def say_goodbye(self) -> None:

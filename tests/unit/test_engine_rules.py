@@ -131,3 +131,28 @@ def test_the_cli_and_the_rules_import_no_vllm():
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'vllm', 'torch'}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_engine_counters_sum_steps_running_preemptions_and_step_clocks():
+    from seerd.worker.engine import EngineCounters
+
+    class Scheduler:  # the two members of vLLM's v1 scheduler the counters read
+        def __init__(self):
+            self.running = ["a", "b", "c"]
+
+        def _preempt_request(self, request, timestamp):
+            return (request, timestamp)
+
+    scheduler = Scheduler()
+    counters = EngineCounters(scheduler)
+    counters.after_step(5.0, 4.0)  # the warm-up step, forgotten by reset
+    counters.reset()
+    assert scheduler._preempt_request("r", 1.0) == ("r", 1.0)  # still vLLM's own behaviour
+    counters.after_step(0.02, 0.015)
+    scheduler.running.pop()
+    counters.after_step(0.04, 0.025)
+    figures = counters.figures()
+    assert figures["steps"] == 2 and figures["preemptions"] == 1
+    assert figures["mean_running"] == 2.5
+    assert abs(figures["step_s"] - 0.06) < 1e-12 and abs(figures["step_cpu_s"] - 0.04) < 1e-12
+    assert figures["longest_step_s"] == 0.04
