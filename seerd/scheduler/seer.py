@@ -30,8 +30,9 @@ chunk it reported (`Snapshot.continuing`) comes before every other non-probe, in
 stopped at a boundary; only a waiting probe, balance or KV room stops one.
 Admission (`base.admit`): chunks only while the worker has free sequence slots and KV room for
 the chunk's whole context plus its budget in whole blocks (no preemption by construction); a
-request that fits only another worker is left for it; one that fits no worker gets a shorter
-chunk that fits, else it stops admission (nothing smaller overtakes a head that waits for room).
+request that fits only another worker is left for it; under KV pressure every chunk is lean (a
+block or two of growth: `base.lean_budget`); one that fits no worker gets a shorter chunk that
+fits, else it stops admission (nothing smaller overtakes a head that waits for room).
 Affinity: a request whose previous chunk ran on another live worker with a free slot and KV room
 for the chunk is left for that worker (its prefix cache holds the request), unless that worker has
 `affinity_spread` more chunks in flight than the asking one (the paper uses 32 in-flight requests).

@@ -306,3 +306,36 @@ def test_a_shortened_chunk_fills_the_last_block_and_never_exceeds_it():
     worker = WorkerLoad("a", 0, 0, 128 * 8, 16, 128 * 10, kv_block_tokens=128)
     (assignment,) = DividedPolicy().plan(snap("a", [worker], queued, chunk=100)).assignments
     assert assignment.max_tokens == 56
+
+
+def test_under_kv_pressure_every_chunk_is_lean_so_more_sequences_run():
+    """Blocks of 128, 10 free, chunk 1024, contexts of 100: a whole chunk needs 9 blocks (one
+    request would run); lean chunks fill the context's block and one more (156 tokens, 2 blocks):
+    five run, as vLLM's own admission would run them, each reserving what it can grow into."""
+    from seerd.scheduler.base import lean_budget
+
+    queued = [QueuedRequest(i, i, i, 0, 100, 0, 2048, True, 2048, None, float(i)) for i in range(8)]
+    tight = WorkerLoad("a", 0, 0, 0, 16, 128 * 10, kv_block_tokens=128)
+    for policy in (DividedPolicy(), SeerPolicy()):
+        plan = policy.plan(snap("a", [tight], queued, chunk=1024))
+        assert [a.max_tokens for a in plan.assignments] == [156] * 5
+    assert lean_budget(queued[0], 1024, 128) == 156
+    # A context that ends on a block boundary grows by exactly one block; never past its chunk.
+    on_boundary = QueuedRequest(9, 9, 9, 0, 200, 56, 2048, True, 2048, None, 0.0)
+    assert lean_budget(on_boundary, 1024, 128) == 128 and lean_budget(on_boundary, 64, 128) == 64
+    # With room for every candidate's whole chunk nothing is lean.
+    roomy = WorkerLoad("a", 0, 0, 0, 16, 128 * 9 * 8, kv_block_tokens=128)
+    plan = DividedPolicy().plan(snap("a", [roomy], queued, chunk=1024))
+    assert [a.max_tokens for a in plan.assignments] == [1024] * 8
+
+
+def test_lean_admission_keeps_continuing_requests_first():
+    """At a boundary under pressure the sequence already running here takes its next blocks
+    before a new one starts: the policy, not the engine's preemption, decides who waits."""
+    queued = [QueuedRequest(i, i, i, 0, 100, 0, 2048, True, 2048, None, float(i)) for i in range(3)]
+    queued.append(QueuedRequest(7, 7, 7, 0, 100, 300, 2048, True, 2048, None, 9.0))  # ran 300 here
+    tight = WorkerLoad("a", 0, 0, 0, 16, 128 * 5, kv_block_tokens=128)
+    snapshot = replace(snap("a", [tight], queued, chunk=1024), continuing=frozenset({7}))
+    plan = DividedPolicy().plan(snapshot)
+    # 400 tokens of context: its 4 blocks hold 112 more, lean gives it 240 (5 blocks); nothing else fits.
+    assert [(a.request_id, a.max_tokens) for a in plan.assignments] == [(7, 240)]
