@@ -142,7 +142,16 @@ def run_seerd(model: str, prompts: Path, policy: str, chunk_tokens: int, n: int,
         in_place = db.execute("select count(*) from events where kind = 'chunk_leased' "
                               "and json_extract(data_json, '$.in_place')").fetchone()[0]
     return {"tokens": tokens, "seconds": end - first, "coordinator_cpu_share": load["cpu_share"], "chunks": chunks,
-            "in_place": in_place, "cpu_ms_per_chunk": 1e3 * load["cpu_s"] / chunks}
+            "in_place": in_place, "cpu_ms_per_chunk": 1e3 * generation_cpu(load) / chunks}
+
+
+def generation_cpu(load: dict) -> float:
+    """The coordinator's CPU seconds while the engines generated. Checkouts before 2026-11-27
+    counted the export after the last report in `cpu_s`; it runs alone on the CPU, so its wall
+    time stands in for its CPU there."""
+    if "generation_cpu_s" in load:
+        return load["generation_cpu_s"]
+    return load["cpu_s"] - load.get("export_s", 0.0)
 
 
 def main() -> int:

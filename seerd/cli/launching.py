@@ -76,7 +76,7 @@ def report_result(rundir: RunDir, result: CoordinatorResult, elapsed: float, *,
         figures = {"responses": result.export.responses, "parquet": rundir.parquet_path,
                    "jsonl": rundir.jsonl_path}
         if result.load:
-            figures["coordinator"] = (f"{result.load['cpu_s']:.2f}s CPU = {result.load['cpu_share']:.2%} of the "
+            figures["coordinator"] = (f"{result.load.get('generation_cpu_s', result.load['cpu_s']):.2f}s CPU = {result.load['cpu_share']:.2%} of the "
                                       f"{result.load['generation_s']:.1f}s generation phase "
                                       f"({result.load['api_calls']} API calls)")
         ui.summary(figures)

@@ -99,6 +99,8 @@ class LeaseBook:
         self.worker_only_targets: dict[int, int] = {}
         self.first_lease_at: float | None = None  # this session's; generation starts here
         self.first_lease_cpu: float | None = None  # this process's CPU time then
+        self.completed_at: float | None = None  # the report that finished the last request; generation ends
+        self.completed_cpu: float | None = None  # this process's CPU time then (the export comes after)
         # Called on this (the state) thread after each commit: (group, request, offset, tokens) per
         # accepted chunk, and a group's id once all its responses are done. The draft host listens.
         self.on_committed_tokens: Callable[[int, int, int, Sequence[int]], None] | None = None
@@ -413,6 +415,8 @@ class LeaseBook:
                                                 kind="report_rejected") for i, problem in rejected]
         # Committed: now the state follows.
         self.state.apply_results(prepared)
+        if self.completed_at is None and self.state.is_complete():
+            self.completed_at, self.completed_cpu = now, time.process_time()
         for failure in failures:
             self._apply_failure(failure)
         refuted: dict[str, WorkerLiveness] = {}

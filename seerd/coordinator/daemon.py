@@ -343,15 +343,19 @@ class Coordinator:
 
     def _load_figures(self, export_s: float) -> dict:
         """The coordinator's share of the generation phase, in CPU time of this process."""
-        now = self.clock()
+        now, cpu_now = self.clock(), time.process_time()
         wall = max(now - self.started_at, 1e-9)
-        # Engines take tens of seconds to start; the share that matters is of the generation phase.
-        # CPU time of this process (API, scheduling, commits, export) during the generation phase;
-        # handler wall times would overlap under concurrency and overstate it.
-        generating = max(now - (self.book.first_lease_at or self.started_at), 1e-9)
-        cpu = time.process_time() - (self.book.first_lease_cpu or self.cpu_started)
-        return {"wall_s": wall, "generation_s": generating, "cpu_s": cpu, "api_wall_s": self.control.busy_s,
-                "export_s": export_s, "api_calls": self.control.calls, "cpu_share": cpu / generating,
+        # Engines take tens of seconds to start; the share that matters is of the generation phase,
+        # from the first lease to the report that finished the last request: CPU time of this
+        # process (API, scheduling, commits) then, while the engines generate. The export after it
+        # runs alone and is `cpu_s` minus that. Handler wall times would overlap under concurrency.
+        ended_at, ended_cpu = self.book.completed_at or now, self.book.completed_cpu or cpu_now
+        generating = max(ended_at - (self.book.first_lease_at or self.started_at), 1e-9)
+        generation_cpu = ended_cpu - (self.book.first_lease_cpu or self.cpu_started)
+        cpu = cpu_now - (self.book.first_lease_cpu or self.cpu_started)
+        return {"wall_s": wall, "generation_s": generating, "cpu_s": cpu, "generation_cpu_s": generation_cpu,
+                "api_wall_s": self.control.busy_s, "export_s": export_s, "api_calls": self.control.calls,
+                "cpu_share": generation_cpu / generating,
                 "longest_commit_s": CommitTimes.longest_s, "slow_commits": CommitTimes.slow}
 
     def record_event(self, kind: str, data: dict) -> None:

@@ -46,6 +46,10 @@ def test_last_chunk_budget_is_what_remains(tmp_path):
         book.report(w, full_report(grant), now=1000.5 + t)
     assert budgets == [16, 16, 8]
     assert book.is_complete()
+    # The generation phase ends at the report that finished the last request (the export after
+    # it is not the engines' time): what the coordinator's CPU share is measured over.
+    assert (book.first_lease_at, book.completed_at) == (1000.0, 1002.5)
+    assert book.completed_cpu is not None and book.completed_cpu >= book.first_lease_cpu
     with book.sessions.begin() as s:
         req = s.scalars(select(Request)).one()
         assert (req.status, req.generated_tokens, req.num_chunks, req.finish_reason) == (
