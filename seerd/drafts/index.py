@@ -210,6 +210,10 @@ class SuffixIndex:
         m = self.min_match
         if max_tokens <= 0 or len(context) < m:
             return Draft()
+        # Where nothing matches (most rows of a batch the model does not repeat itself in), the
+        # last m tokens never occurred: one lookup, not one per key of the whole tail.
+        if self._newest.get(tuple(context[-m:]), _NONE) == _NONE:
+            return Draft()
         tail = list(context[-self.max_match:])
         cap = len(tail)
         keys = list(zip(*[tail[i:] for i in range(m)]))  # keys[i] = tail[i:i + m]
