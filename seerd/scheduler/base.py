@@ -63,20 +63,28 @@ def fitting_budget(request: QueuedRequest, kv_free: int, block_tokens: int = 1) 
     return min(request.remaining, (kv_free // block_tokens) * block_tokens - request.prompt_len - request.generated)
 
 
-# Under KV pressure a chunk reserves at least this much growth past its context, rounded up to the
-# engine's blocks (vLLM-CPU's 128: one to two blocks), instead of its whole chunk budget.
+# Under KV pressure a chunk reserves growth past its context of a quarter of that context, at
+# least LEAN_GROWTH_TOKENS, rounded up to the engine's blocks (vLLM-CPU's 128), instead of its
+# whole chunk budget. A sequence then holds at most ~1.25x its context: the engine runs at least
+# ~80% of the sequences vLLM's own admission would, and a request sends a report per 25% of
+# growth (a few dozen over a long response), not one per 128 tokens.
 LEAN_GROWTH_TOKENS = 128
+LEAN_GROWTH_SHARE = 4
+
+
+def lean_growth(context: int) -> int:
+    return max(LEAN_GROWTH_TOKENS, context // LEAN_GROWTH_SHARE)
 
 
 def lean_budget(request: QueuedRequest, chunk_tokens: int, block_tokens: int = 1) -> int:
     """A chunk's budget when the worker's KV cannot hold every candidate's whole chunk: the
-    context's last block filled plus whole blocks for `LEAN_GROWTH_TOKENS` more (at most the
-    chunk budget). vLLM admits sequences reserving no growth and preempts when they outgrow its
+    context's last block filled plus whole blocks for `lean_growth` more (at most the chunk
+    budget). vLLM admits sequences reserving no growth and preempts when they outgrow its
     KV; a lean chunk reserves little and ends soon, and at its report (in place: no stop) it
     takes its next blocks first (`continuing_first`), so a running sequence that cannot grow is
     stopped at a boundary by the policy's order, never preempted by the engine."""
     context = request.prompt_len + request.generated
-    grown = -(-(context + LEAN_GROWTH_TOKENS) // block_tokens) * block_tokens
+    grown = -(-(context + lean_growth(context)) // block_tokens) * block_tokens
     return min(chunk_budget(request, chunk_tokens), grown - context)
 
 

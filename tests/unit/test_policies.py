@@ -323,6 +323,9 @@ def test_under_kv_pressure_every_chunk_is_lean_so_more_sequences_run():
     # A context that ends on a block boundary grows by exactly one block; never past its chunk.
     on_boundary = QueuedRequest(9, 9, 9, 0, 200, 56, 2048, True, 2048, None, 0.0)
     assert lean_budget(on_boundary, 1024, 128) == 128 and lean_budget(on_boundary, 64, 128) == 64
+    # A long context grows by a quarter of itself (fewer reports), to a block boundary.
+    long = QueuedRequest(10, 10, 10, 0, 100, 3900, 16384, True, 16384, None, 0.0)
+    assert lean_budget(long, 8192, 128) == 5120 - 4000 and lean_budget(long, 8192, 16) == 5008 - 4000
     # With room for every candidate's whole chunk nothing is lean.
     roomy = WorkerLoad("a", 0, 0, 0, 16, 128 * 9 * 8, kv_block_tokens=128)
     plan = DividedPolicy().plan(snap("a", [roomy], queued, chunk=1024))
