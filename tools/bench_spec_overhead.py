@@ -29,17 +29,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
-class NoDrafts:
-    """A custom proposer that never drafts: the speculative path's cost with zero draft tokens."""
-
-    def __init__(self, vllm_config) -> None:  # noqa: ANN001
-        self.vllm_config = vllm_config
-
-    def load_model(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
-        return None
-
-    def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None):  # noqa: ANN001, ANN201
-        return [[] for _ in sampled_token_ids]
+# The custom proposer: profile_spec_steps' forced-depth drafter, left at depth 0 (it never drafts).
+NO_DRAFTS = "tools.profile_spec_steps.ForcedDepthDrafter"
 
 
 def measure(model: str, spec: bool, batches: list[int], steps: int, warmup: int, dtype: str) -> dict[int, float]:
@@ -54,7 +45,7 @@ def measure(model: str, spec: bool, batches: list[int], steps: int, warmup: int,
 
     config = engine_args(model, {"max_num_seqs": max(batches), "dtype": dtype, "kv_cache_gib": 1.0}, seed=0)
     if spec:
-        config["speculative_config"] = {"method": "custom_class", "model": "tools.bench_spec_overhead.NoDrafts",
+        config["speculative_config"] = {"method": "custom_class", "model": NO_DRAFTS,
                                         "num_speculative_tokens": 4}
     llm = LLMEngine.from_engine_args(EngineArgs(**config))
     rng = random.Random(0)
