@@ -36,8 +36,9 @@ from seerd.coordinator.records import (
 from seerd.coordinator.reports import (
     AcceptedReport, ReportOutcome, judge, judge_unleased, report_problem, write_results,
 )
+from seerd.coordinator.saved import read_saved_rollout
 from seerd.db import (
-    Chunk, ChunkStatus, Event, Group, Request, RequestStatus, RequestTarget, Rollout, RolloutStatus, Worker,
+    Chunk, ChunkStatus, Event, Group, Request, RequestStatus, Rollout, RolloutStatus, Worker,
     WorkerStatus,
 )
 from seerd.db.base import begin
@@ -47,11 +48,11 @@ from seerd.db.transitions import (
 )
 from seerd.io.codec import unpack_ints
 from seerd.protocol import ChunkGrant, ChunkReport, EngineProgress, UnreadableReport
-from seerd.scheduler.state import ChunkResult, GroupRecord, RequestRecord, SchedulerState
+from seerd.scheduler.state import ChunkResult, SchedulerState
 from seerd.scheduler.views import Plan, Policy
 
 CHUNKS, REQUESTS, GROUPS, EVENTS = Chunk.__table__, Request.__table__, Group.__table__, Event.__table__
-ROLLOUTS, WORKERS, TARGETS = Rollout.__table__, Worker.__table__, RequestTarget.__table__
+ROLLOUTS, WORKERS = Rollout.__table__, Worker.__table__
 # Statements of the hot path, built once (see seerd/db/transitions.py for why).
 FIRST_START = update(REQUESTS).where(REQUESTS.c.id == bindparam(ROW_ID), REQUESTS.c.started_at.is_(None)).values(
     started_at=bindparam("now"))
@@ -110,45 +111,17 @@ class LeaseBook:
     # ----------------------------------------------------------------- loading
     def load(self, now: float) -> None:
         """Read the rollout from the database; leases of a previous coordinator go back to the queue."""
-        groups, requests = [], []
         with begin(self.engine, durable=True) as conn:
-            bindings = {}
-            for row in conn.execute(select(GROUPS).where(GROUPS.c.rollout_id == self.rollout_id)):
-                prompt = array("i", unpack_ints(row.prompt_token_ids))
-                self.inputs[row.id] = GroupInputs(prompt, json.loads(row.sampling_json))
-                groups.append(GroupRecord(row.id, row.group_index, len(prompt), row.n, row.max_tokens,
-                                          row.length_estimate, row.finished_requests))
-                if row.bound_worker:
-                    bindings[row.id] = row.bound_worker
-            max_tokens = {group.id: group.max_tokens for group in groups}
-            for row in conn.execute(select(REQUESTS).where(REQUESTS.c.rollout_id == self.rollout_id)):
-                requests.append(RequestRecord(row.id, row.group_id, row.response_index, row.is_probe,
-                                              max_tokens[row.group_id], row.generated_tokens, row.last_worker,
-                                              row.queued_at, row.status == RequestStatus.FINISHED,
-                                              row.status == RequestStatus.FAILED))
-                self.progress[row.id] = RequestProgress(row.num_chunks, row.failed_attempts)
-            # In the order the responses finished, as the running coordinator learned from them:
-            # its events were written in that order (finished_at ties within one report).
-            finish_order = conn.execute(
-                select(EVENTS.c.request_id).where(EVENTS.c.rollout_id == self.rollout_id,
-                                                  EVENTS.c.kind == "request_finished").order_by(EVENTS.c.id)
-            ).scalars().all()
-            self.worker_only_targets = {rid: target for rid, target in conn.execute(
-                select(TARGETS.c.request_id, TARGETS.c.target_length)
-                .join(REQUESTS, REQUESTS.c.id == TARGETS.c.request_id)
-                .where(REQUESTS.c.rollout_id == self.rollout_id))}
-            unfinished_chunks = conn.execute(
-                select(CHUNKS.c.id, CHUNKS.c.request_id, CHUNKS.c.status, CHUNKS.c.lease_epoch,
-                       CHUNKS.c.lease_holder)
-                .join(REQUESTS, REQUESTS.c.id == CHUNKS.c.request_id)
-                .where(REQUESTS.c.rollout_id == self.rollout_id, CHUNKS.c.status != ChunkStatus.DONE.value)
-            ).all()
+            saved = read_saved_rollout(conn, self.rollout_id)
+            self.inputs.update(saved.inputs)
+            self.progress.update(saved.progress)
+            self.worker_only_targets = saved.targets
             orphaned = [Requeue(c.id, c.request_id, c.lease_holder, c.lease_epoch)
-                        for c in unfinished_chunks if c.status == ChunkStatus.LEASED]
+                        for c in saved.unfinished_chunks if c.status == ChunkStatus.LEASED]
             self._write_requeue(conn, orphaned, now, kind="lease_orphaned")
             self._retire_all(conn)
-        self.state.load(groups, requests, finish_order, bindings)
-        for chunk in unfinished_chunks:
+        self.state.load(saved.groups, saved.requests, saved.finish_order, saved.bindings)
+        for chunk in saved.unfinished_chunks:
             self.progress[chunk.request_id].open_chunk = (chunk.id, chunk.lease_epoch)
 
     def _write_requeue(self, conn: Connection, chunks: Sequence[Requeue], now: float,

@@ -1,0 +1,71 @@
+"""What a rollout's database holds for a coordinator that (re)starts: the lease book reads it once.
+
+A pure read in the caller's transaction: the groups and requests as the scheduler's records,
+the prompts and sampling per group, chunk counts per request, the order the responses finished
+in (the events' order, as the running coordinator learned it), the benchmark target lengths
+and the chunks not done (a `leased` one is a previous coordinator's lease, to go back to the queue).
+"""
+
+from __future__ import annotations
+
+import json
+from array import array
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Connection, select
+
+from seerd.coordinator.records import GroupInputs, RequestProgress
+from seerd.db import Chunk, ChunkStatus, Event, Group, Request, RequestStatus, RequestTarget
+from seerd.io.codec import unpack_ints
+from seerd.scheduler.state import GroupRecord, RequestRecord
+
+CHUNKS, REQUESTS, GROUPS = Chunk.__table__, Request.__table__, Group.__table__
+EVENTS, TARGETS = Event.__table__, RequestTarget.__table__
+
+
+@dataclass
+class SavedRollout:
+    groups: list[GroupRecord]
+    requests: list[RequestRecord]
+    inputs: dict[int, GroupInputs]  # group id ->
+    progress: dict[int, RequestProgress]  # request id ->
+    bindings: dict[int, str]  # group id -> the worker the group policy bound it to
+    finish_order: list[int]  # request ids
+    targets: dict[int, int]  # request id -> target length (worker-only)
+    unfinished_chunks: list[Any]  # rows: id, request_id, status, lease_epoch, lease_holder
+
+
+def read_saved_rollout(conn: Connection, rollout_id: int) -> SavedRollout:
+    groups, requests, inputs, progress, bindings = [], [], {}, {}, {}
+    for row in conn.execute(select(GROUPS).where(GROUPS.c.rollout_id == rollout_id)):
+        prompt = array("i", unpack_ints(row.prompt_token_ids))
+        inputs[row.id] = GroupInputs(prompt, json.loads(row.sampling_json))
+        groups.append(GroupRecord(row.id, row.group_index, len(prompt), row.n, row.max_tokens,
+                                  row.length_estimate, row.finished_requests))
+        if row.bound_worker:
+            bindings[row.id] = row.bound_worker
+    max_tokens = {group.id: group.max_tokens for group in groups}
+    for row in conn.execute(select(REQUESTS).where(REQUESTS.c.rollout_id == rollout_id)):
+        requests.append(RequestRecord(row.id, row.group_id, row.response_index, row.is_probe,
+                                      max_tokens[row.group_id], row.generated_tokens, row.last_worker,
+                                      row.queued_at, row.status == RequestStatus.FINISHED,
+                                      row.status == RequestStatus.FAILED))
+        progress[row.id] = RequestProgress(row.num_chunks, row.failed_attempts)
+    # Finished responses in the order the running coordinator learned of them: its events were
+    # written in that order (finished_at ties within one report).
+    finish_order = conn.execute(
+        select(EVENTS.c.request_id).where(EVENTS.c.rollout_id == rollout_id,
+                                          EVENTS.c.kind == "request_finished").order_by(EVENTS.c.id)
+    ).scalars().all()
+    targets = {rid: target for rid, target in conn.execute(
+        select(TARGETS.c.request_id, TARGETS.c.target_length)
+        .join(REQUESTS, REQUESTS.c.id == TARGETS.c.request_id)
+        .where(REQUESTS.c.rollout_id == rollout_id))}
+    unfinished_chunks = conn.execute(
+        select(CHUNKS.c.id, CHUNKS.c.request_id, CHUNKS.c.status, CHUNKS.c.lease_epoch, CHUNKS.c.lease_holder)
+        .join(REQUESTS, REQUESTS.c.id == CHUNKS.c.request_id)
+        .where(REQUESTS.c.rollout_id == rollout_id, CHUNKS.c.status != ChunkStatus.DONE.value)
+    ).all()
+    return SavedRollout(groups, requests, inputs, progress, bindings, list(finish_order), targets,
+                        list(unfinished_chunks))
