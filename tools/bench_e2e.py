@@ -32,7 +32,8 @@ the engines' own schedulers evicted for lack of KV (recomputed later); resub = s
 chunks that did not continue in place (stopped at a boundary and prefilled again, unless the
 prefix cache still held them); running = sequences per engine step, summed over both engines;
 ms/step = an engine's mean step (wall); step cpu = the stepping thread's CPU over that wall time
-(below 100%: the step waited for a core or for the GIL); chunks; coord = the coordinator's CPU
+(below 100%: the step waited for a core or for the GIL); step runq = its wait for a core while
+runnable (the kernel's schedstat), over that wall time: the cores other processes took; chunks; coord = the coordinator's CPU
 share of the generation phase; loop cpu = the workers' event loop threads' CPU seconds (grants,
 reports, heartbeats), summed; step max / commit max = the longest engine step and the longest
 database write (stalls).
@@ -170,7 +171,8 @@ def run_direct(model: str, settings: Path, rows: list[dict], workload: Workload,
             "longest_step_s": max(r["longest_step_s"] or 0.0 for r in results),
             "mean_running": [r["mean_running"] for r in results],
             "ms_per_step": [r.get("ms_per_step") for r in results],
-            "step_cpu_share": [r.get("step_cpu_share") for r in results]}
+            "step_cpu_share": [r.get("step_cpu_share") for r in results],
+            "step_runq_share": [r.get("step_runq_share") for r in results]}
 
 
 def measure_bound(model: str, settings: Path, work: Path) -> dict:
@@ -232,6 +234,7 @@ def run_seerd(config: str, model: str, prompts: Path, workload: Workload, engine
             "mean_running": [e["mean_running"] for e in engines],
             "ms_per_step": [1e3 * e["step_s"] / e["steps"] for e in engines if e.get("steps")],
             "step_cpu_share": [e["step_cpu_s"] / e["step_s"] for e in engines if e.get("step_s")],
+            "step_runq_share": [e.get("step_runq_s", 0.0) / e["step_s"] for e in engines if e.get("step_s")],
             "worker_loop_cpu_s": sum(s.get("cpu", {}).get("loop_s", 0.0) for s in stats),
             "accepted_per_drafted": (sum(s["accepted"] for s in spec) / max(1, sum(s["drafted"] for s in spec))
                                      if spec else None)}
@@ -279,7 +282,7 @@ def print_table(document: dict) -> None:
           f"{1e3 * bound['solo_step_s']:.2f} ms/step; all tokens {bound['all_tokens_s']:.2f} s at peak "
           f"{bound['peak_tokens_per_s']:,.0f} tok/s)")
     head = (f"{'config':<16} {'tok/s':>7} {'x direct':>8} {'per rep':>7} {'makespan':>8} {'x bound':>7} {'tail s':>6} "
-            f"{'tail x dir':>10} {'preempt':>7} {'resub':>5} {'running':>7} {'ms/step':>7} {'step cpu':>8} "
+            f"{'tail x dir':>10} {'preempt':>7} {'resub':>5} {'running':>7} {'ms/step':>7} {'step cpu':>8} {'step runq':>9} "
             f"{'chunks':>6} {'coord':>6} {'loop cpu':>8} {'step max':>8} "
             f"{'commit max':>10} "
             f"{'sim tok/s':>9} {'sim tail':>8}  samples tok/s")
@@ -293,7 +296,7 @@ def print_table(document: dict) -> None:
               f"{seconds / bound['seconds']:>7.2f} "
               f"{tail:>6.2f} {tail / base_tail if base_tail else float('nan'):>10.2f} {cell('preemptions', '.0f'):>7} "
               f"{cell('resubmitted', '.0f'):>5} "
-              f"{cell('mean_running', '.1f'):>7} {cell('ms_per_step', '.1f'):>7} {cell('step_cpu_share', '.0%'):>8} "
+              f"{cell('mean_running', '.1f'):>7} {cell('ms_per_step', '.1f'):>7} {cell('step_cpu_share', '.0%'):>8} {cell('step_runq_share', '.0%'):>9} "
               f"{cell('chunks', '.0f'):>6} {cell('coordinator_cpu_share', '.1%'):>6} {cell('worker_loop_cpu_s', '.2f'):>8} "
               f"{cell('longest_step_s', '.2f'):>8} {cell('longest_commit_s', '.2f'):>10} "
               f"{format(sim['tok_s'], '.0f') if sim else '-':>9} {format(sim['tail_s'], '.2f') if sim else '-':>8}  "
@@ -418,7 +421,7 @@ def main() -> int:
             entry[key] = median(values) if values else None
         running = [sum(r["mean_running"]) for r in rs if r.get("mean_running")]
         entry["mean_running"] = median(running) if running else None
-        for key in ("ms_per_step", "step_cpu_share"):  # the mean of the engines, median over repeats
+        for key in ("ms_per_step", "step_cpu_share", "step_runq_share"):  # the mean of the engines, median over repeats
             values = [sum(r[key]) / len(r[key]) for r in rs if r.get(key)]
             entry[key] = median(values) if values else None
         if profile is not None and name in SIM_POLICY:

@@ -65,7 +65,7 @@ def wait_for(path: Path) -> None:
 def generate(llm, shard: Path, out: Path, go: Path) -> None:  # noqa: ANN001
     from vllm.inputs import TokensPrompt
 
-    from seerd.worker.engine import EngineCounters, sampling_params
+    from seerd.worker.engine import EngineCounters, ThreadClock, sampling_params
 
     requests = [json.loads(line) for line in shard.read_text().splitlines() if line.strip()]
     counters = EngineCounters.attach(llm)
@@ -78,11 +78,13 @@ def generate(llm, shard: Path, out: Path, go: Path) -> None:  # noqa: ANN001
                         sampling_params(sampling["max_tokens"], sampling))
     finished: list[float | None] = [None] * len(requests)
     lengths = [0] * len(requests)
+    thread_clock = ThreadClock()
     while llm.has_unfinished_requests():
-        started, cpu_started = time.monotonic(), time.thread_time()
+        started, (cpu_started, runq_started) = time.monotonic(), thread_clock.read()
         outputs = llm.step()
+        cpu_now, runq_now = thread_clock.read()
         if counters is not None:
-            counters.after_step(time.monotonic() - started, time.thread_time() - cpu_started)
+            counters.after_step(time.monotonic() - started, cpu_now - cpu_started, runq_now - runq_started)
         now = time.time()
         for output in outputs:
             if output.finished:
@@ -94,7 +96,8 @@ def generate(llm, shard: Path, out: Path, go: Path) -> None:  # noqa: ANN001
                                "longest_step_s": figures.get("longest_step_s"),
                                "mean_running": figures.get("mean_running"),
                                "ms_per_step": 1e3 * figures["step_s"] / figures["steps"] if figures.get("steps") else None,
-                               "step_cpu_share": figures["step_cpu_s"] / figures["step_s"] if figures.get("step_s") else None}))
+                               "step_cpu_share": figures["step_cpu_s"] / figures["step_s"] if figures.get("step_s") else None,
+                               "step_runq_share": figures["step_runq_s"] / figures["step_s"] if figures.get("step_s") else None}))
 
 
 def decode_alone_then_together(llm, settings: dict, rank: int, out: Path, go: Path, batch_go: Path) -> None:  # noqa: ANN001

@@ -148,11 +148,34 @@ def test_engine_counters_sum_steps_running_preemptions_and_step_clocks():
     counters.after_step(5.0, 4.0)  # the warm-up step, forgotten by reset
     counters.reset()
     assert scheduler._preempt_request("r", 1.0) == ("r", 1.0)  # still vLLM's own behaviour
-    counters.after_step(0.02, 0.015)
+    counters.after_step(0.02, 0.015, 0.004)
     scheduler.running.pop()
     counters.after_step(0.04, 0.025)
     figures = counters.figures()
     assert figures["steps"] == 2 and figures["preemptions"] == 1
     assert figures["mean_running"] == 2.5
     assert abs(figures["step_s"] - 0.06) < 1e-12 and abs(figures["step_cpu_s"] - 0.04) < 1e-12
-    assert figures["longest_step_s"] == 0.04
+    assert figures["longest_step_s"] == 0.04 and figures["step_runq_s"] == 0.004
+
+
+def test_the_thread_clock_reads_this_threads_cpu_and_run_queue_wait_from_the_kernel():
+    import threading
+    import time
+
+    from seerd.worker.engine import ThreadClock
+
+    def spin(seconds: float) -> None:
+        until = time.thread_time() + seconds
+        while time.thread_time() < until:
+            pass
+
+    clock = ThreadClock()
+    cpu, waited = clock.read()
+    spin(0.05)
+    other = threading.Thread(target=spin, args=(0.2,))  # another thread's CPU is not this one's
+    other.start()
+    other.join()
+    cpu_after, waited_after = clock.read()
+    clock.close()
+    assert 0.05 <= cpu_after - cpu < 0.2 and waited_after >= waited >= 0.0
+    assert clock.read()[1] == 0.0  # closed: the CPU clock alone
