@@ -415,7 +415,6 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(warning, signal.SIG_IGN)
     start_group_reaper()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per call drowns the log
     try:
         return asyncio.run(amain(RunDir(Path(args.run_dir).resolve()),
                                  args.rank, args.patience, args.wait_for_coordinator))

@@ -4,7 +4,8 @@ processes that own a run directory."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import contextlib
+from collections.abc import AsyncIterator, Callable
 import os
 import subprocess
 import sys
@@ -24,6 +25,27 @@ from seerd.scheduler import make_policy
 from seerd.worker.engine import ChunkResult, StepClock, Stream, run_whole
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+@contextlib.asynccontextmanager
+async def served(app) -> AsyncIterator[str]:  # noqa: ANN001
+    """`app` served by uvicorn on a free loopback port, as the coordinator serves its API: its
+    base URL, for a real client over a real socket."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
+    serving = asyncio.create_task(server.serve())
+    while not server.started:
+        if serving.done():
+            serving.result()  # it failed to start: raise why
+            raise RuntimeError("uvicorn stopped before it started")
+        await asyncio.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await serving
 # A process that owns RUN_DIR (pretending to live on HOST when given) until it is killed.
 HOLD = """
 import socket, sys, time

@@ -15,7 +15,7 @@ from seerd.protocol import (
     RegisterReply, ReportBody, ReportReply, ReportResult,
 )
 from seerd.worker.client import CoordinatorClient, NotRegistered
-from tests.unit.helpers import FakeClock, make_book, rows
+from tests.unit.helpers import FakeClock, make_book, rows, served
 
 SECRET = "s3cret-token"
 REGISTER = {"worker_id": "w", "rank": 0, "address": "x", "max_chunks": 1, "kv_capacity_tokens": 100}
@@ -151,14 +151,6 @@ def test_long_poll_lease_wakes_when_a_chunk_is_requeued(tmp_path):
     assert second["prompt_token_ids"][-16:] == [3] * 16 and waited < 2.0
 
 
-def asgi_worker_client(app) -> CoordinatorClient:  # noqa: ANN001
-    """The worker's own client, talking to the app in-process instead of over a socket."""
-    client = CoordinatorClient("http://coordinator", SECRET, patience_s=1.0)
-    client._http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url=client.base_url,
-                                     headers=client._http.headers)
-    return client
-
-
 def test_the_worker_client_gets_typed_replies(tmp_path):
     clock = FakeClock()
     book = make_book(tmp_path, prompt_rows=rows(groups=1, n=1, max_tokens=20), now=clock())
@@ -166,7 +158,10 @@ def test_the_worker_client_gets_typed_replies(tmp_path):
     app.state.engine_settings = EngineSettings("m", {"max_num_seqs": 2}, 0)
 
     async def scenario() -> None:
-        client = asgi_worker_client(app)
+        async with served(app) as url:
+            await calls(CoordinatorClient(url, SECRET, patience_s=1.0))
+
+    async def calls(client: CoordinatorClient) -> None:
         settings = await client.call(protocol.CONFIG)
         assert settings == EngineSettings("m", {"max_num_seqs": 2}, 0)
         reg = await client.call(protocol.REGISTER, RegisterBody("w", 0, "x", max_chunks=1, kv_capacity_tokens=100))
@@ -188,13 +183,18 @@ def test_the_worker_client_gets_typed_replies(tmp_path):
 
 
 def test_the_worker_client_says_when_a_reply_is_not_its_type():
+    async def not_a_lease_reply(scope, receive, send) -> None:  # noqa: ANN001
+        body = b'{"chunks": [{"chunk_id": 1}], "done": false}'
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
     async def scenario() -> None:
-        client = CoordinatorClient("http://coordinator", SECRET)
-        client._http = httpx.AsyncClient(base_url=client.base_url, transport=httpx.MockTransport(
-            lambda request: httpx.Response(200, json={"chunks": [{"chunk_id": 1}], "done": False})))
-        with pytest.raises(BadReply, match="POST /v1/lease: the reply is not a LeaseReply"):
-            await client.call(protocol.LEASE, LeaseBody("w", 1))
-        await client.close()
+        async with served(not_a_lease_reply) as url:
+            client = CoordinatorClient(url, SECRET)
+            with pytest.raises(BadReply, match="POST /v1/lease: the reply is not a LeaseReply"):
+                await client.call(protocol.LEASE, LeaseBody("w", 1))
+            await client.close()
 
     asyncio.run(scenario())
 

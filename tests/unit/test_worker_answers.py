@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-import httpx
 import msgspec
 import pytest
 from sqlalchemy import select
@@ -18,7 +17,7 @@ from seerd.io.codec import unpack_ints
 from seerd.protocol import ErrorReply, LeaseBody, RegisterBody
 from seerd.worker.client import CoordinatorClient, CoordinatorGone, CoordinatorRefused, NotRegistered
 from seerd.worker.main import Worker
-from tests.unit.helpers import ScriptedEngine, make_book, rows, scripted_tokens
+from tests.unit.helpers import ScriptedEngine, make_book, rows, scripted_tokens, served
 
 SECRET = "s3cret-token"
 
@@ -50,13 +49,6 @@ class Faults:
         return None
 
 
-def client_of(app, patience_s: float = 60.0) -> CoordinatorClient:  # noqa: ANN001
-    client = CoordinatorClient("http://coordinator", SECRET, patience_s=patience_s)
-    client._http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url=client.base_url,
-                                     headers=client._http.headers)
-    return client
-
-
 def length_of(request_id: int) -> int:
     return 5 + request_id * 3 % 11
 
@@ -75,7 +67,11 @@ def test_a_worker_finishes_the_rollout_through_5xx_4xx_and_a_coordinator_that_fo
     })
 
     async def scenario() -> Worker:
-        worker = Worker(client_of(app), ScriptedEngine(length_of, max_chunks=2, pause_s=0.05), rank=0)
+        async with served(app) as url:
+            return await run_worker(url)
+
+    async def run_worker(url: str) -> Worker:
+        worker = Worker(CoordinatorClient(url, SECRET), ScriptedEngine(length_of, max_chunks=2, pause_s=0.05), rank=0)
 
         async def daemon_tick() -> None:  # what the coordinator's tick does: leases of the forgotten identity expire
             while True:
@@ -112,7 +108,10 @@ def test_the_client_retries_5xx_and_raises_a_4xx_to_its_caller(tmp_path):
     })
 
     async def scenario() -> None:
-        client = client_of(app)
+        async with served(app) as url:
+            await calls(CoordinatorClient(url, SECRET))
+
+    async def calls(client: CoordinatorClient) -> None:
         body = RegisterBody("w", 0, "x", max_chunks=1, kv_capacity_tokens=100)
         with pytest.raises(CoordinatorRefused, match="413: POST /v1/register: injected 413"):
             await client.call(protocol.REGISTER, body)  # after two 5xx, each retried
