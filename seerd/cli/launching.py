@@ -76,9 +76,13 @@ def report_result(rundir: RunDir, result: CoordinatorResult, elapsed: float, *,
         figures = {"responses": result.export.responses, "parquet": rundir.parquet_path,
                    "jsonl": rundir.jsonl_path}
         if result.load:
-            figures["coordinator"] = (f"{result.load.get('generation_cpu_s', result.load['cpu_s']):.2f}s CPU = {result.load['cpu_share']:.2%} of the "
-                                      f"{result.load['generation_s']:.1f}s generation phase "
-                                      f"({result.load['api_calls']} API calls)")
+            load = result.load
+            threads = load.get("generation_cpu_by_thread_s") or {}
+            split = "".join(f", {name} {seconds:.2f}s" for name, seconds in sorted(threads.items(), key=lambda t: -t[1])
+                            if seconds >= 0.01)
+            figures["coordinator"] = (f"{load.get('generation_cpu_s', load['cpu_s']):.2f}s CPU = {load['cpu_share']:.2%} of the "
+                                      f"{load['generation_s']:.1f}s generation phase "
+                                      f"({load['api_calls']} API calls{split})")
         ui.summary(figures)
         if result.export.failed:
             ui.warn(f"{result.export.failed} of {result.export.responses_total} requests failed: their rows have "

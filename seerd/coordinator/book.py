@@ -22,7 +22,6 @@ of unfinished requests in memory; the ORM models still define the schema.
 from __future__ import annotations
 
 import json
-import time
 from array import array
 from collections.abc import Callable, Collection, Iterable, Sequence
 
@@ -37,6 +36,7 @@ from seerd.coordinator.reports import (
     AcceptedReport, ReportOutcome, judge, judge_unleased, report_problem, write_results,
 )
 from seerd.coordinator.saved import read_saved_rollout
+from seerd.cpu import CpuSnapshot
 from seerd.db import (
     Chunk, ChunkStatus, Event, Group, Request, RequestStatus, Rollout, RolloutStatus, Worker,
     WorkerStatus,
@@ -99,9 +99,9 @@ class LeaseBook:
         # request_id -> target length; never part of the scheduler's state (module docstring).
         self.worker_only_targets: dict[int, int] = {}
         self.first_lease_at: float | None = None  # this session's; generation starts here
-        self.first_lease_cpu: float | None = None  # this process's CPU time then
+        self.first_lease_cpu: CpuSnapshot | None = None  # this process's CPU time then
         self.completed_at: float | None = None  # the report that finished the last request; generation ends
-        self.completed_cpu: float | None = None  # this process's CPU time then (the export comes after)
+        self.completed_cpu: CpuSnapshot | None = None  # this process's CPU time then (the export comes after)
         # Called on this (the state) thread after each commit: (group, request, offset, tokens) per
         # accepted chunk, and a group's id once all its responses are done. The draft host listens.
         self.on_committed_tokens: Callable[[int, int, int, Sequence[int]], None] | None = None
@@ -256,7 +256,7 @@ class LeaseBook:
         leases = self.state.apply_leases(worker_id, plan, chunk_ids)
         if self.first_lease_at is None:
             self.first_lease_at = now
-            self.first_lease_cpu = time.process_time()
+            self.first_lease_cpu = CpuSnapshot.now()
         grants = []
         for lease, epoch in zip(leases, epochs):
             progress = self.progress[lease.request_id]
@@ -389,7 +389,7 @@ class LeaseBook:
         # Committed: now the state follows.
         self.state.apply_results(prepared)
         if self.completed_at is None and self.state.is_complete():
-            self.completed_at, self.completed_cpu = now, time.process_time()
+            self.completed_at, self.completed_cpu = now, CpuSnapshot.now()
         for failure in failures:
             self._apply_failure(failure)
         refuted: dict[str, WorkerLiveness] = {}

@@ -28,6 +28,7 @@ from seerd.coordinator.book import LeaseBook
 from seerd.coordinator.drafts import REFRESH_S, DraftHost, book_sequences, history_sequences
 from seerd.coordinator.kvpool import PoolHost, model_revision, run_tag
 from seerd.coordinator.model_identity import verify_model
+from seerd.cpu import CpuSnapshot
 from seerd.db import Rollout, RolloutStatus, WorkerStatus, add_event, make_engine, make_sessionmaker
 from seerd.db.base import CommitTimes
 from seerd.db.migrate import upgrade_run_database
@@ -130,7 +131,7 @@ class Coordinator:
             self.book.on_group_finished = lambda gid: [listener(gid) for listener in listeners]
         self._drafts_refreshed_at = 0.0
         self.started_at = clock()
-        self.cpu_started = time.process_time()
+        self.cpu_started = CpuSnapshot.now()
         self._stop_reason: str | None = None
         self._server: uvicorn.Server | None = None
         self.initial_status = rollout.status
@@ -343,17 +344,19 @@ class Coordinator:
 
     def _load_figures(self, export_s: float) -> dict:
         """The coordinator's share of the generation phase, in CPU time of this process."""
-        now, cpu_now = self.clock(), time.process_time()
+        now, cpu_now = self.clock(), CpuSnapshot.now()
         wall = max(now - self.started_at, 1e-9)
         # Engines take tens of seconds to start; the share that matters is of the generation phase,
         # from the first lease to the report that finished the last request: CPU time of this
         # process (API, scheduling, commits) then, while the engines generate. The export after it
         # runs alone and is `cpu_s` minus that. Handler wall times would overlap under concurrency.
-        ended_at, ended_cpu = self.book.completed_at or now, self.book.completed_cpu or cpu_now
+        started = self.book.first_lease_cpu or self.cpu_started
+        ended_at, ended = self.book.completed_at or now, self.book.completed_cpu or cpu_now
         generating = max(ended_at - (self.book.first_lease_at or self.started_at), 1e-9)
-        generation_cpu = ended_cpu - (self.book.first_lease_cpu or self.cpu_started)
-        cpu = cpu_now - (self.book.first_lease_cpu or self.cpu_started)
+        generation_cpu = ended.process_s - started.process_s
+        cpu = cpu_now.process_s - started.process_s
         return {"wall_s": wall, "generation_s": generating, "cpu_s": cpu, "generation_cpu_s": generation_cpu,
+                "generation_cpu_by_thread_s": ended.since(started),
                 "api_wall_s": self.control.busy_s, "export_s": export_s, "api_calls": self.control.calls,
                 "cpu_share": generation_cpu / generating,
                 "longest_commit_s": CommitTimes.longest_s, "slow_commits": CommitTimes.slow}

@@ -15,9 +15,10 @@ from seerd.coordinator.api import CoordinatorControl, create_app
 from seerd.db import Chunk, ChunkStatus, Request, RequestStatus
 from seerd.io.codec import unpack_ints
 from seerd.protocol import ChunkReport
+from seerd.worker.client import CoordinatorClient
 from seerd.worker.main import Worker
-from tests.unit.helpers import ScriptedEngine, make_book, rows, scripted_tokens
-from tests.unit.test_worker_answers import SECRET, client_of
+from tests.unit.helpers import ScriptedEngine, make_book, rows, scripted_tokens, served
+from tests.unit.test_worker_answers import SECRET
 
 
 def register(book, name="w0", rank=0, now=1000.0, max_chunks=8):
@@ -100,7 +101,11 @@ def test_a_worker_continues_requests_in_place_and_each_token_lands_once(tmp_path
     engine = ScriptedEngine(length_of, max_chunks=8, pause_s=0.01, chunk_tokens=8)
 
     async def scenario() -> Worker:
-        worker = Worker(client_of(app), engine, rank=0)
+        async with served(app) as url:
+            return await run_worker(url)
+
+    async def run_worker(url: str) -> Worker:
+        worker = Worker(CoordinatorClient(url, SECRET), engine, rank=0)
         try:
             await asyncio.wait_for(worker.run(), timeout=60)
         finally:

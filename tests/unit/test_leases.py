@@ -49,7 +49,7 @@ def test_last_chunk_budget_is_what_remains(tmp_path):
     # The generation phase ends at the report that finished the last request (the export after
     # it is not the engines' time): what the coordinator's CPU share is measured over.
     assert (book.first_lease_at, book.completed_at) == (1000.0, 1002.5)
-    assert book.completed_cpu is not None and book.completed_cpu >= book.first_lease_cpu
+    assert book.completed_cpu is not None and book.completed_cpu.process_s >= book.first_lease_cpu.process_s
     with book.sessions.begin() as s:
         req = s.scalars(select(Request)).one()
         assert (req.status, req.generated_tokens, req.num_chunks, req.finish_reason) == (

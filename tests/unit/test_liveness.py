@@ -17,11 +17,11 @@ from seerd.coordinator.liveness import RETIRE_AFTER_REFUTED, STALL_STEPS, stall_
 from seerd.db import Event, Worker, WorkerStatus
 from seerd.protocol import ChunkReport, EngineProgress, HeartbeatBody
 from seerd.status.snapshot import read_snapshot
-from seerd.worker.client import Retired
+from seerd.worker.client import CoordinatorClient, Retired
 from seerd.worker.engine import StepClock
-from tests.unit.helpers import make_book, rows
+from tests.unit.helpers import make_book, rows, served
 from tests.unit.test_leases import full_report, register
-from tests.unit.test_worker_answers import SECRET, client_of
+from tests.unit.test_worker_answers import SECRET
 
 TTL = 10.0
 FAILURE = "ValueError('refused by this engine')"
@@ -185,7 +185,10 @@ def test_the_api_tells_a_taken_out_worker_to_exit(tmp_path):
     app = create_app(book, SECRET, CoordinatorControl(), clock=lambda: 1013.0)
 
     async def scenario() -> None:
-        client = client_of(app)
+        async with served(app) as url:
+            await calls(CoordinatorClient(url, SECRET))
+
+    async def calls(client: CoordinatorClient) -> None:
         with pytest.raises(Retired, match="taken out: its engine made no progress"):
             await client.call(protocol.HEARTBEAT, HeartbeatBody(w, [grants[0].chunk_id], {},
                                                                 EngineProgress(1, 0.1, 1)))

@@ -1,0 +1,45 @@
+"""CPU time of this process, in total and per thread: where a daemon's CPU went (the event loop
+parsing calls, the state thread writing them, the ownership heartbeat), figures that on a machine
+whose cores the engines need are time taken from the engines."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class CpuSnapshot:
+    process_s: float
+    threads_s: dict[str, float] = field(default_factory=dict)  # thread name -> its CPU seconds so far
+
+    @classmethod
+    def now(cls) -> CpuSnapshot:
+        return cls(time.process_time(), thread_cpu_seconds())
+
+    def since(self, earlier: CpuSnapshot) -> dict[str, float]:
+        """CPU seconds per thread between `earlier` and this snapshot (threads alive at this one)."""
+        return {name: round(s - earlier.threads_s.get(name, 0.0), 3) for name, s in self.threads_s.items()}
+
+
+def thread_cpu_seconds() -> dict[str, float]:
+    """Each live thread's CPU seconds by its Python name (threads Python did not start, a
+    library's, are summed as "other"), from /proc; empty where there is none."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    ticks = os.sysconf("SC_CLK_TCK")
+    seconds: dict[str, float] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return seconds
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        name = names.get(int(tid), "other")
+        seconds[name] = seconds.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
+    return seconds
