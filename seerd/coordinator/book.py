@@ -41,6 +41,7 @@ from seerd.db import (
     Chunk, ChunkStatus, Event, Group, Request, RequestStatus, Rollout, RolloutStatus, Worker,
     WorkerStatus,
 )
+from seerd.db import driver
 from seerd.db.base import begin
 from seerd.db.event import event_row
 from seerd.db.transitions import (
@@ -57,6 +58,7 @@ ROLLOUTS, WORKERS = Rollout.__table__, Worker.__table__
 FIRST_START = update(REQUESTS).where(REQUESTS.c.id == bindparam(ROW_ID), REQUESTS.c.started_at.is_(None)).values(
     started_at=bindparam("now"))
 INSERT_EVENT = insert(EVENTS)
+BIND_GROUP = update(GROUPS).where(GROUPS.c.id == bindparam("gid")).values(bound_worker=bindparam("worker"))
 DONE_TOKENS = select(CHUNKS.c.token_ids).where(
     CHUNKS.c.request_id == bindparam("rid"), CHUNKS.c.status == ChunkStatus.DONE.value).order_by(CHUNKS.c.seq)
 # Failed chunks of one request before the request ends failed (a poison request: every engine
@@ -271,10 +273,7 @@ class LeaseBook:
         """The rows of a checked plan, in the caller's transaction: each assignment's chunk row
         (new, or the one an ended lease left queued, epoch + 1) leased, its request running.
         Returns the chunk ids and lease epochs, in assignment order."""
-        if plan.new_bindings:
-            conn.execute(update(GROUPS).where(GROUPS.c.id == bindparam("gid")).values(
-                bound_worker=bindparam("worker")),
-                [{"gid": gid, "worker": w} for gid, w in plan.new_bindings.items()])
+        driver.executemany(conn, BIND_GROUP, [{"gid": gid, "worker": w} for gid, w in plan.new_bindings.items()])
         chunk_ids: list[int | None] = []
         epochs, reused, fresh = [], [], []
         for assignment in plan.assignments:
@@ -295,15 +294,16 @@ class LeaseBook:
                 epochs.append(1)
         new_ids = iter(insert_many_returning_ids(conn, CHUNKS, ChunkStatus.LEASED, fresh))
         chunk_ids = [next(new_ids) if chunk_id is None else chunk_id for chunk_id in chunk_ids]
-        change_status(conn, CHUNKS, ChunkStatus.QUEUED, ChunkStatus.LEASED, reused, guard_epoch=True, values={
-            "max_tokens": bindparam("budget"), "lease_holder": worker_id, "lease_deadline": deadline,
-            "lease_epoch": CHUNKS.c.lease_epoch + 1, "attempt": CHUNKS.c.attempt + 1, "leased_at": now})
+        if reused:  # (its values hold SQL expressions, built for the call: rare)
+            change_status(conn, CHUNKS, ChunkStatus.QUEUED, ChunkStatus.LEASED, reused, guard_epoch=True, values={
+                "max_tokens": bindparam("budget"), "lease_holder": worker_id, "lease_deadline": deadline,
+                "lease_epoch": CHUNKS.c.lease_epoch + 1, "attempt": CHUNKS.c.attempt + 1, "leased_at": now})
         request_rows = [{ROW_ID: a.request_id} for a in plan.assignments]
         change_status(conn, REQUESTS, RequestStatus.QUEUED, RequestStatus.RUNNING, request_rows,
                       values={"last_worker": worker_id})
         if request_rows:
-            conn.execute(FIRST_START, [{**row, "now": now} for row in request_rows])
-            conn.execute(INSERT_EVENT, [
+            driver.executemany(conn, FIRST_START, [{**row, "now": now} for row in request_rows])
+            driver.executemany(conn, INSERT_EVENT, [
                 event_row(self.rollout_id, now, "chunk_leased", worker_id, a.request_id, chunk_id,
                           {"seq": self.progress[a.request_id].num_chunks, "epoch": epoch, "max_tokens": a.max_tokens,
                            **({"in_place": True} if a.request_id in continuing else {})})

@@ -17,6 +17,7 @@ from typing import NamedTuple, Protocol
 from sqlalchemy import Connection, bindparam, insert, select, update
 
 from seerd.db import Chunk, ChunkStatus, Event, Group, Request, RequestStatus
+from seerd.db import driver
 from seerd.db.event import event_row
 from seerd.db.transitions import ROW_EPOCH, ROW_ID, change_status
 from seerd.io.codec import pack_floats, pack_ints
@@ -142,10 +143,9 @@ def write_results(conn: Connection, rollout_id: int, worker_id: str, prepared: R
                   values={**counts, "finish_reason": bindparam("fr"), "finished_at": now})
     change_status(conn, _REQUESTS, RequestStatus.RUNNING, RequestStatus.QUEUED, requeued_rows,
                   values={**counts, "queued_at": now})
-    if prepared.groups:
-        conn.execute(_GROUP_COUNTS, [{"gid": g.group_id, "fr": g.finished, "est": g.estimate, "fa": now if g.complete else None}
-             for g in prepared.groups])
-    conn.execute(_INSERT_EVENT, events)
+    driver.executemany(conn, _GROUP_COUNTS, [{"gid": g.group_id, "fr": g.finished, "est": g.estimate,
+                                               "fa": now if g.complete else None} for g in prepared.groups])
+    driver.executemany(conn, _INSERT_EVENT, events)
 
 
 def judge_unleased(conn: Connection, worker_id: str, report: ChunkReport | UnreadableReport) -> ReportOutcome:

@@ -11,6 +11,8 @@ Statements are built once per shape and kept (`_update_statement`): SQLAlchemy c
 statement once per cache key, but building the statement and its key again on every call was
 a quarter of the coordinator's CPU per chunk. Constant values therefore travel as bind values,
 and a shape whose values hold other SQL expressions is built afresh each time (rare: re-leases).
+A kept statement then runs straight on the driver (`seerd.db.driver`), without SQLAlchemy's
+per-execute work.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 from sqlalchemy import BindParameter, Connection, Table, Update, bindparam, insert, update
 from sqlalchemy.sql.elements import ClauseElement
 
+from seerd.db import driver
 from seerd.db.status import ALLOWED_INITIAL, check_transition
 
 ROW_ID = "row_id"  # the bind names of the guard (a bind name may not be a column's name)
@@ -64,15 +67,15 @@ def change_status(conn: Connection, table: Table, old: enum.Enum, new: enum.Enum
     expressions = {key: value for key, value in values.items() if isinstance(value, ClauseElement)}
     binds = tuple(sorted((key, value.key) for key, value in expressions.items() if isinstance(value, BindParameter)))
     shape = (tuple(sorted(key[4:] for key in constants)), binds)
-    if len(binds) == len(expressions):
-        statement = _update_statement(table, old.value, new.value, guard_epoch, shape)
-    else:  # an SQL expression among the values (lease_epoch + 1): built for this call
-        statement = _build_update(table, old.value, new.value, guard_epoch, shape[0], expressions)
     if constants:
         rows = [{**row, **constants} for row in rows]
-    result = conn.execute(statement, list(rows))
-    if result.rowcount != len(rows):
-        raise StaleStatus(f"{table.name}: {len(rows) - result.rowcount} of {len(rows)} rows were not "
+    if len(binds) == len(expressions):  # a kept statement: straight to the driver (seerd/db/driver.py)
+        changed = driver.executemany(conn, _update_statement(table, old.value, new.value, guard_epoch, shape), rows)
+    else:  # an SQL expression among the values (lease_epoch + 1): built for this call
+        statement = _build_update(table, old.value, new.value, guard_epoch, shape[0], expressions)
+        changed = conn.execute(statement, list(rows)).rowcount
+    if changed != len(rows):
+        raise StaleStatus(f"{table.name}: {len(rows) - changed} of {len(rows)} rows were not "
                           f"{old.value}{' at the given lease epoch' if guard_epoch else ''}")
     return StatusChange(table.name, tuple(row[ROW_ID] for row in rows), old, new)
 
@@ -117,17 +120,13 @@ def insert_many_with_status(conn: Connection, table: Table, status: enum.Enum,
 
 def insert_many_returning_ids(conn: Connection, table: Table, status: enum.Enum,
                               rows: Sequence[Mapping[str, Any]]) -> list[int]:
-    """`insert_many_with_status` that returns the new primary keys in the order of `rows` (one
-    statement: SQLite's RETURNING through SQLAlchemy's insertmanyvalues). Every row has the
-    same keys."""
+    """`insert_many_with_status` that returns the new primary keys in the order of `rows`
+    (straight on the driver: `seerd.db.driver.insert_returning_ids`). Every row has the same keys."""
     if status not in ALLOWED_INITIAL[type(status)]:
         raise ValueError(f"a new {table.name} row cannot start as {status.value}")
-    if not rows:
-        return []
-    result = conn.execute(_insert_returning_id(table), [{**row, "status": status.value} for row in rows])
-    return [row[0] for row in result]
+    return driver.insert_returning_ids(conn, _insert(table), [{**row, "status": status.value} for row in rows])
 
 
 @functools.lru_cache(maxsize=32)
-def _insert_returning_id(table: Table):  # noqa: ANN202
-    return insert(table).returning(table.c.id, sort_by_parameter_order=True)
+def _insert(table: Table):  # noqa: ANN202
+    return insert(table)

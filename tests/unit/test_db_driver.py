@@ -1,0 +1,49 @@
+"""The hot writes straight on the sqlite3 driver (`seerd.db.driver`): the same rows as
+SQLAlchemy's execution would write, in the caller's transaction, on a real run database."""
+
+from __future__ import annotations
+
+import enum
+
+import pytest
+from sqlalchemy import bindparam, insert, select, update
+
+from seerd.db import Event, make_engine
+from seerd.db import driver
+from seerd.db.base import begin
+from seerd.db.migrate import upgrade
+from tests.unit.helpers import make_book
+
+EVENTS = Event.__table__
+
+
+class Colour(enum.Enum):
+    RED = "red"
+
+
+def test_rows_written_by_the_driver_are_sqlalchemys_rows_and_roll_back_with_the_transaction(tmp_path):
+    book = make_book(tmp_path)  # a run database with its rollout
+    engine = book.engine
+    rows = [{"rollout_id": book.rollout_id, "ts": float(i), "kind": "k", "worker_id": None, "request_id": i, "chunk_id": None,
+             "data_json": None} for i in range(5)]
+    statement = insert(EVENTS)
+    with begin(engine) as conn:
+        ids = driver.insert_returning_ids(conn, statement, rows[:3])
+        assert driver.executemany(conn, statement, rows[3:]) == 2
+    assert ids == sorted(ids) and len(set(ids)) == 3
+    rename = update(EVENTS).where(EVENTS.c.request_id == bindparam("rid")).values(kind=bindparam("new"))
+    with pytest.raises(RuntimeError), begin(engine) as conn:
+        assert driver.executemany(conn, rename, [{"rid": 0, "new": "x"}, {"rid": 9, "new": "x"}]) == 1
+        raise RuntimeError("the caller fails: nothing it wrote stays")
+    with engine.connect() as conn:
+        kinds = conn.execute(select(EVENTS.c.id, EVENTS.c.request_id, EVENTS.c.kind).order_by(EVENTS.c.id)).all()
+    ours = [r for r in kinds if r.kind == "k"]  # beside the events the run's creation wrote
+    assert [r.request_id for r in ours] == list(range(5)) and [r.id for r in ours[:3]] == ids
+
+
+def test_a_value_that_needs_sqlalchemys_processing_is_refused_not_stored_wrong(tmp_path):
+    engine = make_engine(tmp_path / "state.db")
+    upgrade(engine)
+    statement = update(EVENTS).where(EVENTS.c.id == bindparam("eid")).values(kind=Colour.RED)
+    with pytest.raises(TypeError, match="needs SQLAlchemy's processing"), begin(engine) as conn:
+        driver.executemany(conn, statement, [{"eid": 1}])
