@@ -52,7 +52,8 @@ import httpx
 
 from seerd.config import RunConfig
 from seerd.coordinator.create import create_rollout
-from seerd.coordinator.daemon import Coordinator, run_event_loop
+from seerd.coordinator.daemon import Coordinator
+from seerd.event_loop import run_event_loop
 from seerd.db import ChunkStatus, make_engine, make_sessionmaker
 from seerd.db.migrate import upgrade
 from seerd.io.prompts import PromptRow

@@ -49,15 +49,6 @@ EXPIRY_INTERVAL_S = 0.5
 DONE_LINGER_S = 5.0
 
 
-def run_event_loop(main):  # noqa: ANN001, ANN201
-    """Run a coroutine on uvloop when it is installed (it is, with vLLM), else on asyncio's loop."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(main)
-    return uvloop.run(main)
-
-
 class RunNotFound(RuntimeError):
     """No run (database or rollout) where one was expected."""
 

@@ -17,7 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from seerd.config import KVPoolConfig
-from seerd.coordinator.daemon import Coordinator, CoordinatorResult, run_event_loop
+from seerd.coordinator.daemon import Coordinator, CoordinatorResult
+from seerd.event_loop import run_event_loop
 from seerd.db import RolloutStatus
 from seerd.parent_death import die_with_parent as _die_with_parent
 from seerd.rundir import RunDir

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from seerd.drafts.drafter import drafter_stats
+from seerd.event_loop import run_event_loop
 from seerd.kvpool.pool import pool_stats
 from seerd.protocol import (
     CONFIG, HEARTBEAT, LEASE, LEASE_LONG_POLL_S, REGISTER, RELEASE, REPORT, ChunkGrant, ChunkReport, HeartbeatBody,
@@ -416,8 +417,8 @@ def main(argv: list[str] | None = None) -> int:
     start_group_reaper()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        return asyncio.run(amain(RunDir(Path(args.run_dir).resolve()),
-                                 args.rank, args.patience, args.wait_for_coordinator))
+        return run_event_loop(amain(RunDir(Path(args.run_dir).resolve()),
+                                    args.rank, args.patience, args.wait_for_coordinator))
     except CoordinatorGone as exc:
         log.error("%s", exc)
         return 3
