@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """What one call to the coordinator costs a worker's event loop, per HTTP client.
 
-    python tools/bench_http_client.py [--calls 2000] [--rounds 3] [--tokens 128]
+    python tools/bench_http_client.py [--calls 2000] [--rounds 3] [--tokens 128] [--sync]
 
 A uvicorn server in another process (the coordinator's server; a bare ASGI app that answers
 every POST with a small JSON reply, so the server's own cost is out of the client's figures)
@@ -10,6 +10,8 @@ token ids and logprobs, JSON) one after another on a kept-alive connection. Per 
 calling thread's CPU per call (what the worker's event loop spends beside its engine) and wall
 time per call. Clients, interleaved round by round: httpx.AsyncClient (what the worker used
 before), aiohttp.ClientSession, and seerd's own `CoordinatorClient._send` (aiohttp underneath).
+`--sync`: the blocking clients of the draft sync thread instead: httpx.Client (before),
+http.client.HTTPConnection, and seerd's `drafts.client.HttpTransport._post` (http.client).
 Prints medians over the rounds and each client's CPU as a multiple of httpx's.
 """
 
@@ -25,6 +27,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import msgspec
 
 REPO = Path(__file__).resolve().parents[1]
 SERVER = """
@@ -92,12 +96,68 @@ async def with_seerd(base: str, body: bytes, calls: int) -> tuple[float, float]:
 CLIENTS = {"httpx": with_httpx, "aiohttp": with_aiohttp, "seerd client": with_seerd}
 
 
+def timed_sync(call, calls: int) -> tuple[float, float]:  # noqa: ANN001
+    for _ in range(50):
+        call()
+    wall, cpu = time.perf_counter(), time.thread_time()
+    for _ in range(calls):
+        call()
+    return (time.thread_time() - cpu) / calls, (time.perf_counter() - wall) / calls
+
+
+async def with_httpx_sync(base: str, body: bytes, calls: int) -> tuple[float, float]:
+    import httpx
+
+    with httpx.Client(base_url=base, headers={"Content-Type": "application/json"}) as http:
+        return timed_sync(lambda: http.post("/v1/report", content=body).content, calls)
+
+
+async def with_http_client(base: str, body: bytes, calls: int) -> tuple[float, float]:
+    from http.client import HTTPConnection
+    from urllib.parse import urlsplit
+
+    address = urlsplit(base)
+    http = HTTPConnection(address.hostname, address.port, timeout=5)
+
+    def call() -> None:
+        http.request("POST", "/v1/report", body=body, headers={"Content-Type": "application/json"})
+        http.getresponse().read()
+
+    try:
+        return timed_sync(call, calls)
+    finally:
+        http.close()
+
+
+async def with_seerd_drafts(base: str, body: bytes, calls: int) -> tuple[float, float]:
+    from seerd.drafts.client import HttpTransport
+    from seerd.protocol import REPORT
+
+    transport = HttpTransport(base, "secret")
+    raw = msgspec.json.decode(body)  # sent as the transport sends a draft call: encoded by msgspec
+
+    class Body(msgspec.Struct):
+        worker_id: str
+        reports: list
+
+    payload = Body(**raw)
+    try:
+        return timed_sync(lambda: transport._post(REPORT, payload), calls)
+    finally:
+        transport.close()
+
+
+SYNC_CLIENTS = {"httpx": with_httpx_sync, "http.client": with_http_client, "seerd drafts": with_seerd_drafts}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=128, help="tokens per reported chunk (two chunks per call)")
+    parser.add_argument("--sync", action="store_true", help="the draft sync thread's blocking clients")
     args = parser.parse_args()
+    clients = SYNC_CLIENTS if args.sync else CLIENTS
     body = json.dumps({"worker_id": "w", "reports": [
         {"chunk_id": i, "epoch": 1, "token_ids": list(range(1000, 1000 + args.tokens)),
          "logprobs": [-0.123456] * args.tokens, "finish_reason": "length"} for i in range(2)]}).encode()
@@ -113,9 +173,9 @@ def main() -> int:
                 if time.monotonic() > deadline:
                     raise SystemExit("the server did not start") from None
                 time.sleep(0.1)
-        results: dict[str, list[tuple[float, float]]] = {name: [] for name in CLIENTS}
+        results: dict[str, list[tuple[float, float]]] = {name: [] for name in clients}
         for round_ in range(args.rounds):
-            for name, client in CLIENTS.items():
+            for name, client in clients.items():
                 cpu, wall = asyncio.run(client(f"http://127.0.0.1:{port}", body, args.calls))
                 results[name].append((cpu, wall))
                 print(f"# round {round_ + 1} {name}: {1e6 * cpu:.0f} us CPU, {1e6 * wall:.0f} us wall per call",

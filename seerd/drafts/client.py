@@ -51,14 +51,24 @@ class PendingPush:
     final: bool = False  # the chunk ended: send whatever is left
 
 
+class DraftTransportError(RuntimeError):
+    """The coordinator answered a draft call with an error status."""
+
+
 class HttpTransport:
-    """The draft server's two calls over the coordinator's API (bearer secret on every call)."""
+    """The draft server's two calls over the coordinator's API (bearer secret on every call), on
+    one kept-alive connection of the standard library's `http.client`: the sync thread calls
+    twice per `sync_interval_s` beside a busy engine, and per call it costs a fraction of
+    httpx's CPU (`tools/bench_http_client.py --sync`). Any failure raises; the sync loop then
+    makes a new transport."""
 
     def __init__(self, base_url: str, secret: str, timeout_s: float = 2.0) -> None:
-        import httpx
+        from http.client import HTTPConnection
+        from urllib.parse import urlsplit
 
-        self._http = httpx.Client(base_url=base_url, timeout=timeout_s, headers={
-            "Authorization": f"Bearer {secret}", "Content-Type": "application/json"})
+        address = urlsplit(base_url)
+        self._http = HTTPConnection(address.hostname, address.port, timeout=timeout_s)
+        self._headers = {"Authorization": f"Bearer {secret}", "Content-Type": "application/json"}
 
     @classmethod
     def from_run_dir(cls, run_dir: str) -> HttpTransport:
@@ -77,9 +87,12 @@ class HttpTransport:
         return self._post(DRAFTS_FETCH, DraftFetchBody(cursors))
 
     def _post(self, endpoint: Endpoint, body: msgspec.Struct):  # noqa: ANN202
-        response = self._http.post(endpoint.path, content=msgspec.json.encode(body))
-        response.raise_for_status()
-        return decode_reply(endpoint, response.content)
+        self._http.request("POST", endpoint.path, body=msgspec.json.encode(body), headers=self._headers)
+        response = self._http.getresponse()
+        content = response.read()
+        if response.status >= 400:
+            raise DraftTransportError(f"POST {endpoint.path} -> {response.status}: {content[:200]!r}")
+        return decode_reply(endpoint, content)
 
     def close(self) -> None:
         self._http.close()

@@ -258,3 +258,36 @@ def test_registration_carries_the_engines_kv_block_and_refuses_an_impossible_one
     (grant,) = client.post("/v1/lease", json={"worker_id": reg["worker_id"], "wanted": 1}, headers=auth).json()["chunks"]
     # The chunk reserves its context + budget rounded up to whole blocks of 16.
     assert client.book.state.workers[reg["worker_id"]].kv_reserved % 16 == 0
+
+
+def test_the_draft_sync_threads_transport_appends_and_fetches_over_a_real_socket(tmp_path):
+    from seerd.coordinator.drafts import DraftHost
+    from seerd.drafts.client import DraftTransportError, HttpTransport
+    from seerd.protocol import DraftAppendItem
+
+    clock = FakeClock()
+    book = make_book(tmp_path, prompt_rows=rows(groups=2, n=2, max_tokens=20), now=clock())
+    host = DraftHost()
+    app = create_app(book, SECRET, CoordinatorControl(), clock, host)
+    host.register(list(book.state.groups))
+    group = min(book.state.groups)
+
+    def sync_thread_calls(url: str) -> tuple:  # blocking, as on the worker's draft sync thread
+        transport = HttpTransport(url, SECRET)
+        appended = transport.append([DraftAppendItem(group, 7, 0, [1, 2, 3])])
+        fetched = transport.fetch({group: {7: (appended[0].gen, 1)}})
+        stranger = HttpTransport(url, "not the secret")
+        with pytest.raises(DraftTransportError, match="401"):
+            stranger.append([DraftAppendItem(group, 7, 3, [4])])
+        for t in (transport, stranger):
+            t.close()
+        return appended, fetched
+
+    async def scenario() -> tuple:
+        async with served(app) as url:
+            return await asyncio.to_thread(sync_thread_calls, url)
+
+    appended, fetched = asyncio.run(scenario())
+    host.close()
+    assert appended[0].ok and appended[0].count == 3
+    assert fetched.changes == {group: {7: (appended[0].gen, 1, [2, 3])}}
