@@ -199,8 +199,8 @@ def test_the_worker_client_says_when_a_reply_is_not_its_type():
     asyncio.run(scenario())
 
 
-@pytest.fixture
-def drafts_client(tmp_path):
+def drafts_app(tmp_path):  # noqa: ANN201
+    """An API with a grouped draft server over a book of 2 groups x 2: (app, book, draft host)."""
     from seerd.coordinator.drafts import DraftHost
 
     clock = FakeClock()
@@ -208,6 +208,12 @@ def drafts_client(tmp_path):
     host = DraftHost()
     app = create_app(book, SECRET, CoordinatorControl(), clock, host)
     host.register(list(book.state.groups))
+    return app, book, host
+
+
+@pytest.fixture
+def drafts_client(tmp_path):
+    app, book, host = drafts_app(tmp_path)
     with TestClient(app) as test_client:
         test_client.book = book
         yield test_client
@@ -261,15 +267,10 @@ def test_registration_carries_the_engines_kv_block_and_refuses_an_impossible_one
 
 
 def test_the_draft_sync_threads_transport_appends_and_fetches_over_a_real_socket(tmp_path):
-    from seerd.coordinator.drafts import DraftHost
     from seerd.drafts.client import DraftTransportError, HttpTransport
     from seerd.protocol import DraftAppendItem
 
-    clock = FakeClock()
-    book = make_book(tmp_path, prompt_rows=rows(groups=2, n=2, max_tokens=20), now=clock())
-    host = DraftHost()
-    app = create_app(book, SECRET, CoordinatorControl(), clock, host)
-    host.register(list(book.state.groups))
+    app, book, host = drafts_app(tmp_path)
     group = min(book.state.groups)
 
     def sync_thread_calls(url: str) -> tuple:  # blocking, as on the worker's draft sync thread
