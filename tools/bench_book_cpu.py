@@ -3,10 +3,14 @@
 
 One process, one simulated worker calling `LeaseBook.lease(wanted=B)` and `report_many` for all
 it got, `--rounds` times after a warm-up; prints the median over `--repeats` of the process CPU
-time per chunk. It measures the checkout it is run from (the repository root goes first on the
-import path), so a change is measured by running it in both checkouts, alternated:
+time per chunk. `--in-place`: as a worker with in-place continuation does instead, a worker
+holding 64 running requests reports B of them per call as running on (`report_and_continue`),
+and the grants that continue them go back into its running set. It measures the checkout it is
+run from (the repository root goes first on the import path), so a change is measured by running
+it in both checkouts, alternated:
 
-    .venv/bin/python tools/bench_book_cpu.py [--batch 8] [--chunk-tokens 256] [--prompt-tokens 512]
+    .venv/bin/python tools/bench_book_cpu.py [--batch 8] [--chunk-tokens 256] [--prompt-tokens 512] [--in-place]
+                                         [--policy divided|seer|...]
 """
 
 from __future__ import annotations
@@ -33,29 +37,43 @@ from seerd.scheduler import make_policy  # noqa: E402
 VOCAB = 1000
 
 
-def cpu_ms_per_chunk(batch: int, chunk_tokens: int, prompt_tokens: int, rounds: int, groups: int) -> float:
+IN_PLACE_RUNNING = 64  # requests the in-place worker keeps running
+
+
+def cpu_ms_per_chunk(batch: int, chunk_tokens: int, prompt_tokens: int, rounds: int, groups: int,
+                     in_place: bool = False, policy: str = "divided") -> float:
     with tempfile.TemporaryDirectory() as tmp:
         engine = make_engine(Path(tmp) / "state.db", synchronous="FULL")
         upgrade(engine)
         sessions = make_sessionmaker(engine)
-        config = RunConfig(input_path="bench", model_path="model", policy="divided", chunk_tokens=chunk_tokens,
+        config = RunConfig(input_path="bench", model_path="model", policy=policy, chunk_tokens=chunk_tokens,
                            lease_ttl_s=60)
         rows = [PromptRow(f"p{g}", tuple((g * 7 + i) % VOCAB for i in range(prompt_tokens)), 8, 1_000_000, {}, g + 1)
                 for g in range(groups)]
         with sessions.begin() as session:
             rollout_id = create_rollout(session, config, rows, input_sha256="0" * 64, now=time.time())
-        book = LeaseBook(sessions, rollout_id, make_policy("divided"), chunk_tokens=chunk_tokens, lease_ttl_s=60,
-                         seed=0, vocab_size=VOCAB)
+        book = LeaseBook(sessions, rollout_id, make_policy(policy), chunk_tokens=chunk_tokens, lease_ttl_s=60,
+                         seed=0, vocab_size=VOCAB, in_place=in_place)
         book.load(time.time())
-        worker = book.register(rank=0, address="bench", max_chunks=batch, kv_capacity_tokens=10**12,
-                               worker_id="bench", now=time.time()).id
+        worker = book.register(rank=0, address="bench", max_chunks=IN_PLACE_RUNNING if in_place else batch,
+                               kv_capacity_tokens=10**12, worker_id="bench", now=time.time()).id
+        running = book.lease(worker, IN_PLACE_RUNNING, time.time()) if in_place else []
 
-        def cycle() -> int:
+        def continue_in_place() -> int:
+            reported, running[:] = running[:batch], running[batch:]
+            _, grants = book.report_and_continue(worker, [
+                ChunkReport(g.chunk_id, g.epoch, [7] * g.max_tokens, [-1.0] * g.max_tokens, "length", running_on=True)
+                for g in reported], time.time())
+            running.extend(grants)
+            return len(reported)
+
+        def lease_then_report() -> int:
             grants = book.lease(worker, batch, time.time())
             book.report_many(worker, [ChunkReport(g.chunk_id, g.epoch, [7] * g.max_tokens, [-1.0] * g.max_tokens,
                                                   "length") for g in grants], time.time())
             return len(grants)
 
+        cycle = continue_in_place if in_place else lease_then_report
         for _ in range(20):
             cycle()
         started, chunks = time.process_time(), 0
@@ -74,14 +92,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=300)
     parser.add_argument("--groups", type=int, default=500, help="prompt groups of 8 requests")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--in-place", action="store_true", help="reports continued in place (report_and_continue)")
+    parser.add_argument("--policy", default="divided", help="the scheduling policy (divided, seer, ...)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    samples = [cpu_ms_per_chunk(args.batch, args.chunk_tokens, args.prompt_tokens, args.rounds, args.groups)
-               for _ in range(args.repeats)]
+    samples = [cpu_ms_per_chunk(args.batch, args.chunk_tokens, args.prompt_tokens, args.rounds, args.groups,
+                                args.in_place, args.policy) for _ in range(args.repeats)]
     if args.json:
         print(json.dumps({"cpu_ms_per_chunk": statistics.median(samples), "samples": samples}))
     else:
-        print(f"B={args.batch} chunk {args.chunk_tokens} prompt {args.prompt_tokens}: "
+        print(f"{args.policy} B={args.batch} chunk {args.chunk_tokens} prompt {args.prompt_tokens}"
+              f"{' in place' if args.in_place else ''}: "
               f"{statistics.median(samples):.3f} ms CPU per chunk (median of {', '.join(f'{s:.3f}' for s in samples)})")
 
 
