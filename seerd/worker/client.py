@@ -3,7 +3,7 @@ and 5xx answers, replies decoded into their `seerd.protocol` types.
 
 On aiohttp, not httpx: a worker's event loop shares two cores with the engines here (and its
 engine's core on any node), and per call aiohttp costs about a third of httpx's CPU
-(`tools/bench_http_client.py`: a report-sized POST, ~0.4 ms against ~1.3 ms on this machine).
+(`tools/bench_http_client.py`: a report-sized POST, ~0.3 ms against ~1 ms on this machine).
 
 What ends a worker is the coordinator gone (no answer at all) for longer than its patience
 (`CoordinatorGone`); an answer, whatever its status, never does: a 5xx is retried, a 4xx is the

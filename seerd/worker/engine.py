@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from seerd.protocol import EngineProgress, parse_engine_id
+from seerd.worker.counters import EngineCounters, ThreadClock
 
 DRAFTER_SETTINGS_ENV = "SEERD_DRAFT_SETTINGS"  # read by seerd.drafts.drafter in the engine's process
 
@@ -165,83 +166,6 @@ class StepClock:
 
     def progress(self, generating: int) -> EngineProgress:
         return EngineProgress(self.steps, max(self._longest_before, self._longest_now), generating)
-
-
-class ThreadClock:
-    """The calling thread's CPU time and run-queue wait, from the kernel's schedstat: a step
-    whose wall time exceeds its CPU time waited either runnable with no core free (run-queue
-    wait: other processes or threads held both cores) or blocked (the GIL another thread of the
-    worker held). Open it in the thread it measures; without /proc the wait reads 0."""
-
-    def __init__(self) -> None:
-        try:
-            self._fd: int | None = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
-        except OSError:
-            self._fd = None
-
-    def read(self) -> tuple[float, float]:
-        """(CPU seconds, run-queue seconds) of this thread so far."""
-        if self._fd is None:
-            return time.thread_time(), 0.0
-        on_cpu_ns, waiting_ns, _ = os.pread(self._fd, 64, 0).split()
-        return int(on_cpu_ns) / 1e9, int(waiting_ns) / 1e9
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
-
-class EngineCounters:
-    """What the engine's own scheduler did, cumulative: steps, running sequences summed over
-    steps (their mean is the batch the engine kept), preemptions (vLLM evicting a running
-    sequence when KV runs out, to recompute it later), and the seconds spent inside steps: wall,
-    the stepping thread's CPU and its run-queue wait (`ThreadClock`); what is left of the wall
-    time was spent blocked (on the GIL). Kept by the stepping thread from vLLM's in-process
-    scheduler (v1 internals: `attach` returns None if they moved, and the figures are simply
-    missing), read by the heartbeat: plain ints, no lock."""
-
-    def __init__(self, scheduler) -> None:  # noqa: ANN001
-        self.scheduler = scheduler
-        self.steps = 0
-        self.running_sum = 0
-        self.preemptions = 0
-        self.longest_step_s = 0.0
-        self.step_s = self.step_cpu_s = self.step_runq_s = 0.0
-        preempt = scheduler._preempt_request
-
-        def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-            self.preemptions += 1
-            return preempt(*args, **kwargs)
-
-        scheduler._preempt_request = counted
-
-    @classmethod
-    def attach(cls, llm) -> EngineCounters | None:  # noqa: ANN001
-        try:
-            scheduler = llm.engine_core.engine_core.scheduler
-            len(scheduler.running)
-            return cls(scheduler) if callable(scheduler._preempt_request) else None
-        except (AttributeError, TypeError):
-            return None
-
-    def reset(self) -> None:
-        """Forget what came before (the warm-up step's lazy initialisation, seconds here)."""
-        self.steps = self.running_sum = self.preemptions = 0
-        self.longest_step_s = self.step_s = self.step_cpu_s = self.step_runq_s = 0.0
-
-    def after_step(self, seconds: float, cpu_seconds: float = 0.0, runq_seconds: float = 0.0) -> None:
-        self.steps += 1
-        self.running_sum += len(self.scheduler.running)
-        self.longest_step_s = max(self.longest_step_s, seconds)
-        self.step_s += seconds
-        self.step_cpu_s += cpu_seconds
-        self.step_runq_s += runq_seconds
-
-    def figures(self) -> dict:
-        return {"steps": self.steps, "preemptions": self.preemptions, "longest_step_s": self.longest_step_s,
-                "step_s": self.step_s, "step_cpu_s": self.step_cpu_s, "step_runq_s": self.step_runq_s,
-                "mean_running": self.running_sum / self.steps if self.steps else 0.0}
 
 
 class EngineDead(RuntimeError):

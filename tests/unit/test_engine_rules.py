@@ -134,7 +134,7 @@ def test_the_cli_and_the_rules_import_no_vllm():
 
 
 def test_engine_counters_sum_steps_running_preemptions_and_step_clocks():
-    from seerd.worker.engine import EngineCounters
+    from seerd.worker.counters import EngineCounters
 
     class Scheduler:  # the two members of vLLM's v1 scheduler the counters read
         def __init__(self):
@@ -162,7 +162,7 @@ def test_the_thread_clock_reads_this_threads_cpu_and_run_queue_wait_from_the_ker
     import threading
     import time
 
-    from seerd.worker.engine import ThreadClock
+    from seerd.worker.counters import ThreadClock
 
     def spin(seconds: float) -> None:
         until = time.thread_time() + seconds

@@ -1,0 +1,84 @@
+"""What a worker's engine did, from inside its stepping thread: steps, running sequences,
+preemptions, and where each step's wall time went (CPU, waiting for a core, the GIL)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+
+class ThreadClock:
+    """The calling thread's CPU time and run-queue wait, from the kernel's schedstat: a step
+    whose wall time exceeds its CPU time waited either runnable with no core free (run-queue
+    wait: other processes or threads held both cores) or blocked (the GIL another thread of the
+    worker held). Open it in the thread it measures; without /proc the wait reads 0."""
+
+    def __init__(self) -> None:
+        try:
+            self._fd: int | None = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+        except OSError:
+            self._fd = None
+
+    def read(self) -> tuple[float, float]:
+        """(CPU seconds, run-queue seconds) of this thread so far."""
+        if self._fd is None:
+            return time.thread_time(), 0.0
+        on_cpu_ns, waiting_ns, _ = os.pread(self._fd, 64, 0).split()
+        return int(on_cpu_ns) / 1e9, int(waiting_ns) / 1e9
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+class EngineCounters:
+    """What the engine's own scheduler did, cumulative: steps, running sequences summed over
+    steps (their mean is the batch the engine kept), preemptions (vLLM evicting a running
+    sequence when KV runs out, to recompute it later), and the seconds spent inside steps: wall,
+    the stepping thread's CPU and its run-queue wait (`ThreadClock`); what is left of the wall
+    time was spent blocked (on the GIL). Kept by the stepping thread from vLLM's in-process
+    scheduler (v1 internals: `attach` returns None if they moved, and the figures are simply
+    missing), read by the heartbeat: plain ints, no lock."""
+
+    def __init__(self, scheduler) -> None:  # noqa: ANN001
+        self.scheduler = scheduler
+        self.steps = 0
+        self.running_sum = 0
+        self.preemptions = 0
+        self.longest_step_s = 0.0
+        self.step_s = self.step_cpu_s = self.step_runq_s = 0.0
+        preempt = scheduler._preempt_request
+
+        def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            self.preemptions += 1
+            return preempt(*args, **kwargs)
+
+        scheduler._preempt_request = counted
+
+    @classmethod
+    def attach(cls, llm) -> EngineCounters | None:  # noqa: ANN001
+        try:
+            scheduler = llm.engine_core.engine_core.scheduler
+            len(scheduler.running)
+            return cls(scheduler) if callable(scheduler._preempt_request) else None
+        except (AttributeError, TypeError):
+            return None
+
+    def reset(self) -> None:
+        """Forget what came before (the warm-up step's lazy initialisation, seconds here)."""
+        self.steps = self.running_sum = self.preemptions = 0
+        self.longest_step_s = self.step_s = self.step_cpu_s = self.step_runq_s = 0.0
+
+    def after_step(self, seconds: float, cpu_seconds: float = 0.0, runq_seconds: float = 0.0) -> None:
+        self.steps += 1
+        self.running_sum += len(self.scheduler.running)
+        self.longest_step_s = max(self.longest_step_s, seconds)
+        self.step_s += seconds
+        self.step_cpu_s += cpu_seconds
+        self.step_runq_s += runq_seconds
+
+    def figures(self) -> dict:
+        return {"steps": self.steps, "preemptions": self.preemptions, "longest_step_s": self.longest_step_s,
+                "step_s": self.step_s, "step_cpu_s": self.step_cpu_s, "step_runq_s": self.step_runq_s,
+                "mean_running": self.running_sum / self.steps if self.steps else 0.0}
