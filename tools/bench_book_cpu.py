@@ -10,7 +10,7 @@ run from (the repository root goes first on the import path), so a change is mea
 it in both checkouts, alternated:
 
     .venv/bin/python tools/bench_book_cpu.py [--batch 8] [--chunk-tokens 256] [--prompt-tokens 512] [--in-place]
-                                         [--policy divided|seer|...]
+                                         [--policy divided|seer|...] [--max-tokens N]
 """
 
 from __future__ import annotations
@@ -41,14 +41,14 @@ IN_PLACE_RUNNING = 64  # requests the in-place worker keeps running
 
 
 def cpu_ms_per_chunk(batch: int, chunk_tokens: int, prompt_tokens: int, rounds: int, groups: int,
-                     in_place: bool = False, policy: str = "divided") -> float:
+                     in_place: bool = False, policy: str = "divided", max_tokens: int = 1_000_000) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         engine = make_engine(Path(tmp) / "state.db", synchronous="FULL")
         upgrade(engine)
         sessions = make_sessionmaker(engine)
         config = RunConfig(input_path="bench", model_path="model", policy=policy, chunk_tokens=chunk_tokens,
                            lease_ttl_s=60)
-        rows = [PromptRow(f"p{g}", tuple((g * 7 + i) % VOCAB for i in range(prompt_tokens)), 8, 1_000_000, {}, g + 1)
+        rows = [PromptRow(f"p{g}", tuple((g * 7 + i) % VOCAB for i in range(prompt_tokens)), 8, max_tokens, {}, g + 1)
                 for g in range(groups)]
         with sessions.begin() as session:
             rollout_id = create_rollout(session, config, rows, input_sha256="0" * 64, now=time.time())
@@ -94,10 +94,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--in-place", action="store_true", help="reports continued in place (report_and_continue)")
     parser.add_argument("--policy", default="divided", help="the scheduling policy (divided, seer, ...)")
+    parser.add_argument("--max-tokens", type=int, default=1_000_000,
+                        help="each request's length: at most --chunk-tokens and every chunk finishes its request "
+                             "(what a request's first lease and last report cost); the default never finishes")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     samples = [cpu_ms_per_chunk(args.batch, args.chunk_tokens, args.prompt_tokens, args.rounds, args.groups,
-                                args.in_place, args.policy) for _ in range(args.repeats)]
+                                args.in_place, args.policy, args.max_tokens) for _ in range(args.repeats)]
     if args.json:
         print(json.dumps({"cpu_ms_per_chunk": statistics.median(samples), "samples": samples}))
     else:
