@@ -77,12 +77,12 @@ def report_result(rundir: RunDir, result: CoordinatorResult, elapsed: float, *,
                    "jsonl": rundir.jsonl_path}
         if result.load:
             load = result.load
-            threads = load.get("generation_cpu_by_thread_s") or {}
-            split = "".join(f", {name} {seconds:.2f}s" for name, seconds in sorted(threads.items(), key=lambda t: -t[1])
-                            if seconds >= 0.01)
             figures["coordinator"] = (f"{load.get('generation_cpu_s', load['cpu_s']):.2f}s CPU = {load['cpu_share']:.2%} of the "
                                       f"{load['generation_s']:.1f}s generation phase "
-                                      f"({load['api_calls']} API calls{split})")
+                                      f"({load['api_calls']} API calls)")
+            threads = sorted((load.get("generation_cpu_by_thread_s") or {}).items(), key=lambda t: -t[1])
+            if threads:  # where that CPU went: the state thread (SQL, scheduling), the event loop (HTTP)
+                figures["by thread"] = ", ".join(f"{name} {seconds:.2f}s" for name, seconds in threads if seconds >= 0.01)
         ui.summary(figures)
         if result.export.failed:
             ui.warn(f"{result.export.failed} of {result.export.responses_total} requests failed: their rows have "
