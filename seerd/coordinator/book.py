@@ -25,7 +25,7 @@ import json
 from array import array
 from collections.abc import Callable, Collection, Iterable, Sequence
 
-from sqlalchemy import Connection, Engine, bindparam, insert, select, update
+from sqlalchemy import Connection, Engine, bindparam, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from seerd.coordinator.liveness import WorkerLiveness, chunk_done, chunk_failed, refuted_reason
@@ -36,11 +36,11 @@ from seerd.coordinator.reports import (
     AcceptedReport, ReportOutcome, judge, judge_unleased, report_problem, write_results,
 )
 from seerd.coordinator.saved import read_saved_rollout
-from seerd.cpu import CpuSnapshot
-from seerd.db import (
-    Chunk, ChunkStatus, Event, Group, Request, RequestStatus, Rollout, RolloutStatus, Worker,
-    WorkerStatus,
+from seerd.coordinator.statements import (
+    BIND_GROUP, CHUNKS, DONE_TOKENS, FIRST_START, GROUPS, INSERT_EVENT, REQUESTS, ROLLOUTS, WORKERS,
 )
+from seerd.cpu import CpuSnapshot
+from seerd.db import ChunkStatus, RequestStatus, RolloutStatus, WorkerStatus
 from seerd.db import driver
 from seerd.db.base import begin
 from seerd.db.event import event_row
@@ -52,15 +52,6 @@ from seerd.protocol import ChunkGrant, ChunkReport, EngineProgress, UnreadableRe
 from seerd.scheduler.state import ChunkResult, SchedulerState
 from seerd.scheduler.views import Plan, Policy
 
-CHUNKS, REQUESTS, GROUPS, EVENTS = Chunk.__table__, Request.__table__, Group.__table__, Event.__table__
-ROLLOUTS, WORKERS = Rollout.__table__, Worker.__table__
-# Statements of the hot path, built once (see seerd/db/transitions.py for why).
-FIRST_START = update(REQUESTS).where(REQUESTS.c.id == bindparam(ROW_ID), REQUESTS.c.started_at.is_(None)).values(
-    started_at=bindparam("now"))
-INSERT_EVENT = insert(EVENTS)
-BIND_GROUP = update(GROUPS).where(GROUPS.c.id == bindparam("gid")).values(bound_worker=bindparam("worker"))
-DONE_TOKENS = select(CHUNKS.c.token_ids).where(
-    CHUNKS.c.request_id == bindparam("rid"), CHUNKS.c.status == ChunkStatus.DONE.value).order_by(CHUNKS.c.seq)
 # Failed chunks of one request before the request ends failed (a poison request: every engine
 # refuses it, or its output is never right). The retries go to other workers' engines where there are.
 MAX_FAILED_ATTEMPTS = 3

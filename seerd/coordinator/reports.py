@@ -14,9 +14,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
-from sqlalchemy import Connection, bindparam, insert, select, update
+from sqlalchemy import Connection, bindparam, select, update
 
-from seerd.db import Chunk, ChunkStatus, Event, Group, Request, RequestStatus
+from seerd.db import ChunkStatus, RequestStatus
+from seerd.coordinator.statements import CHUNKS, GROUP_COUNTS, INSERT_EVENT, REQUESTS
 from seerd.db import driver
 from seerd.db.event import event_row
 from seerd.db.transitions import ROW_EPOCH, ROW_ID, change_status
@@ -24,11 +25,6 @@ from seerd.io.codec import pack_floats, pack_ints
 from seerd.protocol import ChunkReport, UnreadableReport
 from seerd.scheduler.state import ResultsUpdate
 
-_CHUNKS, _REQUESTS, _GROUPS, _EVENTS = Chunk.__table__, Request.__table__, Group.__table__, Event.__table__
-# Built once: see seerd/db/transitions.py for why.
-_GROUP_COUNTS = update(_GROUPS).where(_GROUPS.c.id == bindparam("gid")).values(
-    finished_requests=bindparam("fr"), length_estimate=bindparam("est"), finished_at=bindparam("fa"))
-_INSERT_EVENT = insert(_EVENTS)
 
 # "length_target": the worker ended the response at its target length (benchmark rows).
 FINISH_REASONS = frozenset({"stop", "length", "length_target"})
@@ -134,18 +130,18 @@ def write_results(conn: Connection, rollout_id: int, worker_id: str, prepared: R
                                            "group_estimate": outcome.group_estimate}))
         else:
             requeued_rows.append(row)
-    change_status(conn, _CHUNKS, ChunkStatus.LEASED, ChunkStatus.DONE, chunk_rows, guard_epoch=True, values={
+    change_status(conn, CHUNKS, ChunkStatus.LEASED, ChunkStatus.DONE, chunk_rows, guard_epoch=True, values={
         "finished_at": bindparam("fin"), "num_tokens": bindparam("n"), "token_ids": bindparam("tok"),
         "logprobs": bindparam("lp"), "finish_reason": bindparam("fr"), "cached_tokens": bindparam("cached"),
         "lease_deadline": None})
     counts = {"generated_tokens": bindparam("gen"), "num_chunks": bindparam("nc")}
-    change_status(conn, _REQUESTS, RequestStatus.RUNNING, RequestStatus.FINISHED, finished_rows,
+    change_status(conn, REQUESTS, RequestStatus.RUNNING, RequestStatus.FINISHED, finished_rows,
                   values={**counts, "finish_reason": bindparam("fr"), "finished_at": now})
-    change_status(conn, _REQUESTS, RequestStatus.RUNNING, RequestStatus.QUEUED, requeued_rows,
+    change_status(conn, REQUESTS, RequestStatus.RUNNING, RequestStatus.QUEUED, requeued_rows,
                   values={**counts, "queued_at": now})
-    driver.executemany(conn, _GROUP_COUNTS, [{"gid": g.group_id, "fr": g.finished, "est": g.estimate,
+    driver.executemany(conn, GROUP_COUNTS, [{"gid": g.group_id, "fr": g.finished, "est": g.estimate,
                                                "fa": now if g.complete else None} for g in prepared.groups])
-    driver.executemany(conn, _INSERT_EVENT, events)
+    driver.executemany(conn, INSERT_EVENT, events)
 
 
 def judge_unleased(conn: Connection, worker_id: str, report: ChunkReport | UnreadableReport) -> ReportOutcome:
@@ -156,8 +152,8 @@ def judge_unleased(conn: Connection, worker_id: str, report: ChunkReport | Unrea
     5xx) finds its chunk `done` at its epoch by its worker and is acknowledged as a duplicate
     without counting twice; a report for a lease that ended meanwhile finds another epoch or
     status and is rejected."""
-    chunk = conn.execute(select(_CHUNKS.c.status, _CHUNKS.c.lease_epoch, _CHUNKS.c.lease_holder)
-                         .where(_CHUNKS.c.id == report.chunk_id)).first()
+    chunk = conn.execute(select(CHUNKS.c.status, CHUNKS.c.lease_epoch, CHUNKS.c.lease_holder)
+                         .where(CHUNKS.c.id == report.chunk_id)).first()
     if chunk is None:
         return ReportOutcome(False, reason=f"unknown chunk {report.chunk_id}")
     if chunk.status == ChunkStatus.DONE and chunk.lease_epoch == report.epoch and chunk.lease_holder == worker_id:

@@ -1,0 +1,23 @@
+"""The tables the lease book writes and the statements of its hot path, built once and shared by
+`book.py` and `reports.py`: SQLAlchemy compiles a statement once per cache key, and
+`seerd.db.driver` compiles a kept statement once for the driver (see seerd/db/transitions.py
+for why building them on every call cost CPU)."""
+
+from __future__ import annotations
+
+from sqlalchemy import bindparam, insert, select, update
+
+from seerd.db import Chunk, ChunkStatus, Event, Group, Request, Rollout, Worker
+from seerd.db.transitions import ROW_ID
+
+CHUNKS, REQUESTS, GROUPS, EVENTS = Chunk.__table__, Request.__table__, Group.__table__, Event.__table__
+ROLLOUTS, WORKERS = Rollout.__table__, Worker.__table__
+
+FIRST_START = update(REQUESTS).where(REQUESTS.c.id == bindparam(ROW_ID), REQUESTS.c.started_at.is_(None)).values(
+    started_at=bindparam("now"))
+INSERT_EVENT = insert(EVENTS)
+BIND_GROUP = update(GROUPS).where(GROUPS.c.id == bindparam("gid")).values(bound_worker=bindparam("worker"))
+GROUP_COUNTS = update(GROUPS).where(GROUPS.c.id == bindparam("gid")).values(
+    finished_requests=bindparam("fr"), length_estimate=bindparam("est"), finished_at=bindparam("fa"))
+DONE_TOKENS = select(CHUNKS.c.token_ids).where(
+    CHUNKS.c.request_id == bindparam("rid"), CHUNKS.c.status == ChunkStatus.DONE.value).order_by(CHUNKS.c.seq)
