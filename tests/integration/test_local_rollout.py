@@ -17,12 +17,14 @@ def test_rollout_has_every_response_once_with_logprobs(tiny_model_dir, tmp_path)
     prompts = write_token_prompts(tmp_path / "prompts.jsonl", groups=8, max_tokens=[40, 64, 24, 56])
     run_dir = tmp_path / "run"
     result = run_seerd("run", "--input", str(prompts), "--model", str(tiny_model_dir), "--run-dir", str(run_dir),
-                       "--chunk-tokens", "16", "--n", "4", "--temperature", "1.0", "--seed", "3", *COMMON)
+                       "--chunk-tokens", "16", "--n", "4", "--temperature", "1.0", "--seed", "3",
+                       "--wait-for-workers", *COMMON)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = assert_complete_output(run_dir, {(g, k) for g in range(8) for k in range(4)})
     assert max(r["num_chunks"] for r in rows) >= 3  # several chunks per request
     assert {r["finish_reason"] for r in rows} <= {"stop", "length"}
-    # Both workers came up (seer, the default, starts with the first one ready: it may do all the work).
+    # Both workers came up: the run waits for them (without `--wait-for-workers` seer, the
+    # default, starts with the first one ready, and a fast run can end before the second registers).
     assert db_rows(run_dir, "select count(*) from workers")[0][0] == 2
     # State and outputs are private to the user.
     for name in ("state.db", "secret", "rollouts.parquet", "rollouts.jsonl"):
