@@ -169,8 +169,8 @@ class Ownership:
         HEARTBEAT_S)."""
         current = read_owner(self.run_path)
         if current is None or current.token != self.record.token:
-            self.lost = ("its owner record was removed" if current is None
-                         else f"it was taken over by {current.describe()}")
+            self.lost = (f"it was taken over by {current.describe()}" if current is not None
+                         else "its owner record was removed (by hand, or by a coordinator taking the run over)")
             log.error("this coordinator no longer owns %s: %s", self.run_path, self.lost)
             self._stop.set()
             return

@@ -341,6 +341,12 @@ def main() -> int:
             fault = faults[index % len(faults)]
             outcomes.append(one_run(index, fault, random.Random(args.seed * 1000 + index), base, prompts, model,
                                     reference, total_chunks))
+        for outcome in outcomes:  # what a failed run printed, for a CI log that keeps no files
+            if not outcome.ok:
+                log = base / f"run-{outcome.run}-{outcome.fault}.log"
+                tail = log.read_text(errors="replace").splitlines()[-40:] if log.exists() else []
+                print(f"--- run {outcome.run} ({outcome.fault}) failed; the end of its log:", *tail, sep="\n",
+                      file=sys.stderr)
         if args.json:
             print(json.dumps({"seed": args.seed, "reference_chunks": total_chunks,
                               "runs": [{**asdict(o), "ok": o.ok} for o in outcomes]}, indent=1))

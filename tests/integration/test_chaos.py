@@ -24,7 +24,9 @@ def test_short_chaos_runs_all_recover():
     report = json.loads(result.stdout[result.stdout.index("{"):])
     assert [run["fault"] for run in report["runs"]] == ["coordinator-kill", "engine-stop", "poison"]
     for run in report["runs"]:
-        assert run["ok"], run
+        assert run["ok"], (f"{run['fault']}: {'; '.join(run['problems'])} (exit codes {run['exit_codes']}, "
+                           f"after {run['injected_after_chunks']} chunks, retries {run['retries']})\n"
+                           f"{result.stderr[-4000:]}")
     killed, stopped, poison = report["runs"]
     # The faults struck mid-run (progress-drawn moments): the killed coordinator's run was resumed.
     assert killed["injected_after_chunks"] is not None and killed["exit_codes"] == [-9, 0]

@@ -145,8 +145,12 @@ def test_a_taken_over_coordinator_stops_without_writing_the_runs_end(tmp_path, p
         coordinator = Coordinator(RunDir(run), ownership)
 
         def taken_over(*_address: object) -> None:  # another node judged us stale and took the run
-            (run / OWNER_FILE).rename(run / "moved-away")
-            stale_record(run)
+            # Its record replaces ours in one rename: the owner's heartbeat (every 50 ms) sees the
+            # other owner, never the moment between a taker's rename-away and its link.
+            elsewhere = tmp_path / "elsewhere"
+            elsewhere.mkdir()
+            stale_record(elsewhere)
+            os.replace(elsewhere / OWNER_FILE, run / OWNER_FILE)
 
         started = time.monotonic()
         result = run_event_loop(coordinator.serve(on_ready=taken_over))
