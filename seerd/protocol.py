@@ -119,6 +119,10 @@ class ChunkReport(msgspec.Struct, frozen=True):
 class ReportBody(msgspec.Struct):
     worker_id: str
     reports: list[ChunkReport]
+    # Free slots the worker would fill from this call's reply, beyond those of its running-on
+    # reports: a finished chunk's slot gets its next chunk in the same round trip, not in a
+    # lease call after it.
+    wanted: int = 0
 
 
 class ReportBatch(msgspec.Struct):
@@ -127,6 +131,7 @@ class ReportBatch(msgspec.Struct):
 
     worker_id: str
     reports: list[msgspec.Raw]
+    wanted: int = 0
 
 
 class _ChunkKey(msgspec.Struct):
@@ -172,9 +177,10 @@ class ReportResult(msgspec.Struct):
 class ReportReply(msgspec.Struct):
     results: list[ReportResult]  # one per report, in order
     done: bool
-    # Leases made at the report for the slots of the chunks reported `running_on`: a grant with
-    # `continues` goes on in the engine request already running; a request reported running on
-    # without one must be stopped (the scheduler gave its slot to another request, or none).
+    # Leases made at the report for the slots of the chunks reported `running_on` and the body's
+    # `wanted` free ones: a grant with `continues` goes on in the engine request already running;
+    # a request reported running on without one must be stopped (the scheduler gave its slot to
+    # another request, or none).
     grants: list[ChunkGrant] = []
 
 

@@ -232,7 +232,8 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
             raise ApiError(422, f"invalid body: a report without an integer chunk_id and epoch ({exc})") from None
         known(body.worker_id)
         outcomes, grants = await control.run(book.report_and_continue, body.worker_id, reports, clock(),
-                                             may_lease=control.accepting and control.scheduling_gate())
+                                             may_lease=control.accepting and control.scheduling_gate(),
+                                             wanted=body.wanted)
         # Work for lease calls waiting: a request to continue, a rejected chunk to run again.
         if any(o.rerun or (o.accepted and not o.request_finished and not o.duplicate) for o in outcomes) \
                 or book.is_complete():

@@ -416,14 +416,15 @@ class LeaseBook:
         return outcomes
 
     def report_and_continue(self, worker_id: str, reports: Sequence[ChunkReport | UnreadableReport], now: float,
-                            *, may_lease: bool = True) -> tuple[list[ReportOutcome], list[ChunkGrant]]:
+                            *, may_lease: bool = True, wanted: int = 0) -> tuple[list[ReportOutcome], list[ChunkGrant]]:
         """`report_many`, then, in the same state-thread call (no other lease can come between),
         a lease for the slots of the chunks reported `running_on` (their engine requests still
-        generate past the boundary). The policy plans for those slots over the whole queue as at
-        any lease call: a reported request it gives this worker again continues in place (a grant
-        with `continues`, without its context: the worker holds it); one it does not is stopped by
-        the worker, and the slot runs what the plan gave instead. So the scheduler decides exactly
-        as with re-submitted chunks; only the engine's cost of a boundary goes."""
+        generate past the boundary) and `wanted` more (free slots, e.g. of finished chunks). The
+        policy plans for those slots over the whole queue as at any lease call: a reported request
+        it gives this worker again continues in place (a grant with `continues`, without its
+        context: the worker holds it); one it does not is stopped by the worker, and the slot runs
+        what the plan gave instead. So the scheduler decides exactly as with re-submitted chunks
+        and lease calls; only the engine's cost of a boundary and a round trip go."""
         running_on = {}
         for report in reports:
             lease = self.state.leases.get(report.chunk_id)
@@ -433,6 +434,7 @@ class LeaseBook:
         outcomes = self.report_many(worker_id, reports, now)
         slots = sum(1 for report, outcome in zip(reports, outcomes) if report.chunk_id in running_on
                     and outcome.accepted and not outcome.duplicate and not outcome.request_finished)
+        slots += max(0, wanted)
         if not may_lease or not slots:
             return outcomes, []
         return outcomes, self.lease(worker_id, slots, now, continuing=set(running_on.values()))

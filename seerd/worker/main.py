@@ -244,8 +244,11 @@ class Worker:
             batch = [await self.reports.get()]
             while not self.reports.empty():
                 batch.append(self.reports.get_nowait())
+            # The slots this batch frees (finished or stopped chunks) are filled from its reply; the
+            # running-on ones the coordinator counts itself.
+            freed = self.engine.max_chunks - (len(self.running) - len(batch)) - sum(r.running_on for r in batch)
             try:
-                reply = await self.client.call(REPORT, ReportBody(self.worker_id, batch))
+                reply = await self.client.call(REPORT, ReportBody(self.worker_id, batch, wanted=max(0, freed)))
             except NotRegistered:
                 log.warning("coordinator restarted: dropping %d reports of void leases", len(batch))
                 reply = ReportReply(results=[], done=False)

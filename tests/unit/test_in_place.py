@@ -14,6 +14,7 @@ from sqlalchemy import select
 from seerd.coordinator.api import CoordinatorControl, create_app
 from seerd.db import Chunk, ChunkStatus, Request, RequestStatus
 from seerd.io.codec import unpack_ints
+from seerd import protocol
 from seerd.protocol import ChunkReport
 from seerd.worker.client import CoordinatorClient
 from seerd.worker.main import Worker
@@ -80,6 +81,21 @@ def test_no_continuation_for_a_duplicate_a_rejected_or_a_finished_report(tmp_pat
     assert grants == []
 
 
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "resubmitted"])
+def test_a_finished_chunks_slot_is_leased_in_the_reports_reply_when_the_worker_wants_it(tmp_path, in_place):
+    book = make_book(tmp_path, chunk_tokens=16, prompt_rows=rows(groups=2, n=2, max_tokens=40), in_place=in_place)
+    w = register(book, max_chunks=2)
+    first, second = book.lease(w, wanted=2, now=1000.0)
+    finished = ChunkReport(first.chunk_id, first.epoch, [7] * 3, [-1.0] * 3, "stop")
+    outcomes, grants = book.report_and_continue(w, [finished], now=1001.0, wanted=5)
+    # One slot was freed; the worker's capacity (2 chunks, one still held) caps what it asked for.
+    assert outcomes[0].request_finished and len(grants) == 1
+    assert grants[0].request_id not in (first.request_id, second.request_id) and not grants[0].continues
+    _, none = book.report_and_continue(w, [ChunkReport(grants[0].chunk_id, grants[0].epoch, [7] * 2, [-1.0] * 2,
+                                                        "stop")], now=1002.0, wanted=1, may_lease=False)
+    assert none == []  # draining: nothing new, whatever the worker wants
+
+
 def test_without_in_place_grants_never_run_on(tmp_path):
     book = make_book(tmp_path, chunk_tokens=16, prompt_rows=rows(groups=1, n=1, max_tokens=40))
     w = register(book)
@@ -126,3 +142,39 @@ def test_a_worker_continues_requests_in_place_and_each_token_lands_once(tmp_path
     # scheduler always keeps them); one per chunk otherwise.
     assert len(engine.opened) == (6 if in_place else chunks)
     assert not worker.held and not worker.held_by_chunk
+
+
+class CountingClient(CoordinatorClient):
+    """The real client, counting its calls by endpoint."""
+
+    def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+        super().__init__(*args, **kwargs)
+        self.calls: dict[str, int] = {}
+
+    async def call(self, endpoint, body=None):  # noqa: ANN001, ANN201
+        self.calls[endpoint.path] = self.calls.get(endpoint.path, 0) + 1
+        return await super().call(endpoint, body)
+
+
+def test_a_worker_fills_a_finished_chunks_slot_from_the_reports_reply_not_a_lease_call(tmp_path):
+    # Ten one-chunk responses through two slots: after the first lease, each report's reply brings
+    # the next chunk while the queue has one; lease calls come back only once the queue is empty.
+    book = make_book(tmp_path, chunk_tokens=64, lease_ttl_s=30.0, prompt_rows=rows(groups=5, n=2, max_tokens=64),
+                     now=time.time())
+    app = create_app(book, SECRET, CoordinatorControl(), time.time)
+    engine = ScriptedEngine(length_of, max_chunks=2, pause_s=0.01, chunk_tokens=64)
+
+    async def scenario() -> Worker:
+        async with served(app) as url:
+            worker = Worker(CountingClient(url, SECRET), engine, rank=0)
+            try:
+                await asyncio.wait_for(worker.run(), timeout=60)
+            finally:
+                await worker.client.close()
+            return worker
+
+    worker = asyncio.run(scenario())
+    assert worker.fatal is None and book.is_complete() and len(engine.opened) == 10
+    # The first lease, and the long polls of the last two slots (at most one each, ended by the
+    # run's completion); without the report's lease, a lease call after each report (5 here).
+    assert worker.client.calls[protocol.LEASE.path] <= 3, worker.client.calls
