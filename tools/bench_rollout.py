@@ -130,7 +130,8 @@ def run_seerd(model: str, prompts: Path, policy: str, chunk_tokens: int, n: int,
            "--wait-for-workers"]  # like the baseline's barrier: both engines up before the clock starts
     if code == REPO or not in_place:  # an earlier checkout may predate the option (and re-submit anyway)
         cmd.append("--in-place" if in_place else "--no-in-place")
-    done = subprocess.run(cmd, env=env(code), capture_output=True, text=True, timeout=1800)
+    # From the checkout's own directory: `python -m` puts the working directory first on the path.
+    done = subprocess.run(cmd, env=env(code), cwd=code, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"seerd run failed: {done.stderr[-2000:]}")
     with sqlite3.connect(f"file:{run_dir / 'state.db'}?mode=ro", uri=True) as db:
@@ -195,7 +196,7 @@ def main() -> int:
     if args.before:
         before = Path(args.before).resolve()
         for name in [n for n in configs if n.startswith("seerd-") and "async" not in n]:
-            policy = "seer" if "seer" in name else name.split("-")[1]
+            policy = name.split("-")[1]  # seerd-divided -> divided
             chunk = 10**6 if policy == "group" else args.chunk_tokens
             resubmit = name.endswith("-resubmit")
             configs[f"{name}@before"] = (lambda p, c, r: lambda s: run_seerd(
