@@ -36,6 +36,8 @@ fits, else it stops admission (nothing smaller overtakes a head that waits for r
 Affinity: a request whose previous chunk ran on another live worker with a free slot and KV room
 for the chunk is left for that worker (its prefix cache holds the request), unless that worker has
 `affinity_spread` more chunks in flight than the asking one (the paper uses 32 in-flight requests).
+The home's free slots and KV room are counted down by the requests each plan leaves to it: one
+free slot there holds back one request, not all it ran before while the asking worker idles.
 Balance: the asking worker takes no more than keeps it within `balance_spread` (32) chunks in flight
 of the least loaded worker with room (`balanced_slots`): the paper's "least loaded" routing.
 """
@@ -106,19 +108,33 @@ class SeerPolicy:
             return Plan()  # skip ordering the whole queue for nothing
         asking = snapshot.worker(snapshot.worker_id)
         loads = snapshot.loads_by_id
+        # What each home worker has left for the requests this plan leaves to it: (free slots, KV
+        # room). One free slot there holds back one request here, not every one it ran before.
+        room_left: dict[str, tuple[int, int]] = {}
+        decided: dict[int, bool] = {}  # admission may look at a request twice (its lean pass)
 
         def belongs_elsewhere(request: QueuedRequest) -> bool:
-            # Its previous worker holds its prefix: leave it there unless that one is much busier.
+            if request.request_id not in decided:
+                decided[request.request_id] = leave_to_home(request)
+            return decided[request.request_id]
+
+        def leave_to_home(request: QueuedRequest) -> bool:
+            # Its previous worker holds its prefix: leave it there unless that one is much busier
+            # or has no room left for it.
             if request.last_worker is None or request.last_worker == asking.worker_id:
                 return False
             if request.last_worker in request.failed_on:  # its engine failed it: no home there
                 return False
             home = loads.get(request.last_worker)
-            if home is None or home.running_chunks >= home.max_chunks:
+            if home is None:
                 return False
-            headroom = home.kv_capacity_tokens - home.reserved_kv_tokens
-            return (headroom >= kv_need(request, chunk_budget(request, snapshot.chunk_tokens), home.kv_block_tokens)
-                    and home.running_chunks - asking.running_chunks <= self.affinity_spread
-                    and snapshot.now - request.queued_at <= self.starvation_s)
+            slots, headroom = room_left.get(home.worker_id, (home.max_chunks - home.running_chunks,
+                                                             home.kv_capacity_tokens - home.reserved_kv_tokens))
+            need = kv_need(request, chunk_budget(request, snapshot.chunk_tokens), home.kv_block_tokens)
+            if (slots <= 0 or headroom < need or home.running_chunks - asking.running_chunks > self.affinity_spread
+                    or snapshot.now - request.queued_at > self.starvation_s):
+                return False
+            room_left[home.worker_id] = (slots - 1, headroom - need)
+            return True
 
         return admit(snapshot, self.order(snapshot), skip=belongs_elsewhere, limit=limit)

@@ -173,6 +173,18 @@ def test_seer_affinity_only_to_a_worker_with_kv_room():
     assert [a.request_id for a in plan.assignments] == [1, 2]
 
 
+def test_seer_leaves_a_home_worker_only_as_many_requests_as_it_has_free_slots():
+    # b ran all three before and has one free slot: it keeps one, a takes the other two.
+    queued = [seer_req(1, 0, last="b"), seer_req(2, 1, last="b"), seer_req(3, 2, last="b")]
+    workers = [load("a", 0), load("b", 1, running=3, max_chunks=4)]
+    plan = SeerPolicy().plan(snap("a", workers, queued))
+    assert [a.request_id for a in plan.assignments] == [2, 3]
+    # The same with b's KV room for one chunk only (each needs 10 + 32 = 42 tokens).
+    roomy = [load("a", 0), load("b", 1, running=0, max_chunks=4, reserved=10_000 - 50)]
+    plan = SeerPolicy().plan(snap("a", roomy, queued))
+    assert [a.request_id for a in plan.assignments] == [2, 3]
+
+
 def test_seer_order_follows_estimate_updates_in_the_queue_index():
     queue = RequestQueue.of([seer_req(1, 0, estimate=100, finished=1), seer_req(2, 1, estimate=200, finished=1)])
     snapshot = Snapshot(0.0, "a", 10, (load("a", 0),), queue, {}, {}, 32)
