@@ -113,22 +113,8 @@ def length_of(request_id: int) -> int:
 def test_a_worker_continues_requests_in_place_and_each_token_lands_once(tmp_path, in_place):
     book = make_book(tmp_path, chunk_tokens=8, lease_ttl_s=30.0, prompt_rows=rows(groups=3, n=2, max_tokens=64),
                      now=time.time(), in_place=in_place)
-    app = create_app(book, SECRET, CoordinatorControl(), time.time)
     engine = ScriptedEngine(length_of, max_chunks=8, pause_s=0.01, chunk_tokens=8)
-
-    async def scenario() -> Worker:
-        async with served(app) as url:
-            return await run_worker(url)
-
-    async def run_worker(url: str) -> Worker:
-        worker = Worker(CoordinatorClient(url, SECRET), engine, rank=0)
-        try:
-            await asyncio.wait_for(worker.run(), timeout=60)
-        finally:
-            await worker.client.close()
-        return worker
-
-    worker = asyncio.run(scenario())
+    worker = run_worker(book, engine)
     assert worker.fatal is None and book.is_complete()
     with book.sessions.begin() as s:
         chunks = s.scalar(select(Chunk.id).order_by(Chunk.id.desc()).limit(1))
@@ -142,6 +128,22 @@ def test_a_worker_continues_requests_in_place_and_each_token_lands_once(tmp_path
     # scheduler always keeps them); one per chunk otherwise.
     assert len(engine.opened) == (6 if in_place else chunks)
     assert not worker.held and not worker.held_by_chunk
+
+
+def run_worker(book, engine: ScriptedEngine) -> Worker:  # noqa: ANN001
+    """A worker with `engine` against the real API over `book`, on a loopback socket, to the end."""
+    app = create_app(book, SECRET, CoordinatorControl(), time.time)
+
+    async def scenario() -> Worker:
+        async with served(app) as url:
+            worker = Worker(CountingClient(url, SECRET), engine, rank=0)
+            try:
+                await asyncio.wait_for(worker.run(), timeout=60)
+            finally:
+                await worker.client.close()
+            return worker
+
+    return asyncio.run(scenario())
 
 
 class CountingClient(CoordinatorClient):
@@ -161,19 +163,8 @@ def test_a_worker_fills_a_finished_chunks_slot_from_the_reports_reply_not_a_leas
     # the next chunk while the queue has one; lease calls come back only once the queue is empty.
     book = make_book(tmp_path, chunk_tokens=64, lease_ttl_s=30.0, prompt_rows=rows(groups=5, n=2, max_tokens=64),
                      now=time.time())
-    app = create_app(book, SECRET, CoordinatorControl(), time.time)
     engine = ScriptedEngine(length_of, max_chunks=2, pause_s=0.01, chunk_tokens=64)
-
-    async def scenario() -> Worker:
-        async with served(app) as url:
-            worker = Worker(CountingClient(url, SECRET), engine, rank=0)
-            try:
-                await asyncio.wait_for(worker.run(), timeout=60)
-            finally:
-                await worker.client.close()
-            return worker
-
-    worker = asyncio.run(scenario())
+    worker = run_worker(book, engine)
     assert worker.fatal is None and book.is_complete() and len(engine.opened) == 10
     # The first lease, and the long polls of the last two slots (at most one each, ended by the
     # run's completion); without the report's lease, a lease call after each report (5 here).
