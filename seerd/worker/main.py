@@ -246,7 +246,8 @@ class Worker:
                 batch.append(self.reports.get_nowait())
             # The slots this batch frees (finished or stopped chunks) are filled from its reply; the
             # running-on ones the coordinator counts itself.
-            freed = self.engine.max_chunks - (len(self.running) - len(batch)) - sum(r.running_on for r in batch)
+            freed = 0 if self.done.is_set() else \
+                self.engine.max_chunks - (len(self.running) - len(batch)) - sum(r.running_on for r in batch)
             try:
                 reply = await self.client.call(REPORT, ReportBody(self.worker_id, batch, wanted=max(0, freed)))
             except NotRegistered:
