@@ -5,7 +5,9 @@ One process, one simulated worker calling `LeaseBook.lease(wanted=B)` and `repor
 it got, `--rounds` times after a warm-up; prints the median over `--repeats` of the process CPU
 time per chunk. `--in-place`: as a worker with in-place continuation does instead, a worker
 holding 64 running requests reports B of them per call as running on (`report_and_continue`),
-and the grants that continue them go back into its running set. It measures the checkout it is
+and the grants that continue them go back into its running set, with new requests for the
+slots of those that finished (the report's `wanted`; with `--max-tokens` below the chunk every
+report finishes its request, and without them the running set drained after 32 calls). It measures the checkout it is
 run from (the repository root goes first on the import path), so a change is measured by running
 it in both checkouts, alternated:
 
@@ -63,7 +65,7 @@ def cpu_ms_per_chunk(batch: int, chunk_tokens: int, prompt_tokens: int, rounds: 
             reported, running[:] = running[:batch], running[batch:]
             _, grants = book.report_and_continue(worker, [
                 ChunkReport(g.chunk_id, g.epoch, [7] * g.max_tokens, [-1.0] * g.max_tokens, "length", running_on=True)
-                for g in reported], time.time())
+                for g in reported], time.time(), wanted=len(reported))  # finished ones' slots refill too
             running.extend(grants)
             return len(reported)
 
