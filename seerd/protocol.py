@@ -2,7 +2,7 @@
 long-poll constants, and the engine request id codec.
 
 Dependency-light (the standard library and msgspec only): the worker, the draft client inside the
-engine, `seerd status` and the simulator import it without FastAPI or the lease book. Field names
+engine, `seerd status` and the simulator import it without the API framework or the lease book. Field names
 are the JSON names on the wire. Each endpoint names its body and reply types, so the API decodes
 requests and encodes replies with the same types the client decodes replies into; a reply that
 does not decode is a `BadReply`, not a KeyError somewhere later.

@@ -6,7 +6,7 @@ import asyncio
 
 import httpx
 import pytest
-from fastapi.testclient import TestClient
+from starlette.testclient import TestClient
 
 from seerd.coordinator.api import CoordinatorControl, create_app
 from seerd import protocol

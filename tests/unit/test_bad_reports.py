@@ -7,7 +7,7 @@ import math
 
 import msgspec
 import pytest
-from fastapi.testclient import TestClient
+from starlette.testclient import TestClient
 from sqlalchemy import select
 
 from seerd.config import EngineConfig

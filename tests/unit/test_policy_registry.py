@@ -65,7 +65,7 @@ def test_rollout_defaults_name_every_rollout_option():
 
 
 def test_the_registry_loads_without_heavy_packages():
-    heavy = ("torch", "vllm", "fastapi", "sqlalchemy", "click")
+    heavy = ("torch", "vllm", "fastapi", "starlette", "sqlalchemy", "click")
     code = ("import sys, seerd.scheduler.registry; "
             f"print(sorted({{m.split('.')[0] for m in sys.modules}} & {set(heavy)!r}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

@@ -136,6 +136,6 @@ def test_engine_ids_round_trip():
 
 def test_the_protocol_imports_nothing_else_of_seerd_and_nothing_heavy():
     code = ("import sys, seerd.protocol; print(sorted(m for m in sys.modules "
-            "if m.split('.')[0] in ('seerd', 'fastapi', 'httpx', 'sqlalchemy', 'numpy', 'torch', 'vllm')))")
+            "if m.split('.')[0] in ('seerd', 'fastapi', 'starlette', 'httpx', 'sqlalchemy', 'numpy', 'torch', 'vllm')))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert loaded.strip() == "['seerd', 'seerd.protocol']"
