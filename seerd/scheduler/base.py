@@ -106,14 +106,18 @@ def balanced_slots(snapshot: Snapshot, spread: int = DEFAULT_BALANCE_SPREAD) -> 
     The paper routes to the least loaded instance once the spread of in-flight requests passes
     32; workers here pull, so the same rule caps what one asking worker takes. Without it, the
     first worker to ask after start-up took every chunk its KV could hold while the others idled.
+    The cap binds only while work is short: the asking worker may always take what the queue holds
+    beyond the other workers' free slots (at start-up, with a queue longer than every slot, the
+    first to ask fills up instead of taking 32 and waiting a long poll for the rest).
     """
     me = snapshot.worker(snapshot.worker_id)
     slots = free_slots(snapshot)
-    lighter = [w.running_chunks for w in snapshot.workers
+    lighter = [w for w in snapshot.workers
                if w.worker_id != me.worker_id and w.running_chunks < w.max_chunks
                and w.kv_capacity_tokens - w.reserved_kv_tokens >= snapshot.chunk_tokens]
     if lighter:
-        slots = min(slots, min(lighter) + spread - me.running_chunks)
+        spare = len(snapshot.queued) - sum(w.max_chunks - w.running_chunks for w in lighter)
+        slots = min(slots, max(min(w.running_chunks for w in lighter) + spread - me.running_chunks, spare))
     return max(0, slots)
 
 

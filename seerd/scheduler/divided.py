@@ -3,7 +3,8 @@
 Every request is an independent unit; after each chunk it goes back to the buffer. A worker is
 given chunks while it has free sequence slots and KV room for each chunk's whole context plus its
 budget (lean chunks under KV pressure, a shorter chunk where only that fits: `base.admit`), so admitted chunks never exceed the engine's KV (no preemption by construction), and
-while it stays within 32 chunks in flight of the least loaded worker with room (`balanced_slots`).
+while it stays within 32 chunks in flight of the least loaded worker with room, as long as the
+queue cannot fill every worker (`balanced_slots`).
 A request whose engine request runs on at the asking worker (in-place continuation) comes first:
 FCFS decides which request starts, not which running one is stopped at a boundary
 (`base.continuing_first`).

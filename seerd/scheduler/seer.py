@@ -39,7 +39,8 @@ for the chunk is left for that worker (its prefix cache holds the request), unle
 The home's free slots and KV room are counted down by the requests each plan leaves to it: one
 free slot there holds back one request, not all it ran before while the asking worker idles.
 Balance: the asking worker takes no more than keeps it within `balance_spread` (32) chunks in flight
-of the least loaded worker with room (`balanced_slots`): the paper's "least loaded" routing.
+of the least loaded worker with room (`balanced_slots`): the paper's "least loaded" routing; it
+binds only while the queue cannot fill every worker's free slots.
 """
 
 from __future__ import annotations

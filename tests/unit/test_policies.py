@@ -254,6 +254,17 @@ def test_a_worker_takes_no_more_than_32_chunks_beyond_the_least_loaded_one():
     assert len(DividedPolicy().plan(snap("a", full, queued)).assignments) == 100
 
 
+def test_the_balance_cap_binds_only_while_the_queue_cannot_fill_every_worker():
+    from seerd.scheduler.base import balanced_slots
+
+    plenty = [req(i, i, i, queued_at=float(i)) for i in range(300)]
+    fresh = [load("a", 0, max_chunks=64, kv=10**6), load("b", 1, max_chunks=64, kv=10**6)]
+    assert balanced_slots(snap("a", fresh, plenty)) == 64  # 236 stay for b's 64 slots
+    short = plenty[:100]  # 36 beyond b's 64 free slots: a takes those or the spread, the larger
+    assert balanced_slots(snap("a", fresh, short)) == 36
+    assert balanced_slots(snap("a", fresh, plenty[:80])) == 32
+
+
 def test_a_request_that_fits_only_another_worker_is_left_for_it():
     queued = [req(1, 0, 0, queued_at=0.0, generated=90, prompt_len=100),  # needs 100 + 90 + 10 = 200
               req(2, 1, 1, queued_at=1.0)]  # needs 10 + 32 = 42
