@@ -20,12 +20,12 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import msgspec
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from seerd.config import EngineConfig
 from seerd.coordinator.book import LeaseBook, RetiredWorker, UnknownWorker
