@@ -66,6 +66,7 @@ def measure(run_dir: Path) -> dict:
         chunk_ends = db.execute("select finished_at, num_tokens from chunks where status = ?",
                                 (ChunkStatus.DONE.value,)).fetchall()
         stats = [json.loads(s) for (s,) in db.execute("select stats_json from workers where stats_json is not null")]
+        load = json.loads(db.execute("select data_json from events where kind='coordinator_load'").fetchone()[0])
     end = finishes[-1]
     p90 = finishes[math.ceil(0.9 * len(finishes)) - 1]
     body_tokens = sum(n for t, n in chunk_ends if t <= p90)
@@ -79,6 +80,10 @@ def measure(run_dir: Path) -> dict:
             "tail_tok_s": (tokens - body_tokens) / max(end - p90, 1e-9),
             "drafted": drafted, "accepted": accepted, "drafted_rows": drafted_rows,
             "draft_us": statistics.median(s["median_us_per_row"] for s in spec) if spec else None,
+            # CPU time beside the engines: the drafters' own (on the stepping threads), the draft
+            # sync threads', and the coordinator's share of a core while generating.
+            "propose_s": sum(s["propose_s"] for s in spec), "sync_cpu_s": sum(s.get("sync_cpu_s", 0.0) for s in spec),
+            "coordinator_cpu_share": load["cpu_share"],
             "run_dir": str(run_dir)}
 
 
@@ -115,7 +120,8 @@ def main() -> int:
                   f"{result['tok_s']:.0f} tok/s; body {result['body_tok_s']:.0f} tok/s, tail "
                   f"{result['tail_s']:.1f}s at {result['tail_tok_s']:.0f} tok/s; drafted {result['drafted']} "
                   f"accepted {result['accepted']}", file=sys.stderr, flush=True)
-    med = {m: {k: statistics.median(r[k] for r in runs) for k in ("tok_s", "body_tok_s", "tail_tok_s", "tail_s")}
+    med = {m: {k: statistics.median(r[k] for r in runs)
+               for k in ("tok_s", "body_tok_s", "tail_tok_s", "tail_s", "propose_s", "sync_cpu_s", "coordinator_cpu_share")}
            for m, runs in samples.items()}
     if args.json:
         print(json.dumps({"args": vars(args), "median": med, "samples": samples}, indent=1))
@@ -124,7 +130,7 @@ def main() -> int:
     print(f"{args.groups} groups x n={args.n}, max_tokens {args.max_tokens}, chunk {args.chunk_tokens}, 2 engines, "
           f"{args.repeats} repeats (medians; ratios to --spec off)")
     print(f"{'mode':<15} {'tok/s':>6} {'x off':>6} {'body x':>7} {'tail x':>7} {'tail s':>7} {'accept':>7} "
-          f"{'tok/step':>8} {'draft us':>8}  samples tok/s")
+          f"{'tok/step':>8} {'draft us':>8} {'propose s':>9} {'sync s':>6} {'coord':>6}  samples tok/s")
     for mode, runs in samples.items():
         drafted = sum(r["drafted"] for r in runs)
         accepted = sum(r["accepted"] for r in runs)
@@ -136,7 +142,8 @@ def main() -> int:
         row = med[mode]
         print(f"{mode:<15} {row['tok_s']:>6.0f} {row['tok_s'] / base['tok_s']:>6.2f} "
               f"{row['body_tok_s'] / base['body_tok_s']:>7.2f} {row['tail_tok_s'] / base['tail_tok_s']:>7.2f} "
-              f"{row['tail_s']:>7.1f} {acceptance:>7} {per_step:>8} {us:>8}  {[round(r['tok_s']) for r in runs]}")
+              f"{row['tail_s']:>7.1f} {acceptance:>7} {per_step:>8} {us:>8} {row['propose_s']:>9.2f} {row['sync_cpu_s']:>6.2f} "
+              f"{row['coordinator_cpu_share']:>6.1%}  {[round(r['tok_s']) for r in runs]}")
     return 0
 
 

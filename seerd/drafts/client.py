@@ -113,6 +113,7 @@ class DraftClient:
         self.fetched_tokens = 0
         self.pushed_tokens = 0
         self.sync_errors = 0
+        self.sync_cpu_s = 0.0  # the sync thread's CPU time: what grouped drafting costs beside the engine
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if transport_factory is not None:
@@ -167,6 +168,7 @@ class DraftClient:
     def _sync_loop(self) -> None:
         transport = None
         while not self._stop.wait(self.sync_interval_s):
+            started = time.thread_time()
             try:
                 if transport is None:
                     transport = self.transport_factory()
@@ -177,6 +179,8 @@ class DraftClient:
                     log.warning("draft server sync failed (%d times so far): %r", self.sync_errors, exc)
                 transport = None
                 self._stop.wait(min(2.0, self.sync_interval_s * 10))
+            finally:
+                self.sync_cpu_s += time.thread_time() - started
 
     def sync_once(self, transport) -> None:  # noqa: ANN001
         self._push(transport)

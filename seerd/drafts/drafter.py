@@ -54,6 +54,7 @@ def drafter_stats() -> dict | None:
     totals = [d.stats() for d in drafters]
     merged = {key: sum(t[key] for t in totals) for key in ("drafted", "accepted", "drafted_rows", "steps",
                                                             "spec_steps", "propose_s", "proposals")}
+    merged["sync_cpu_s"] = sum(t.get("sync_cpu_s", 0.0) for t in totals)
     merged["plan"] = totals[-1]["plan"]
     merged["median_us_per_row"] = totals[-1]["median_us_per_row"]
     merged["mode"] = totals[-1]["mode"]
@@ -108,6 +109,7 @@ class SeerdDrafter:
         return {"mode": self.mode, "drafted": self.drafted, "accepted": self.accepted,
                 "drafted_rows": self.drafted_rows, "steps": self.steps,
                 "spec_steps": self.spec_steps, "propose_s": self.propose_s, "proposals": self.proposals,
+                "sync_cpu_s": self.client.sync_cpu_s if self.client is not None else 0.0,
                 "median_us_per_row": statistics.median(self.us_per_row) if self.us_per_row else None,
                 "plan": {"probe_depth": self.plan.high, "depth": self.plan.low, "gamma_star": self.plan.gamma_star}}
 
