@@ -84,7 +84,44 @@ def measure(run_dir: Path) -> dict:
             # sync threads', and the coordinator's share of a core while generating.
             "propose_s": sum(s["propose_s"] for s in spec), "sync_cpu_s": sum(s.get("sync_cpu_s", 0.0) for s in spec),
             "coordinator_cpu_share": load["cpu_share"],
+            "by_batch": by_batch([s["engine"] for s in stats if s.get("engine")]),
             "run_dir": str(run_dir)}
+
+
+def by_batch(engines: list[dict]) -> dict[int, list]:
+    """Both engines' steps, seconds and generated tokens per batch-size bucket (EngineCounters)."""
+    total: dict[int, list] = {}
+    for engine in engines:
+        for bucket, (steps, seconds, tokens) in engine.get("by_batch", {}).items():
+            cell = total.setdefault(int(bucket), [0, 0.0, 0])
+            cell[0] += steps
+            cell[1] += seconds
+            cell[2] += tokens
+    return total
+
+
+def print_speed_by_batch(samples: dict[str, list[dict]]) -> None:
+    """Tokens per second of engine step time per batch size, all repeats pooled, and each mode's
+    ratio to off: the engine's speed with the same batch, whatever responses were sampled."""
+    pooled = {mode: by_batch([{"by_batch": r["by_batch"]} for r in runs]) for mode, runs in samples.items()}
+    buckets = sorted({b for cells in pooled.values() for b in cells})
+    if not buckets:
+        return
+    print("\nengine speed by batch size: tok/s of step time (x off), share of the mode's step time")
+    print(f"{'batch':<8}" + "".join(f"{mode:>26}" for mode in pooled))
+    for bucket in buckets:
+        row = f"{f'{bucket}-{2 * bucket - 1}' if bucket > 1 else '1':<8}"
+        for mode, cells in pooled.items():
+            steps, seconds, tokens = cells.get(bucket, (0, 0.0, 0))
+            base = pooled["off"].get(bucket)
+            if not seconds:
+                row += f"{'-':>26}"
+                continue
+            speed = tokens / seconds
+            ratio = f"{speed / (base[2] / base[1]):.2f}" if base and base[1] else "-"
+            share = seconds / sum(c[1] for c in cells.values())
+            row += f"{f'{speed:.0f} ({ratio}) {share:.0%}':>26}"
+        print(row)
 
 
 def main() -> int:
@@ -144,6 +181,7 @@ def main() -> int:
               f"{row['body_tok_s'] / base['body_tok_s']:>7.2f} {row['tail_tok_s'] / base['tail_tok_s']:>7.2f} "
               f"{row['tail_s']:>7.1f} {acceptance:>7} {per_step:>8} {us:>8} {row['propose_s']:>9.2f} {row['sync_cpu_s']:>6.2f} "
               f"{row['coordinator_cpu_share']:>6.1%}  {[round(r['tok_s']) for r in runs]}")
+    print_speed_by_batch(samples)
     return 0
 
 

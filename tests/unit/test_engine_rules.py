@@ -158,6 +158,36 @@ def test_engine_counters_sum_steps_running_preemptions_and_step_clocks():
     assert figures["longest_step_s"] == 0.04 and figures["step_runq_s"] == 0.004
 
 
+def test_engine_counters_keep_the_engines_speed_per_batch_size_from_the_core_outputs():
+    from types import SimpleNamespace
+
+    from seerd.worker.counters import EngineCounters
+
+    class Scheduler:
+        running: list = []
+
+        def _preempt_request(self, request, timestamp):
+            return None
+
+    class CoreClient:  # vLLM's in-process engine core client: one get_output per step
+        def __init__(self):
+            self.steps = iter([[3, 1, 0], [1] * 5, [2] * 5, [4]])  # new tokens per request output
+
+        def get_output(self):
+            return SimpleNamespace(outputs=[SimpleNamespace(new_token_ids=[7] * n) for n in next(self.steps)])
+
+    counters = EngineCounters(Scheduler())
+    core = CoreClient()
+    counters.count_outputs(core)
+    for seconds in (0.01, 0.02, 0.03, 0.004):
+        core.get_output()
+        counters.after_step(seconds)
+    counters.after_step(0.5)  # a step with no outputs (a prefill in progress): no batch size
+    by_batch = counters.figures()["by_batch"]
+    # Two decoding sequences (one output had no token) -> bucket 2; five -> bucket 4 (4-7); one -> 1.
+    assert by_batch == {"1": [1, 0.004, 4], "2": [1, 0.01, 4], "4": [2, 0.05, 15]}
+
+
 def test_the_thread_clock_reads_this_threads_cpu_and_run_queue_wait_from_the_kernel():
     import threading
     import time
