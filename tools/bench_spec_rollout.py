@@ -47,7 +47,8 @@ def run_mode(mode: str, prompts: Path, args: argparse.Namespace, work: Path, see
            "--run-dir", str(run_dir), "--workers", "2", "--wait-for-workers", "--policy", "seer",
            "--n", str(args.n), "--max-tokens", str(args.max_tokens), "--chunk-tokens", str(args.chunk_tokens),
            "--seed", str(seed), "--temperature", "1.0", "--max-num-seqs", str(args.max_num_seqs),
-           "--kv-cache-gib", str(args.kv_cache_gib), "--dtype", "float32", "--spec", spec_mode, "--no-progress"]
+           "--kv-cache-gib", str(args.kv_cache_gib), "--dtype", "float32", "--spec", spec_mode, "--no-progress",
+           "--kv-pool", args.kv_pool]
     if variant == "fixed":
         cmd.append("--spec-fixed-depth")
     done = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=3600)
@@ -137,6 +138,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--modes", default="off,grouped,request,ngram",
                         help="comma-separated --spec modes; MODE:fixed drafts --spec-depth always (no adaptive depth)")
+    parser.add_argument("--kv-pool", default="off", choices=("off", "auto", "mooncake"),
+                        help="off by default, as in bench_e2e: the pool's synchronous saves cost every mode alike")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     modes = [m for m in args.modes.split(",") if m]

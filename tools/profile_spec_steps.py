@@ -83,12 +83,11 @@ def main() -> int:
     args = parser.parse_args()
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from seerd.worker.engine import engine_args, engine_env_defaults
+    from seerd.worker.engine import engine_args, engine_env_defaults, sampling_params
 
     engine_env_defaults()
     from vllm.engine.arg_utils import EngineArgs
     from vllm.inputs import TokensPrompt
-    from vllm.sampling_params import SamplingParams
     from vllm.v1.engine.llm_engine import LLMEngine
 
     batches = [int(b) for b in args.batches.split(",")]
@@ -104,10 +103,12 @@ def main() -> int:
     for batch in batches:
         ids = [f"b{batch}-{i}" for i in range(batch)]
         FORCED_DEPTH["gamma"] = 0
-        for rid in ids:
+        for i, rid in enumerate(ids):
             prompt = [rng.randrange(4, vocab) for _ in range(args.prompt_len)]
+            # A rollout chunk's own parameters: seeded, the sampled token's logprob returned (both
+            # cost per step: per-request generators, logprobs of every verified position).
             llm.add_request(rid, TokensPrompt(prompt_token_ids=prompt),
-                            SamplingParams(max_tokens=100_000, ignore_eos=True, temperature=1.0, detokenize=False))
+                            sampling_params(100_000, {"temperature": 1.0, "ignore_eos": True, "seed": i}))
         for _ in range(3):  # prefill, then decode steps
             llm.step()
         row = []

@@ -11,7 +11,9 @@ Per step:
 1. each row's newly sampled tokens extend its request's sequence in the local index, and tell the
    acceptance curves how many of last step's drafts were taken;
 2. the depth policy splits the batch into probes and the rest and picks a depth per class from
-   the step-time profile and the measured acceptance (`drafts.policy`), or `gamma_max` when fixed;
+   the step-time profile, corrected by the steps this engine really took (the time between two
+   calls is one step, verifying the drafts of the first), and the measured acceptance
+   (`drafts.policy`), or `gamma_max` when fixed;
 3. each row drafts by longest suffix match against its group's index (grouped) or its own
    prompt and response only (request).
 
@@ -33,7 +35,9 @@ from collections import deque
 from dataclasses import dataclass
 
 from seerd.drafts.index import SuffixIndex
-from seerd.drafts.policy import DEFAULT_CPU_PROFILE, OFF, AcceptanceCurve, DepthPlan, StepTimeModel, choose_depths
+from seerd.drafts.policy import (
+    DEFAULT_CPU_PROFILE, OFF, AcceptanceCurve, DepthPlan, MeasuredStepCost, StepTimeModel, choose_depths,
+)
 from seerd.protocol import ChunkIdentity, parse_engine_id
 
 log = logging.getLogger("seerd.drafts")
@@ -55,6 +59,12 @@ def drafter_stats() -> dict | None:
     merged = {key: sum(t[key] for t in totals) for key in ("drafted", "accepted", "drafted_rows", "steps",
                                                             "spec_steps", "propose_s", "proposals")}
     merged["sync_cpu_s"] = sum(t.get("sync_cpu_s", 0.0) for t in totals)
+    by_batch: dict[str, list] = {}
+    for t in totals:
+        for bucket, cell in t["by_batch"].items():
+            by_batch[bucket] = [a + b for a, b in zip(by_batch.get(bucket, [0] * len(cell)), cell)]
+    merged["by_batch"] = by_batch
+    merged["measured_steps"] = sum(t.get("measured_steps", 0) for t in totals)
     merged["plan"] = totals[-1]["plan"]
     merged["median_us_per_row"] = totals[-1]["median_us_per_row"]
     merged["mode"] = totals[-1]["mode"]
@@ -82,6 +92,11 @@ class SeerdDrafter:
         self.min_prob = float(settings.get("min_prob", 0.0))
         profile = settings.get("profile_path") or str(DEFAULT_CPU_PROFILE)
         self.model = StepTimeModel.load(profile) if self.adaptive else None
+        measured = self.model is not None and settings.get("measure_steps", True)
+        self.cost = MeasuredStepCost(self.model) if measured else None
+        self.clock = time.perf_counter
+        self._step_started: float | None = None  # when the previous call began
+        self._drafted_last = 0  # draft tokens the previous call returned: this step verified them
         self.curves = {True: AcceptanceCurve(self.gamma_max), False: AcceptanceCurve(self.gamma_max)}
         self.client = None
         if self.mode == "grouped":
@@ -99,6 +114,9 @@ class SeerdDrafter:
         self.propose_s = 0.0
         self.failures = 0
         self.us_per_row: deque[float] = deque(maxlen=4096)  # recent steps' drafting time per row
+        # Per batch-size bucket (as the engine counters' "4" = 4-7 rows): steps, rows, drafted
+        # tokens, accepted tokens, the depth planned for the rest summed over steps.
+        self.by_batch: dict[int, list[int]] = {}
         with _stats_lock:
             _live_drafters.append(self)
 
@@ -111,14 +129,18 @@ class SeerdDrafter:
                 "spec_steps": self.spec_steps, "propose_s": self.propose_s, "proposals": self.proposals,
                 "sync_cpu_s": self.client.sync_cpu_s if self.client is not None else 0.0,
                 "median_us_per_row": statistics.median(self.us_per_row) if self.us_per_row else None,
+                "by_batch": {str(b): list(cell) for b, cell in sorted(self.by_batch.items())},
+                "measured_steps": self.cost.observed if self.cost is not None else 0,
                 "plan": {"probe_depth": self.plan.high, "depth": self.plan.low, "gamma_star": self.plan.gamma_star}}
 
     # ------------------------------------------------------------------ the hook
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None):  # noqa: ANN001, ANN201
-        started = time.perf_counter()
+        started = self.clock()
+        self._time_the_step(started, sum(1 for sampled in sampled_token_ids if sampled))
         req_ids = self._input_batch_req_ids()
         rows: list[TrackedRow | None] = []
         seen = set()
+        accepted_before = self.accepted
         for i, sampled in enumerate(sampled_token_ids):
             req_id = req_ids[i] if i < len(req_ids) else None
             seen.add(req_id)
@@ -138,14 +160,35 @@ class SeerdDrafter:
                 self.drafted += len(draft)
                 self.drafted_rows += bool(draft)
                 drafts.append(draft)
+        self._drafted_last = sum(map(len, drafts))
         self.steps += 1
         self.spec_steps += any(drafts)
-        self.proposals += sum(row is not None for row in rows)
-        elapsed = time.perf_counter() - started
+        tracked = sum(row is not None for row in rows)
+        self.proposals += tracked
+        if tracked:
+            cell = self.by_batch.setdefault(1 << (tracked.bit_length() - 1), [0, 0, 0, 0, 0])
+            cell[0] += 1
+            cell[1] += tracked
+            cell[2] += self._drafted_last
+            cell[3] += self.accepted - accepted_before
+            cell[4] += plan.low
+        elapsed = self.clock() - started
         self.propose_s += elapsed
         if rows:
             self.us_per_row.append(1e6 * elapsed / len(rows))
         return drafts
+
+    def _time_the_step(self, now: float, rows: int) -> None:
+        """The time since the previous call is one engine step (with this drafter's own share)
+        that verified the previous call's drafts; a much longer one held something else (the
+        engine idle between requests, a prefill of many prompts) and is not a step's cost."""
+        previous, self._step_started = self._step_started, now
+        if self.cost is None or previous is None or not rows:
+            return
+        seconds = now - previous
+        usual = self.cost.step_time(rows, -(-self._drafted_last // rows))
+        if seconds <= max(0.25, 8 * usual):
+            self.cost.observe(rows, self._drafted_last, seconds)
 
     def _draft(self, row: TrackedRow, depth: int) -> list[int]:
         try:
@@ -201,7 +244,8 @@ class SeerdDrafter:
             pooled = self.curves[True].merged(self.curves[False])
             beta_high = (self.curves[True] if self.curves[True].reached[1] >= 32 else pooled).beta()
             beta_low = (self.curves[False] if self.curves[False].reached[1] >= 32 else pooled).beta()
-            self.plan = choose_depths(high, low, beta_high, beta_low, self.model, self.gamma_max, self.probe_weight)
+            self.plan = choose_depths(high, low, beta_high, beta_low, self.cost or self.model, self.gamma_max,
+                                      self.probe_weight)
             self._plan_key, self._steps_since_plan = (high, low), 0
         return self.plan
 

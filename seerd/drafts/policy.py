@@ -7,7 +7,10 @@ sequences in flight (the tail). The policy therefore needs two measured things:
 
 - `StepTimeModel`: T(B, gamma), the engine's step time with B sequences each carrying gamma
   draft tokens, profiled offline (`tools/profile_spec_steps.py`), plus the drafter's own CPU
-  time per request;
+  time per request; `MeasuredStepCost` corrects it with the steps the engine really takes (a
+  profile of one engine on a quiet machine is not the step of an engine sharing its cores with
+  another engine, a coordinator and its own drafter: on this CPU it put drafts' cost at a
+  third of what they cost in a rollout);
 - `AcceptanceCurve`: per draft position k, the chance that position k is accepted given the
   positions before it were, measured online from what the engine accepted; beta(k) is the
   chance the first k are all accepted, so a request drafted to depth d yields
@@ -85,6 +88,91 @@ class StepTimeModel:
             raise ValueError(f"step-time profile {path} is unreadable: {exc}") from exc
 
 
+def batch_bucket(rows: int) -> int:
+    """Power-of-two bucket of a batch size: 1, 2 (2-3), 4 (4-7), ... (as the engine counters')."""
+    return 1 << (rows.bit_length() - 1)
+
+
+class MeasuredStepCost:
+    """T(B, gamma) as this engine really steps: the offline profile, scaled per batch-size bucket by
+    what the drafter timed itself.
+
+    Per bucket, a weighted least-squares line of a step's seconds per sequence against the draft
+    tokens it verified per sequence, fitted to the measured steps (exponentially forgotten, half
+    life `half_life_steps` of that bucket) and to the profile's own row as a prior worth
+    `prior_steps` steps. `step_time(B, gamma)` is the profile's T(B, 0) scaled by the measured
+    line's intercept against the profile's, plus the profile's cost of the gamma drafts scaled by
+    the measured slope against the profile's: before any measurement, exactly the profile.
+    The steps a drafter sees vary in draft tokens by themselves (rows match or do not), which
+    measures the slope; when the plan turns drafting off, the measured drafted steps fade and the
+    prior's slope returns, so a bucket is tried again after a few half lives (conditions change:
+    the other engine goes idle in the tail)."""
+
+    def __init__(self, prior: StepTimeModel, prior_steps: float = 16.0, half_life_steps: float = 256.0) -> None:
+        self.prior = prior
+        self.prior_steps = prior_steps
+        self.decay = 0.5 ** (1.0 / half_life_steps)
+        self.measured: dict[int, list[float]] = {}  # bucket -> decayed [w, wx, wxx, wy, wxy]
+        self.observed = 0
+        self._prior_sums: dict[int, list[float]] = {}
+
+    @property
+    def gamma_max(self) -> int:
+        return self.prior.gamma_max
+
+    def observe(self, rows: int, drafted: int, seconds: float) -> None:
+        """One step: `rows` sequences decoded, `drafted` draft tokens verified, `seconds` of wall time."""
+        if rows < 1 or seconds <= 0:
+            return
+        sums = self.measured.setdefault(batch_bucket(rows), [0.0] * 5)
+        x, y = drafted / rows, seconds / rows
+        for i, value in enumerate((1.0, x, x * x, y, x * y)):
+            sums[i] = sums[i] * self.decay + value
+        self.observed += 1
+
+    def step_time(self, batch: int, gamma: int) -> float:
+        bucket = batch_bucket(max(1, batch))
+        if bucket not in self.measured:
+            return self.prior.step_time(batch, gamma)
+        (undrafted, per_draft), (prior_undrafted, prior_per_draft) = self._line(bucket, True), self._line(bucket, False)
+        base = self.prior.step_time(batch, 0) * undrafted / prior_undrafted
+        if gamma <= 0:
+            return base
+        if prior_per_draft > 1e-12:  # the profile's shape in B and gamma, scaled to what was measured
+            drafts = (self.prior.step_time(batch, gamma) - self.prior.step_time(batch, 0)) * per_draft / prior_per_draft
+        else:  # a profile where drafts cost nothing (a memory-bound GPU step): the measured slope
+            drafts = batch * gamma * per_draft
+        return base + max(0.0, drafts)
+
+    def _line(self, bucket: int, with_measured: bool) -> tuple[float, float]:
+        """(seconds per sequence with no drafts, seconds per draft token per sequence), the
+        slope kept >= 0 (a draft token never makes a step cheaper)."""
+        sums = list(self._prior(bucket))
+        if with_measured:
+            sums = [a + b for a, b in zip(sums, self.measured.get(bucket, (0.0,) * 5))]
+        w, wx, wxx, wy, wxy = sums
+        spread = w * wxx - wx * wx
+        slope = max(0.0, (w * wxy - wx * wy) / spread) if spread > 1e-12 else 0.0
+        return max((wy - slope * wx) / w, 1e-9), slope
+
+    def _prior(self, bucket: int) -> list[float]:
+        sums = self._prior_sums.get(bucket)
+        if sums is None:
+            # The profile's row at the bucket's middle batch size, at the depths steps really
+            # verify per sequence (0-2: rows often draft nothing), so that the prior's leverage
+            # on the slope is no greater than that of the few measured steps it stands for.
+            batch = bucket + bucket // 2
+            depths = range(min(2, self.gamma_max) + 1)
+            weight = self.prior_steps / len(depths)
+            sums = [0.0] * 5
+            for gamma in depths:
+                y = self.prior.step_time(batch, gamma) / batch
+                for i, value in enumerate((1.0, gamma, gamma * gamma, y, gamma * y)):
+                    sums[i] += weight * value
+            self._prior_sums[bucket] = sums
+        return sums
+
+
 @dataclass
 class AcceptanceCurve:
     """Per-position acceptance, measured online with exponential forgetting, starting from a prior."""
@@ -144,7 +232,7 @@ OFF = DepthPlan(0, 0, 0, 0)
 
 
 def choose_depths(batch_high: int, batch_low: int, beta_high: list[float], beta_low: list[float],
-                  model: StepTimeModel, gamma_max: int, probe_weight: float) -> DepthPlan:
+                  model: StepTimeModel | MeasuredStepCost, gamma_max: int, probe_weight: float) -> DepthPlan:
     """Algorithm 1 for one step (see the module docstring)."""
     batch = batch_high + batch_low
     gamma_max = min(gamma_max, model.gamma_max, len(beta_high) - 1, len(beta_low) - 1)

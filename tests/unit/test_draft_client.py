@@ -220,3 +220,23 @@ def test_a_drafting_failure_costs_drafts_not_the_step(monkeypatch):
     monkeypatch.setattr(SuffixIndex, "propose", broken)
     assert runner.step({"c1e1g5r9p0": MOTIF * 3}) == {"c1e1g5r9p0": []}
     assert drafter.failures == 1
+
+
+def test_the_adaptive_drafter_times_each_step_with_the_drafts_it_verified(monkeypatch):
+    drafter = make_drafter(monkeypatch, adaptive=True)
+    now = [100.0]
+    drafter.clock = lambda: now[0]
+    runner = FakeRunner(drafter)
+    rid = "c1e1g5r9p3"
+    runner.step({rid: [1, 2, 3] + MOTIF * 2})  # the first call: no step before it to time
+    assert drafter.cost.observed == 0
+    drafted = drafter._drafted_last
+    assert drafted > 0  # a batch of one: the profile drafts
+    now[0] += 0.012
+    runner.step({rid: [11]})  # one engine step after the first call, which verified its drafts
+    assert drafter.cost.observed == 1
+    w, wx, _, wy, _ = drafter.cost.measured[1]
+    assert (w, wx, wy) == pytest.approx((1.0, drafted, 0.012))
+    now[0] += 30.0  # the engine sat idle: not a step's cost
+    runner.step({rid: [12]})
+    assert drafter.cost.observed == 1

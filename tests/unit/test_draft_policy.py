@@ -129,3 +129,68 @@ def test_the_shipped_cpu_profile_loads_and_says_off_in_the_body() -> None:
     assert body.gamma_star <= tail.gamma_star
     assert tail.high > 0
 
+
+
+# ---- the step cost measured in the engine (MeasuredStepCost) -------------------------------------
+
+def test_a_measured_cost_without_measurements_is_the_profile() -> None:
+    from seerd.drafts.policy import MeasuredStepCost
+
+    profile = cpu_like()
+    cost = MeasuredStepCost(profile)
+    assert all(cost.step_time(b, g) == profile.step_time(b, g) for b in (1, 3, 17, 64, 200) for g in range(9))
+
+
+def feed(cost, rows: int, per_row_s: float, per_draft_s: float, steps: int) -> None:  # noqa: ANN001
+    """Steps of `rows` sequences whose draft tokens vary by step (rows match or do not), timed
+    as an engine would: per_row_s per sequence plus per_draft_s per draft token."""
+    for step in range(steps):
+        drafted = (step % 4) * rows // 2  # 0, 0.5, 1, 1.5 draft tokens per sequence
+        cost.observe(rows, drafted, rows * per_row_s + drafted * per_draft_s)
+
+
+def test_drafts_that_cost_more_than_the_profile_said_turn_drafting_off_at_that_batch_size_only() -> None:
+    from seerd.drafts.policy import MeasuredStepCost
+
+    # The profile: a draft token costs a fifth of a sequence, so at acceptance 0.7 drafting pays
+    # at every batch size.
+    profile = StepTimeModel(BATCHES, tuple(tuple(0.0002 * b * (1 + 0.2 * g) for g in range(9)) for b in BATCHES))
+    beta = geometric(0.7)
+    assert choose_depths(0, 64, beta, beta, profile, 8, 2.0).low > 0
+    assert choose_depths(0, 2, beta, beta, profile, 8, 2.0).low > 0
+    cost = MeasuredStepCost(profile)
+    # Measured at 64 sequences: a draft token costs as much as a sequence's whole step.
+    feed(cost, 64, per_row_s=0.0003, per_draft_s=0.0003, steps=400)
+    assert choose_depths(0, 64, beta, beta, cost, 8, 2.0).low == 0
+    assert cost.step_time(64, 2) == pytest.approx(64 * 0.0003 * 3, rel=0.15)  # the prior weighs a little
+    # Other batch sizes keep the profile until they are measured themselves.
+    assert choose_depths(0, 2, beta, beta, cost, 8, 2.0).low > 0
+    assert cost.step_time(2, 2) == profile.step_time(2, 2)
+
+
+def test_drafts_cheaper_than_the_profile_said_turn_drafting_on() -> None:
+    from seerd.drafts.policy import MeasuredStepCost
+
+    profile = StepTimeModel(BATCHES, tuple(tuple(0.0002 * b * (1 + 0.9 * g) for g in range(9)) for b in BATCHES))
+    beta = geometric(0.6)
+    assert choose_depths(0, 16, beta, beta, profile, 8, 2.0).low == 0
+    cost = MeasuredStepCost(profile)
+    feed(cost, 16, per_row_s=0.0002, per_draft_s=0.00001, steps=400)
+    assert choose_depths(0, 16, beta, beta, cost, 8, 2.0).low > 0
+
+
+def test_a_measured_slope_is_never_negative_and_fades_back_to_the_profile() -> None:
+    from seerd.drafts.policy import MeasuredStepCost
+
+    profile = cpu_like()
+    cost = MeasuredStepCost(profile, half_life_steps=50)
+    for step in range(200):  # noise that would fit drafts making a step cheaper
+        drafted = (step % 2) * 64
+        cost.observe(64, drafted, 0.02 if drafted else 0.03)
+    assert cost.step_time(64, 4) >= cost.step_time(64, 0)
+    # Drafting turned off: only undrafted steps arrive, at the profile's own cost, for many half
+    # lives; the measured slope is forgotten and the profile's returns.
+    for _ in range(2000):
+        cost.observe(64, 0, 64 * profile.step_time(96, 0) / 96)
+    ratio = cost.step_time(64, 4) / cost.step_time(64, 0)
+    assert ratio == pytest.approx(profile.step_time(64, 4) / profile.step_time(64, 0), rel=0.02)
