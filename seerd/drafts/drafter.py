@@ -11,9 +11,9 @@ Per step:
 1. each row's newly sampled tokens extend its request's sequence in the local index, and tell the
    acceptance curves how many of last step's drafts were taken;
 2. the depth policy splits the batch into probes and the rest and picks a depth per class from
-   the step-time profile, corrected by the steps this engine really took (the time between two
-   calls is one step, verifying the drafts of the first), and the measured acceptance
-   (`drafts.policy`), or `gamma_max` when fixed;
+   the step-time profile and the measured acceptance (`drafts.policy`), or `gamma_max` when
+   fixed; drafting stays off at batch sizes where this engine's own steps (the time between two
+   calls is one step) showed it costs more time per token than it saves (`DraftGate`);
 3. each row drafts by longest suffix match against its group's index (grouped) or its own
    prompt and response only (request).
 
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from seerd.drafts.index import SuffixIndex
 from seerd.drafts.policy import (
-    DEFAULT_CPU_PROFILE, OFF, AcceptanceCurve, DepthPlan, MeasuredStepCost, StepTimeModel, choose_depths,
+    DEFAULT_CPU_PROFILE, OFF, AcceptanceCurve, DepthPlan, DraftGate, StepTimeModel, choose_depths,
 )
 from seerd.protocol import ChunkIdentity, parse_engine_id
 
@@ -65,6 +65,7 @@ def drafter_stats() -> dict | None:
             by_batch[bucket] = [a + b for a, b in zip(by_batch.get(bucket, [0] * len(cell)), cell)]
     merged["by_batch"] = by_batch
     merged["measured_steps"] = sum(t.get("measured_steps", 0) for t in totals)
+    merged["gate"] = totals[-1]["gate"]
     merged["plan"] = totals[-1]["plan"]
     merged["median_us_per_row"] = totals[-1]["median_us_per_row"]
     merged["mode"] = totals[-1]["mode"]
@@ -93,10 +94,11 @@ class SeerdDrafter:
         profile = settings.get("profile_path") or str(DEFAULT_CPU_PROFILE)
         self.model = StepTimeModel.load(profile) if self.adaptive else None
         measured = self.model is not None and settings.get("measure_steps", True)
-        self.cost = MeasuredStepCost(self.model) if measured else None
+        self.gate = DraftGate(self.model) if measured else None
         self.clock = time.perf_counter
         self._step_started: float | None = None  # when the previous call began
         self._drafted_last = 0  # draft tokens the previous call returned: this step verified them
+        self._planned_last = False  # whether the previous call's plan drafted
         self.curves = {True: AcceptanceCurve(self.gamma_max), False: AcceptanceCurve(self.gamma_max)}
         self.client = None
         if self.mode == "grouped":
@@ -130,13 +132,14 @@ class SeerdDrafter:
                 "sync_cpu_s": self.client.sync_cpu_s if self.client is not None else 0.0,
                 "median_us_per_row": statistics.median(self.us_per_row) if self.us_per_row else None,
                 "by_batch": {str(b): list(cell) for b, cell in sorted(self.by_batch.items())},
-                "measured_steps": self.cost.observed if self.cost is not None else 0,
+                "measured_steps": self.gate.observed if self.gate is not None else 0,
+                "gate": self.gate.figures() if self.gate is not None else {},
                 "plan": {"probe_depth": self.plan.high, "depth": self.plan.low, "gamma_star": self.plan.gamma_star}}
 
     # ------------------------------------------------------------------ the hook
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None):  # noqa: ANN001, ANN201
         started = self.clock()
-        self._time_the_step(started, sum(1 for sampled in sampled_token_ids if sampled))
+        self._time_the_step(started, sampled_token_ids)
         req_ids = self._input_batch_req_ids()
         rows: list[TrackedRow | None] = []
         seen = set()
@@ -161,6 +164,7 @@ class SeerdDrafter:
                 self.drafted_rows += bool(draft)
                 drafts.append(draft)
         self._drafted_last = sum(map(len, drafts))
+        self._planned_last = plan.high > 0 or plan.low > 0
         self.steps += 1
         self.spec_steps += any(drafts)
         tracked = sum(row is not None for row in rows)
@@ -178,17 +182,17 @@ class SeerdDrafter:
             self.us_per_row.append(1e6 * elapsed / len(rows))
         return drafts
 
-    def _time_the_step(self, now: float, rows: int) -> None:
-        """The time since the previous call is one engine step (with this drafter's own share)
-        that verified the previous call's drafts; a much longer one held something else (the
-        engine idle between requests, a prefill of many prompts) and is not a step's cost."""
+    def _time_the_step(self, now: float, sampled_token_ids) -> None:  # noqa: ANN001
+        """The time since the previous call is one engine step (with this drafter's own share),
+        which verified the previous call's drafts and produced the tokens sampled now. A much
+        longer gap held something else (the engine idle between requests): not a step's cost."""
         previous, self._step_started = self._step_started, now
-        if self.cost is None or previous is None or not rows:
+        rows = sum(1 for sampled in sampled_token_ids if sampled)
+        if self.gate is None or previous is None or not rows:
             return
         seconds = now - previous
-        usual = self.cost.step_time(rows, -(-self._drafted_last // rows))
-        if seconds <= max(0.25, 8 * usual):
-            self.cost.observe(rows, self._drafted_last, seconds)
+        if seconds <= max(0.25, 8 * self.model.step_time(rows, -(-self._drafted_last // rows))):
+            self.gate.observe(rows, sum(map(len, sampled_token_ids)), seconds, self._planned_last)
 
     def _draft(self, row: TrackedRow, depth: int) -> list[int]:
         try:
@@ -244,8 +248,10 @@ class SeerdDrafter:
             pooled = self.curves[True].merged(self.curves[False])
             beta_high = (self.curves[True] if self.curves[True].reached[1] >= 32 else pooled).beta()
             beta_low = (self.curves[False] if self.curves[False].reached[1] >= 32 else pooled).beta()
-            self.plan = choose_depths(high, low, beta_high, beta_low, self.cost or self.model, self.gamma_max,
-                                      self.probe_weight)
+            plan = choose_depths(high, low, beta_high, beta_low, self.model, self.gamma_max, self.probe_weight)
+            if (plan.high or plan.low) and self.gate is not None and not self.gate.allows(high + low):
+                plan = DepthPlan(0, 0, plan.gamma_star, 0)  # measured here: drafting does not pay
+            self.plan = plan
             self._plan_key, self._steps_since_plan = (high, low), 0
         return self.plan
 

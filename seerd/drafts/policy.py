@@ -7,10 +7,9 @@ sequences in flight (the tail). The policy therefore needs two measured things:
 
 - `StepTimeModel`: T(B, gamma), the engine's step time with B sequences each carrying gamma
   draft tokens, profiled offline (`tools/profile_spec_steps.py`), plus the drafter's own CPU
-  time per request; `MeasuredStepCost` corrects it with the steps the engine really takes (a
+  time per request; `DraftGate` checks it against the steps the engine really takes (a
   profile of one engine on a quiet machine is not the step of an engine sharing its cores with
-  another engine, a coordinator and its own drafter: on this CPU it put drafts' cost at a
-  third of what they cost in a rollout);
+  another engine, a coordinator and its own drafter);
 - `AcceptanceCurve`: per draft position k, the chance that position k is accepted given the
   positions before it were, measured online from what the engine accepted; beta(k) is the
   chance the first k are all accepted, so a request drafted to depth d yields
@@ -90,87 +89,61 @@ class StepTimeModel:
 
 def batch_bucket(rows: int) -> int:
     """Power-of-two bucket of a batch size: 1, 2 (2-3), 4 (4-7), ... (as the engine counters')."""
-    return 1 << (rows.bit_length() - 1)
+    return 1 << (max(1, rows).bit_length() - 1)
 
 
-class MeasuredStepCost:
-    """T(B, gamma) as this engine really steps: the offline profile, scaled per batch-size bucket by
-    what the drafter timed itself.
+class DraftGate:
+    """Whether drafting pays at a batch size, measured on the engine's own steps.
 
-    Per bucket, a weighted least-squares line of a step's seconds per sequence against the draft
-    tokens it verified per sequence, fitted to the measured steps (exponentially forgotten, half
-    life `half_life_steps` of that bucket) and to the profile's own row as a prior worth
-    `prior_steps` steps. `step_time(B, gamma)` is the profile's T(B, 0) scaled by the measured
-    line's intercept against the profile's, plus the profile's cost of the gamma drafts scaled by
-    the measured slope against the profile's: before any measurement, exactly the profile.
-    The steps a drafter sees vary in draft tokens by themselves (rows match or do not), which
-    measures the slope; when the plan turns drafting off, the measured drafted steps fade and the
-    prior's slope returns, so a bucket is tried again after a few half lives (conditions change:
-    the other engine goes idle in the tail)."""
+    The depth policy trusts its step-time profile, measured on one engine on an idle machine. A
+    rollout's engine steps beside another engine, a coordinator and its own drafter, and there
+    drafts cost more: on this CPU, rollouts of the motif model drafted at 64 sequences, where the
+    profile said a draft token costs a fifth of a sequence's step, and the engine ran a third
+    slower per token than with drafting off. So the drafter times every step (the time between
+    two of vLLM's calls to it) with the tokens it produced, and per power-of-two batch-size
+    bucket keeps two exponentially forgotten averages of time per token, normalised by the
+    profile's undrafted step at that batch size (so sizes within a bucket compare): one over steps
+    that verified drafts, one over steps that did not. Drafting is allowed in a bucket while its
+    drafted steps take no more time per token than its undrafted ones. Each side is tried again
+    when its weight there fades below `min_steps` (a plan's few steps every few hundred), so a
+    bucket follows the run (the tail's conditions are not the body's). Before any measurement,
+    it allows drafting: the profile decides."""
 
-    def __init__(self, prior: StepTimeModel, prior_steps: float = 16.0, half_life_steps: float = 256.0) -> None:
+    def __init__(self, prior: StepTimeModel, half_life_steps: float = 256.0, min_steps: float = 8.0) -> None:
         self.prior = prior
-        self.prior_steps = prior_steps
         self.decay = 0.5 ** (1.0 / half_life_steps)
-        self.measured: dict[int, list[float]] = {}  # bucket -> decayed [w, wx, wxx, wy, wxy]
+        self.min_steps = min_steps
+        self.buckets: dict[int, list[float]] = {}  # bucket -> [weight, time per token] x (undrafted, drafted)
         self.observed = 0
-        self._prior_sums: dict[int, list[float]] = {}
 
-    @property
-    def gamma_max(self) -> int:
-        return self.prior.gamma_max
-
-    def observe(self, rows: int, drafted: int, seconds: float) -> None:
-        """One step: `rows` sequences decoded, `drafted` draft tokens verified, `seconds` of wall time."""
-        if rows < 1 or seconds <= 0:
+    def observe(self, rows: int, tokens: int, seconds: float, drafted: bool) -> None:
+        """One step: `rows` sequences produced `tokens` tokens in `seconds`, verifying drafts or not."""
+        if rows < 1 or tokens < 1 or seconds <= 0:
             return
-        sums = self.measured.setdefault(batch_bucket(rows), [0.0] * 5)
-        x, y = drafted / rows, seconds / rows
-        for i, value in enumerate((1.0, x, x * x, y, x * y)):
-            sums[i] = sums[i] * self.decay + value
+        cell = self.buckets.setdefault(batch_bucket(rows), [0.0, 0.0, 0.0, 0.0])
+        undrafted_step = self.prior.step_time(rows, 0)
+        relative = (seconds / tokens) / (undrafted_step / rows)
+        for side in (0, 2):
+            cell[side] *= self.decay
+        side = 2 if drafted else 0
+        cell[side] += 1.0
+        cell[side + 1] += (relative - cell[side + 1]) / cell[side]
         self.observed += 1
 
-    def step_time(self, batch: int, gamma: int) -> float:
-        bucket = batch_bucket(max(1, batch))
-        if bucket not in self.measured:
-            return self.prior.step_time(batch, gamma)
-        (undrafted, per_draft), (prior_undrafted, prior_per_draft) = self._line(bucket, True), self._line(bucket, False)
-        base = self.prior.step_time(batch, 0) * undrafted / prior_undrafted
-        if gamma <= 0:
-            return base
-        if prior_per_draft > 1e-12:  # the profile's shape in B and gamma, scaled to what was measured
-            drafts = (self.prior.step_time(batch, gamma) - self.prior.step_time(batch, 0)) * per_draft / prior_per_draft
-        else:  # a profile where drafts cost nothing (a memory-bound GPU step): the measured slope
-            drafts = batch * gamma * per_draft
-        return base + max(0.0, drafts)
+    def allows(self, batch: int) -> bool:
+        cell = self.buckets.get(batch_bucket(batch))
+        if cell is None:
+            return True
+        undrafted_weight, undrafted, drafted_weight, drafted = cell
+        if drafted_weight < self.min_steps:
+            return True  # (again) see what drafting costs here
+        if undrafted_weight < self.min_steps:
+            return False  # (again) see what a step costs here without drafts
+        return drafted <= undrafted
 
-    def _line(self, bucket: int, with_measured: bool) -> tuple[float, float]:
-        """(seconds per sequence with no drafts, seconds per draft token per sequence), the
-        slope kept >= 0 (a draft token never makes a step cheaper)."""
-        sums = list(self._prior(bucket))
-        if with_measured:
-            sums = [a + b for a, b in zip(sums, self.measured.get(bucket, (0.0,) * 5))]
-        w, wx, wxx, wy, wxy = sums
-        spread = w * wxx - wx * wx
-        slope = max(0.0, (w * wxy - wx * wy) / spread) if spread > 1e-12 else 0.0
-        return max((wy - slope * wx) / w, 1e-9), slope
-
-    def _prior(self, bucket: int) -> list[float]:
-        sums = self._prior_sums.get(bucket)
-        if sums is None:
-            # The profile's row at the bucket's middle batch size, at the depths steps really
-            # verify per sequence (0-2: rows often draft nothing), so that the prior's leverage
-            # on the slope is no greater than that of the few measured steps it stands for.
-            batch = bucket + bucket // 2
-            depths = range(min(2, self.gamma_max) + 1)
-            weight = self.prior_steps / len(depths)
-            sums = [0.0] * 5
-            for gamma in depths:
-                y = self.prior.step_time(batch, gamma) / batch
-                for i, value in enumerate((1.0, gamma, gamma * gamma, y, gamma * y)):
-                    sums[i] += weight * value
-            self._prior_sums[bucket] = sums
-        return sums
+    def figures(self) -> dict[str, list[float]]:
+        """Per bucket: time per token (relative to the profile's undrafted step) without and with drafts."""
+        return {str(b): [round(c[1], 3), round(c[3], 3)] for b, c in sorted(self.buckets.items())}
 
 
 @dataclass
@@ -232,7 +205,7 @@ OFF = DepthPlan(0, 0, 0, 0)
 
 
 def choose_depths(batch_high: int, batch_low: int, beta_high: list[float], beta_low: list[float],
-                  model: StepTimeModel | MeasuredStepCost, gamma_max: int, probe_weight: float) -> DepthPlan:
+                  model: StepTimeModel, gamma_max: int, probe_weight: float) -> DepthPlan:
     """Algorithm 1 for one step (see the module docstring)."""
     batch = batch_high + batch_low
     gamma_max = min(gamma_max, model.gamma_max, len(beta_high) - 1, len(beta_low) - 1)

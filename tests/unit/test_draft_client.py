@@ -222,21 +222,29 @@ def test_a_drafting_failure_costs_drafts_not_the_step(monkeypatch):
     assert drafter.failures == 1
 
 
-def test_the_adaptive_drafter_times_each_step_with_the_drafts_it_verified(monkeypatch):
+def test_the_adaptive_drafter_times_each_step_with_what_it_produced_and_whether_it_drafted(monkeypatch):
     drafter = make_drafter(monkeypatch, adaptive=True)
+    observed = []
+    drafter.gate.observe = lambda rows, tokens, seconds, drafted: observed.append((rows, tokens, seconds, drafted))
     now = [100.0]
     drafter.clock = lambda: now[0]
     runner = FakeRunner(drafter)
     rid = "c1e1g5r9p3"
     runner.step({rid: [1, 2, 3] + MOTIF * 2})  # the first call: no step before it to time
-    assert drafter.cost.observed == 0
-    drafted = drafter._drafted_last
-    assert drafted > 0  # a batch of one: the profile drafts
+    assert observed == [] and drafter._drafted_last > 0  # a batch of one: the profile drafts
     now[0] += 0.012
-    runner.step({rid: [11]})  # one engine step after the first call, which verified its drafts
-    assert drafter.cost.observed == 1
-    w, wx, _, wy, _ = drafter.cost.measured[1]
-    assert (w, wx, wy) == pytest.approx((1.0, drafted, 0.012))
+    runner.step({rid: [11, 12, 13]})  # one engine step, which verified the first call's drafts
+    assert observed == [(1, 3, pytest.approx(0.012), True)]
     now[0] += 30.0  # the engine sat idle: not a step's cost
-    runner.step({rid: [12]})
-    assert drafter.cost.observed == 1
+    runner.step({rid: [14]})
+    assert len(observed) == 1
+
+
+def test_the_adaptive_drafter_stops_drafting_where_its_gate_says_it_does_not_pay(monkeypatch):
+    drafter = make_drafter(monkeypatch, adaptive=True)
+    runner = FakeRunner(drafter)
+    rid = "c1e1g5r9p3"
+    assert runner.step({rid: [1, 2, 3] + MOTIF * 2})[rid]  # the profile drafts for a batch of one
+    drafter.gate.allows = lambda batch: False
+    drafter._steps_since_plan = 100  # re-plan now (it does every few steps)
+    assert runner.step({rid: [11]})[rid] == []

@@ -131,66 +131,57 @@ def test_the_shipped_cpu_profile_loads_and_says_off_in_the_body() -> None:
 
 
 
-# ---- the step cost measured in the engine (MeasuredStepCost) -------------------------------------
+# ---- whether drafting pays, measured on the engine's own steps (DraftGate) ------------------------
 
-def test_a_measured_cost_without_measurements_is_the_profile() -> None:
-    from seerd.drafts.policy import MeasuredStepCost
-
-    profile = cpu_like()
-    cost = MeasuredStepCost(profile)
-    assert all(cost.step_time(b, g) == profile.step_time(b, g) for b in (1, 3, 17, 64, 200) for g in range(9))
+def steps(gate, rows: int, per_token_s: float, drafted: bool, count: int, tokens_per_row: float = 1.0) -> None:  # noqa: ANN001
+    for _ in range(count):
+        tokens = round(rows * tokens_per_row)
+        gate.observe(rows, tokens, tokens * per_token_s, drafted)
 
 
-def feed(cost, rows: int, per_row_s: float, per_draft_s: float, steps: int) -> None:  # noqa: ANN001
-    """Steps of `rows` sequences whose draft tokens vary by step (rows match or do not), timed
-    as an engine would: per_row_s per sequence plus per_draft_s per draft token."""
-    for step in range(steps):
-        drafted = (step % 4) * rows // 2  # 0, 0.5, 1, 1.5 draft tokens per sequence
-        cost.observe(rows, drafted, rows * per_row_s + drafted * per_draft_s)
+def test_the_gate_allows_drafting_until_its_steps_say_otherwise_per_batch_size() -> None:
+    from seerd.drafts.policy import DraftGate
+
+    gate = DraftGate(cpu_like())
+    assert all(gate.allows(b) for b in (1, 5, 64, 500))
+    # At 40-63 sequences: undrafted steps 0.3 ms a token; drafted ones 1.6 tokens a sequence
+    # per step but 0.5 ms a token.
+    steps(gate, 48, 0.0003, drafted=False, count=20)
+    steps(gate, 48, 0.0005, drafted=True, count=20, tokens_per_row=1.6)
+    assert not gate.allows(48) and not gate.allows(33)
+    assert gate.allows(64) and gate.allows(4)  # other buckets: not measured yet
+    # At 2-3 sequences drafting gains more than it costs.
+    steps(gate, 2, 0.004, drafted=False, count=20)
+    steps(gate, 3, 0.002, drafted=True, count=20, tokens_per_row=2.0)
+    assert gate.allows(2)
+    assert gate.figures()["32"][1] > gate.figures()["32"][0]
 
 
-def test_drafts_that_cost_more_than_the_profile_said_turn_drafting_off_at_that_batch_size_only() -> None:
-    from seerd.drafts.policy import MeasuredStepCost
+def test_the_gate_compares_batch_sizes_within_a_bucket_through_the_profiles_shape() -> None:
+    from seerd.drafts.policy import DraftGate
 
-    # The profile: a draft token costs a fifth of a sequence, so at acceptance 0.7 drafting pays
-    # at every batch size.
-    profile = StepTimeModel(BATCHES, tuple(tuple(0.0002 * b * (1 + 0.2 * g) for g in range(9)) for b in BATCHES))
-    beta = geometric(0.7)
-    assert choose_depths(0, 64, beta, beta, profile, 8, 2.0).low > 0
-    assert choose_depths(0, 2, beta, beta, profile, 8, 2.0).low > 0
-    cost = MeasuredStepCost(profile)
-    # Measured at 64 sequences: a draft token costs as much as a sequence's whole step.
-    feed(cost, 64, per_row_s=0.0003, per_draft_s=0.0003, steps=400)
-    assert choose_depths(0, 64, beta, beta, cost, 8, 2.0).low == 0
-    assert cost.step_time(64, 2) == pytest.approx(64 * 0.0003 * 3, rel=0.15)  # the prior weighs a little
-    # Other batch sizes keep the profile until they are measured themselves.
-    assert choose_depths(0, 2, beta, beta, cost, 8, 2.0).low > 0
-    assert cost.step_time(2, 2) == profile.step_time(2, 2)
+    profile = cpu_like()  # a step of 33 costs much more per token than one of 63 (the fixed part)
+    gate = DraftGate(profile)
+    # Undrafted steps at 33 and drafted ones at 63 sequences, each exactly at the profile's cost
+    # per token: neither side is cheaper once the batch sizes are accounted for.
+    for _ in range(20):
+        gate.observe(33, 33, profile.step_time(33, 0), False)
+        gate.observe(63, 63, profile.step_time(63, 0) * 1.02, True)
+    assert not gate.allows(40)
 
 
-def test_drafts_cheaper_than_the_profile_said_turn_drafting_on() -> None:
-    from seerd.drafts.policy import MeasuredStepCost
+def test_the_side_not_chosen_is_measured_again_once_its_evidence_fades() -> None:
+    from seerd.drafts.policy import DraftGate
 
-    profile = StepTimeModel(BATCHES, tuple(tuple(0.0002 * b * (1 + 0.9 * g) for g in range(9)) for b in BATCHES))
-    beta = geometric(0.6)
-    assert choose_depths(0, 16, beta, beta, profile, 8, 2.0).low == 0
-    cost = MeasuredStepCost(profile)
-    feed(cost, 16, per_row_s=0.0002, per_draft_s=0.00001, steps=400)
-    assert choose_depths(0, 16, beta, beta, cost, 8, 2.0).low > 0
-
-
-def test_a_measured_slope_is_never_negative_and_fades_back_to_the_profile() -> None:
-    from seerd.drafts.policy import MeasuredStepCost
-
-    profile = cpu_like()
-    cost = MeasuredStepCost(profile, half_life_steps=50)
-    for step in range(200):  # noise that would fit drafts making a step cheaper
-        drafted = (step % 2) * 64
-        cost.observe(64, drafted, 0.02 if drafted else 0.03)
-    assert cost.step_time(64, 4) >= cost.step_time(64, 0)
-    # Drafting turned off: only undrafted steps arrive, at the profile's own cost, for many half
-    # lives; the measured slope is forgotten and the profile's returns.
-    for _ in range(2000):
-        cost.observe(64, 0, 64 * profile.step_time(96, 0) / 96)
-    ratio = cost.step_time(64, 4) / cost.step_time(64, 0)
-    assert ratio == pytest.approx(profile.step_time(64, 4) / profile.step_time(64, 0), rel=0.02)
+    gate = DraftGate(cpu_like(), half_life_steps=32, min_steps=8)
+    steps(gate, 16, 0.001, drafted=False, count=20)
+    steps(gate, 16, 0.0005, drafted=True, count=20)
+    assert gate.allows(16)
+    # Drafting goes on; the undrafted figure is older with every step until it no longer counts:
+    # the gate asks for undrafted steps again, then compares afresh.
+    steps(gate, 16, 0.0005, drafted=True, count=200)
+    assert not gate.allows(16)
+    steps(gate, 16, 0.0004, drafted=False, count=20)  # conditions changed: undrafted now cheaper
+    assert not gate.allows(16)
+    steps(gate, 16, 0.0006, drafted=True, count=5)
+    assert not gate.allows(16)
