@@ -139,8 +139,8 @@ class SeerdDrafter:
     # ------------------------------------------------------------------ the hook
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None):  # noqa: ANN001, ANN201
         started = self.clock()
-        self._time_the_step(started, sampled_token_ids)
         req_ids = self._input_batch_req_ids()
+        self._time_the_step(started, sampled_token_ids, req_ids)
         rows: list[TrackedRow | None] = []
         seen = set()
         accepted_before = self.accepted
@@ -182,13 +182,18 @@ class SeerdDrafter:
             self.us_per_row.append(1e6 * elapsed / len(rows))
         return drafts
 
-    def _time_the_step(self, now: float, sampled_token_ids) -> None:  # noqa: ANN001
+    def _time_the_step(self, now: float, sampled_token_ids, req_ids) -> None:  # noqa: ANN001
         """The time since the previous call is one engine step (with this drafter's own share),
-        which verified the previous call's drafts and produced the tokens sampled now. A much
-        longer gap held something else (the engine idle between requests): not a step's cost."""
+        which verified the previous call's drafts and produced the tokens sampled now. Not a
+        step's cost: one that also prefilled a new request (its first sampled row: prefills come
+        in bursts, and a few of them would decide a side that has few steps), or a much longer
+        gap (the engine idle between requests)."""
         previous, self._step_started = self._step_started, now
         rows = sum(1 for sampled in sampled_token_ids if sampled)
         if self.gate is None or previous is None or not rows:
+            return
+        if any(sampled and (i >= len(req_ids) or req_ids[i] not in self.rows)
+               for i, sampled in enumerate(sampled_token_ids)):
             return
         seconds = now - previous
         if seconds <= max(0.25, 8 * self.model.step_time(rows, -(-self._drafted_last // rows))):

@@ -238,6 +238,12 @@ def test_the_adaptive_drafter_times_each_step_with_what_it_produced_and_whether_
     now[0] += 30.0  # the engine sat idle: not a step's cost
     runner.step({rid: [14]})
     assert len(observed) == 1
+    now[0] += 0.02  # a step that also prefilled another request: not a decode step's cost
+    runner.step({rid: [15], "c2e1g5r10p3": [1, 2, 3, 20]})
+    assert len(observed) == 1
+    now[0] += 0.02
+    runner.step({rid: [16], "c2e1g5r10p3": [21]})
+    assert len(observed) == 2 and observed[-1][:2] == (2, 2)
 
 
 def test_the_adaptive_drafter_stops_drafting_where_its_gate_says_it_does_not_pay(monkeypatch):
