@@ -106,7 +106,7 @@ class SeerdDrafter:
 
             run_dir = settings.get("run_dir")
             factory = (lambda: HttpTransport.from_run_dir(run_dir)) if run_dir else None
-            self.client = DraftClient(factory, sync_interval_s=float(settings.get("sync_interval_s", 0.05)))
+            self.client = DraftClient(factory, sync_interval_s=float(settings.get("sync_interval_s", 0.2)))
         self.rows: dict[str, TrackedRow] = {}
         self.runner = None
         self.plan: DepthPlan = OFF if self.adaptive else DepthPlan(self.gamma_max, self.gamma_max, self.gamma_max, 0)
