@@ -34,11 +34,12 @@ export PATH=/usr/sbin:/usr/bin:/sbin:/bin:$PATH
 say() { echo "dev-slurm: $*"; }
 die() { echo "dev-slurm: error: $*" >&2; exit 1; }
 
-# A PID file names a live daemon (PID 1 reaps slowly here: a zombie counts as dead).
+# A PID file names a live daemon (PID 1 reaps slowly here: a zombie counts as dead). A daemon
+# that is exiting removes its own PID file, maybe between the test and the read: gone is dead.
 alive() {
     local pidfile=$1 pid state
-    [[ -s $pidfile ]] || return 1
-    pid=$(<"$pidfile")
+    pid=$(cat "$pidfile" 2>/dev/null) || return 1
+    [[ -n $pid ]] || return 1
     [[ -r /proc/$pid/stat ]] || return 1
     state=$(sed 's/.*) //' "/proc/$pid/stat" | cut -d' ' -f1)
     [[ $state != Z && $state != X ]]
@@ -229,8 +230,7 @@ start() {
 
 stop_daemon() {  # stop_daemon NAME PIDFILE
     local name=$1 pidfile=$2 pid
-    alive "$pidfile" || { rm -f "$pidfile"; return 0; }
-    pid=$(<"$pidfile")
+    alive "$pidfile" && pid=$(cat "$pidfile" 2>/dev/null) || { rm -f "$pidfile"; return 0; }
     kill -TERM "$pid" 2>/dev/null || true
     local deadline=$((SECONDS + 30))
     while alive "$pidfile"; do
@@ -259,7 +259,7 @@ status() {
         name=${entry%%:*}
         pidfile=${entry#*:}
         if alive "$pidfile"; then
-            echo "$name: running (pid $(<"$pidfile"))"
+            echo "$name: running (pid $(cat "$pidfile" 2>/dev/null))"
         else
             echo "$name: stopped"
             ok=3
