@@ -47,8 +47,8 @@ def run_mode(mode: str, prompts: Path, args: argparse.Namespace, work: Path, see
            "--run-dir", str(run_dir), "--workers", "2", "--wait-for-workers", "--policy", "seer",
            "--n", str(args.n), "--max-tokens", str(args.max_tokens), "--chunk-tokens", str(args.chunk_tokens),
            "--seed", str(seed), "--temperature", "1.0", "--max-num-seqs", str(args.max_num_seqs),
-           "--kv-cache-gib", str(args.kv_cache_gib), "--dtype", "float32", "--spec", spec_mode, "--no-progress",
-           "--kv-pool", args.kv_pool]
+           "--kv-cache-gib", str(args.kv_cache_gib), "--dtype", "float32", "--spec", spec_mode,
+           "--no-progress", "--kv-pool", args.kv_pool]
     if variant == "fixed":
         cmd.append("--spec-fixed-depth")
     done = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=3600)
@@ -67,7 +67,8 @@ def measure(run_dir: Path) -> dict:
         chunk_ends = db.execute("select finished_at, num_tokens from chunks where status = ?",
                                 (ChunkStatus.DONE.value,)).fetchall()
         stats = [json.loads(s) for (s,) in db.execute("select stats_json from workers where stats_json is not null")]
-        load = json.loads(db.execute("select data_json from events where kind='coordinator_load'").fetchone()[0])
+        load_json = db.execute("select data_json from events where kind='coordinator_load'").fetchone()[0]
+        load = json.loads(load_json)
     end = finishes[-1]
     p90 = finishes[math.ceil(0.9 * len(finishes)) - 1]
     body_tokens = sum(n for t, n in chunk_ends if t <= p90)
@@ -83,7 +84,8 @@ def measure(run_dir: Path) -> dict:
             "draft_us": statistics.median(s["median_us_per_row"] for s in spec) if spec else None,
             # CPU time beside the engines: the drafters' own (on the stepping threads), the draft
             # sync threads', and the coordinator's share of a core while generating.
-            "propose_s": sum(s["propose_s"] for s in spec), "sync_cpu_s": sum(s.get("sync_cpu_s", 0.0) for s in spec),
+            "propose_s": sum(s["propose_s"] for s in spec),
+            "sync_cpu_s": sum(s.get("sync_cpu_s", 0.0) for s in spec),
             "coordinator_cpu_share": load["cpu_share"],
             "by_batch": by_batch([s["engine"] for s in stats if s.get("engine")]),
             "run_dir": str(run_dir)}
@@ -139,7 +141,8 @@ def main() -> int:
     parser.add_argument("--modes", default="off,grouped,request,ngram",
                         help="comma-separated --spec modes; MODE:fixed drafts --spec-depth always (no adaptive depth)")
     parser.add_argument("--kv-pool", default="off", choices=("off", "auto", "mooncake"),
-                        help="off by default, as in bench_e2e: the pool's synchronous saves cost every mode alike")
+                        help="off by default, as in bench_e2e: the pool's synchronous saves cost every "
+                             "mode alike")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     modes = [m for m in args.modes.split(",") if m]
@@ -161,7 +164,8 @@ def main() -> int:
                   f"{result['tail_s']:.1f}s at {result['tail_tok_s']:.0f} tok/s; drafted {result['drafted']} "
                   f"accepted {result['accepted']}", file=sys.stderr, flush=True)
     med = {m: {k: statistics.median(r[k] for r in runs)
-               for k in ("tok_s", "body_tok_s", "tail_tok_s", "tail_s", "propose_s", "sync_cpu_s", "coordinator_cpu_share")}
+               for k in ("tok_s", "body_tok_s", "tail_tok_s", "tail_s", "propose_s", "sync_cpu_s",
+                         "coordinator_cpu_share")}
            for m, runs in samples.items()}
     if args.json:
         print(json.dumps({"args": vars(args), "median": med, "samples": samples}, indent=1))
@@ -182,7 +186,8 @@ def main() -> int:
         row = med[mode]
         print(f"{mode:<15} {row['tok_s']:>6.0f} {row['tok_s'] / base['tok_s']:>6.2f} "
               f"{row['body_tok_s'] / base['body_tok_s']:>7.2f} {row['tail_tok_s'] / base['tail_tok_s']:>7.2f} "
-              f"{row['tail_s']:>7.1f} {acceptance:>7} {per_step:>8} {us:>8} {row['propose_s']:>9.2f} {row['sync_cpu_s']:>6.2f} "
+              f"{row['tail_s']:>7.1f} {acceptance:>7} {per_step:>8} {us:>8} {row['propose_s']:>9.2f} "
+              f"{row['sync_cpu_s']:>6.2f} "
               f"{row['coordinator_cpu_share']:>6.1%}  {[round(r['tok_s']) for r in runs]}")
     print_speed_by_batch(samples)
     return 0

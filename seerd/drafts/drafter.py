@@ -36,7 +36,8 @@ from dataclasses import dataclass
 
 from seerd.drafts.index import SuffixIndex
 from seerd.drafts.policy import (
-    DEFAULT_CPU_PROFILE, OFF, AcceptanceCurve, DepthPlan, DraftGate, StepTimeModel, choose_depths,
+    DEFAULT_CPU_PROFILE, OFF, AcceptanceCurve, DepthPlan, DraftGate, StepTimeModel, batch_bucket,
+    choose_depths,
 )
 from seerd.protocol import ChunkIdentity, parse_engine_id
 
@@ -170,7 +171,7 @@ class SeerdDrafter:
         tracked = sum(row is not None for row in rows)
         self.proposals += tracked
         if tracked:
-            cell = self.by_batch.setdefault(1 << (tracked.bit_length() - 1), [0, 0, 0, 0, 0])
+            cell = self.by_batch.setdefault(batch_bucket(tracked), [0, 0, 0, 0, 0])
             cell[0] += 1
             cell[1] += tracked
             cell[2] += self._drafted_last
@@ -253,7 +254,8 @@ class SeerdDrafter:
             pooled = self.curves[True].merged(self.curves[False])
             beta_high = (self.curves[True] if self.curves[True].reached[1] >= 32 else pooled).beta()
             beta_low = (self.curves[False] if self.curves[False].reached[1] >= 32 else pooled).beta()
-            plan = choose_depths(high, low, beta_high, beta_low, self.model, self.gamma_max, self.probe_weight)
+            plan = choose_depths(high, low, beta_high, beta_low, self.model, self.gamma_max,
+                                 self.probe_weight)
             if (plan.high or plan.low) and self.gate is not None and not self.gate.allows(high + low):
                 plan = DepthPlan(0, 0, plan.gamma_star, 0)  # measured here: drafting does not pay
             self.plan = plan

@@ -225,7 +225,7 @@ def test_a_drafting_failure_costs_drafts_not_the_step(monkeypatch):
 def test_the_adaptive_drafter_times_each_step_with_what_it_produced_and_whether_it_drafted(monkeypatch):
     drafter = make_drafter(monkeypatch, adaptive=True)
     observed = []
-    drafter.gate.observe = lambda rows, tokens, seconds, drafted: observed.append((rows, tokens, seconds, drafted))
+    drafter.gate.observe = lambda *step: observed.append(step)  # (rows, tokens, seconds, drafted)
     now = [100.0]
     drafter.clock = lambda: now[0]
     runner = FakeRunner(drafter)

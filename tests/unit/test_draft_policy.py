@@ -133,7 +133,8 @@ def test_the_shipped_cpu_profile_loads_and_says_off_in_the_body() -> None:
 
 # ---- whether drafting pays, measured on the engine's own steps (DraftGate) ------------------------
 
-def steps(gate, rows: int, per_token_s: float, drafted: bool, count: int, tokens_per_row: float = 1.0) -> None:  # noqa: ANN001
+def steps(gate, rows: int, per_token_s: float, drafted: bool, count: int,  # noqa: ANN001
+          tokens_per_row: float = 1.0) -> None:
     for _ in range(count):
         tokens = round(rows * tokens_per_row)
         gate.observe(rows, tokens, tokens * per_token_s, drafted)
