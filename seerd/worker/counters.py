@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import time
 
+from seerd.drafts.policy import batch_bucket
+
 
 class ThreadClock:
     """The calling thread's CPU time and run-queue wait, from the kernel's schedstat: a step
@@ -112,8 +114,7 @@ class EngineCounters:
         self.step_cpu_s += cpu_seconds
         self.step_runq_s += runq_seconds
         if self._decoded:
-            bucket = 1 << (self._decoded.bit_length() - 1)
-            cell = self.by_batch.setdefault(bucket, [0, 0.0, 0])
+            cell = self.by_batch.setdefault(batch_bucket(self._decoded), [0, 0.0, 0])
             cell[0] += 1
             cell[1] += seconds
             cell[2] += self._generated
