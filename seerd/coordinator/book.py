@@ -42,7 +42,7 @@ from seerd.coordinator.statements import (
 from seerd.cpu import CpuSnapshot
 from seerd.db import ChunkStatus, RequestStatus, RolloutStatus, WorkerStatus
 from seerd.db import driver
-from seerd.db.base import begin
+from seerd.db.base import Writer
 from seerd.db.event import event_row
 from seerd.db.transitions import (
     ROW_EPOCH, ROW_ID, change_one, change_status, insert_many_returning_ids, insert_with_status,
@@ -76,6 +76,7 @@ class LeaseBook:
                  in_place: bool = False) -> None:
         self.sessions = sessions
         self.engine: Engine = sessions.kw["bind"]
+        self.writer = Writer(self.engine)  # every write transaction of the book, on a kept connection
         self.rollout_id = rollout_id
         self.policy = policy
         self.chunk_tokens = chunk_tokens
@@ -101,10 +102,14 @@ class LeaseBook:
         self.on_group_finished: Callable[[int], None] | None = None
         self.on_request_finished: Callable[[int, int], None] | None = None  # (group, request), e.g. the KV pool
 
+    def close(self) -> None:
+        """Give back the connections the book keeps for its writes (`db.base.Writer`)."""
+        self.writer.close()
+
     # ----------------------------------------------------------------- loading
     def load(self, now: float) -> None:
         """Read the rollout from the database; leases of a previous coordinator go back to the queue."""
-        with begin(self.engine, durable=True) as conn:
+        with self.writer.begin(durable=True) as conn:
             saved = read_saved_rollout(conn, self.rollout_id)
             self.inputs.update(saved.inputs)
             self.progress.update(saved.progress)
@@ -134,7 +139,7 @@ class LeaseBook:
     # ----------------------------------------------------------------- workers
     def register(self, *, rank: int, address: str, max_chunks: int, kv_capacity_tokens: int,
                  worker_id: str, now: float, kv_block_tokens: int = 1) -> WorkerLiveness:
-        with begin(self.engine, durable=False) as conn:
+        with self.writer.begin(durable=False) as conn:
             if conn.execute(select(WORKERS.c.id).where(WORKERS.c.id == worker_id)).first() is not None:
                 # Same id again (a restarted coordinator, a worker back from a partition): a new
                 # identity, so reports of its old leases can never pass as the new one's.
@@ -161,7 +166,7 @@ class LeaseBook:
         running = set(running)
         figures = {"last_heartbeat": now, "stats_json": json.dumps(stats, separators=(",", ":")) if stats else None}
         if worker.status == WorkerStatus.STALE:
-            with begin(self.engine, durable=False) as conn:
+            with self.writer.begin(durable=False) as conn:
                 change_one(conn, WORKERS, worker_id, WorkerStatus.STALE, WorkerStatus.ALIVE, **figures)
                 conn.execute(INSERT_EVENT, [event_row(self.rollout_id, now, "worker_alive", worker_id)])
             self.unwritten_heartbeats.pop(worker_id, None)
@@ -181,7 +186,7 @@ class LeaseBook:
         none is alive any more, whatever their last heartbeat said. Their last figures (the
         goodbye heartbeat among them) are written first: they are what status shows from now on."""
         self.persist_soft_state()
-        with begin(self.engine, durable=True) as conn:
+        with self.writer.begin(durable=True) as conn:
             self._retire_all(conn)
         for worker in self.workers.values():
             worker.status = WorkerStatus.GONE
@@ -210,7 +215,7 @@ class LeaseBook:
         """Take workers out: gone, their leases back to the queue, told why at their next call."""
         reasons = {w.id: reason_of(w) for w in workers}
         ending = self._ending([cid for w in workers for cid in self.state.workers[w.id].chunks])
-        with begin(self.engine, durable=False) as conn:
+        with self.writer.begin(durable=False) as conn:
             for status in (WorkerStatus.ALIVE, WorkerStatus.STALE):
                 change_status(conn, WORKERS, status, WorkerStatus.GONE,
                               [{ROW_ID: w.id} for w in workers if w.status == status])
@@ -243,7 +248,7 @@ class LeaseBook:
             return []
         self.state.check_plan(plan, worker_id)
         deadline = now + self.lease_ttl_s
-        with begin(self.engine, durable=False) as conn:
+        with self.writer.begin(durable=False) as conn:
             chunk_ids, epochs = self._write_leases(conn, worker_id, plan, now, deadline, continuing)
         # Committed: now the state follows.
         leases = self.state.apply_leases(worker_id, plan, chunk_ids)
@@ -372,7 +377,7 @@ class LeaseBook:
         prepared = self.state.prepare_results(results, now)
         failures = []
         if results or rejected:
-            with begin(self.engine, durable=True) as conn:
+            with self.writer.begin(durable=True) as conn:
                 if results:
                     write_results(conn, self.rollout_id, worker_id, prepared, accepted, now)
                 failures = [self._write_failure(conn, reports[i].chunk_id, f"report rejected: {problem}", now,
@@ -410,7 +415,7 @@ class LeaseBook:
             self._retire(list(refuted.values()), now, refuted_reason)
         unleased = [i for i, outcome in enumerate(outcomes) if outcome is None]
         if unleased:
-            with self.engine.connect() as conn:
+            with self.writer.begin(durable=False) as conn:  # reads only
                 for i in unleased:
                     outcomes[i] = judge_unleased(conn, worker_id, reports[i])
         return outcomes
@@ -449,7 +454,7 @@ class LeaseBook:
         if not failed:
             self._end_leases([chunk_id], now, kind="lease_released", reason=reason)
             return True
-        with begin(self.engine, durable=False) as conn:
+        with self.writer.begin(durable=False) as conn:
             failure = self._write_failure(conn, chunk_id, reason, now)
         self._apply_failure(failure)
         return True
@@ -506,7 +511,7 @@ class LeaseBook:
         expired = [chunk_id for chunk_id, terms in self.terms.items() if terms.deadline < now]
         silent = [w for w in self.live_workers() if now - w.last_heartbeat > self.lease_ttl_s]
         if silent:
-            with begin(self.engine, durable=False) as conn:
+            with self.writer.begin(durable=False) as conn:
                 change_status(conn, WORKERS, WorkerStatus.ALIVE, WorkerStatus.STALE, [{ROW_ID: w.id} for w in silent])
                 conn.execute(INSERT_EVENT, [event_row(self.rollout_id, now, "worker_stale", w.id) for w in silent])
             for worker in silent:
@@ -518,7 +523,7 @@ class LeaseBook:
 
     def _end_leases(self, chunk_ids: list[int], now: float, *, kind: str, reason: str | None = None) -> None:
         ending = self._ending(chunk_ids)
-        with begin(self.engine, durable=False) as conn:
+        with self.writer.begin(durable=False) as conn:
             self._write_requeue(conn, ending, now, kind=kind, reason=reason)
         self._forget_leases(ending)
 
@@ -572,7 +577,7 @@ class LeaseBook:
         changed = self.state.take_forecasts()
         heartbeats, self.unwritten_heartbeats = self.unwritten_heartbeats, {}
         if changed or heartbeats:
-            with begin(self.engine, durable=False) as conn:
+            with self.writer.begin(durable=False) as conn:
                 if changed:
                     conn.execute(update(GROUPS).where(GROUPS.c.id == bindparam("gid")).values(
                         forecast_tokens=bindparam("forecast")),
@@ -585,7 +590,7 @@ class LeaseBook:
         return len(changed) + len(heartbeats)
 
     def set_rollout_status(self, status: RolloutStatus, now: float, reason: str | None = None) -> None:
-        with begin(self.engine, durable=True) as conn:
+        with self.writer.begin(durable=True) as conn:
             current, started_at = conn.execute(select(ROLLOUTS.c.status, ROLLOUTS.c.started_at)
                                                .where(ROLLOUTS.c.id == self.rollout_id)).one()
             if current == status:

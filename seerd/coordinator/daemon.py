@@ -267,6 +267,7 @@ class Coordinator:
             if self._owns_run:  # else the workers are the new owner's to retire
                 await self.control.run(self.book.retire_workers)
             self.control.close()
+            self.book.close()  # the state thread's kept connection (a later write opens its own)
             if self.drafts is not None:
                 self.drafts.close()
             if self.pool is not None:

@@ -235,6 +235,7 @@ def hand_built_cache_run(run_dir: Path, chunks: tuple = HAND_CHUNKS) -> Path:
         book.register(rank=rank, address="hand", max_chunks=8, kv_capacity_tokens=10_000,
                       worker_id=f"w{rank}", now=HAND_T0 - 1)
     rollout_id = book.rollout_id
+    book.close()
     book.engine.dispose()
     with sqlite3.connect(run_dir / "state.db") as db:
         request_of = {(g, r): rid for rid, g, r in db.execute(

@@ -147,7 +147,8 @@ def finished_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, 
     run_dir = tmp_path_factory.mktemp("finished")
     engine = start_run(run_dir)
     finish(engine)
-    engine.book.engine.dispose()  # the coordinator is gone: -wal and -shm are removed
+    engine.book.close()  # the coordinator is gone: -wal and -shm are removed
+    engine.book.engine.dispose()
     out = run_dir / "report"
     write_report(run_dir, out)
     return run_dir, out, engine
@@ -331,6 +332,7 @@ def test_synthetic_engine_report_reads_a_live_wal_database(tmp_path) -> None:
     live = load_run(tmp_path / "state.db")
     assert int(live.requests.finished.sum()) == engine.book.state.finished_requests
     assert int(live.requests.generated.sum()) == engine.book.state.output_tokens
+    engine.book.close()
     engine.book.engine.dispose()
     assert not wal.exists() and not (tmp_path / "state.db-shm").exists()
     closed = load_run(tmp_path / "state.db")
@@ -376,6 +378,7 @@ def test_synthetic_engine_report_reads_a_run_in_a_read_only_directory(tmp_path) 
     for suffix in ("", "-wal", "-shm"):
         shutil.copy(tmp_path / "live" / f"state.db{suffix}", crashed / f"state.db{suffix}")
     assert (crashed / "state.db-wal").stat().st_size > 0
+    engine.book.close()
     engine.book.engine.dispose()
     clean = tmp_path / "clean"
     clean.mkdir()
