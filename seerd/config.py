@@ -171,16 +171,19 @@ class KVPoolConfig:
         return found
 
     @staticmethod
-    def resolve_mode(mode: str, *, workers: int, policy: str, gpus_per_worker: int = 0) -> str:
-        """`auto`: the pool when chunks can move between workers (more than one worker, a policy
-        that moves requests); the `group` baseline (veRL) binds each group to one worker, so it
-        runs without (as does an unknown policy, which `validate` reports). GPU workers run
-        without it for now: seerd's connector copies CPU KV caches only."""
+    def resolve_mode(mode: str, *, workers: int, policy: str, gpus_per_worker: int = 0, nodes: int = 1) -> str:
+        """`auto`: the pool when chunks can move between workers on different nodes (more than
+        one node, a policy that moves requests); the `group` baseline (veRL) binds each group to
+        one worker, so it runs without (as does an unknown policy, which `validate` reports).
+        One node runs without it: there it measured break-even in throughput while its copies
+        took up to a quarter of an engine's stepping thread, and it opens unauthenticated
+        listeners (docs/kvpool.md). GPU workers run without it for now: seerd's connector copies
+        CPU KV caches only."""
         if mode != "auto":
             return mode
         entry = DAEMON_POLICIES.get(policy)
         moves_requests = entry is not None and entry.traits.moves_requests
-        return "mooncake" if workers > 1 and moves_requests and not gpus_per_worker else "off"
+        return "mooncake" if nodes > 1 and workers > 1 and moves_requests and not gpus_per_worker else "off"
 
 
 @dataclass(frozen=True)
@@ -314,7 +317,7 @@ def build_config(*, workers: int, input_path: Path, model_path: Path, policy: st
                  spec_probe_weight: float, spec_fixed_depth: bool, spec_profile: Path | None,
                  spec_history_dir: Path | None, kv_pool_mode: str, kv_pool_size: str | int | None,
                  kv_pool_protocol: str, kv_pool_devices: str, engine_args: dict | None = None,
-                 gpus_per_worker: int = 0, **_launcher_options: object) -> RunConfig:
+                 gpus_per_worker: int = 0, nodes: int = 1, **_launcher_options: object) -> RunConfig:
     """The RunConfig the rollout options describe (not yet validated; ConfigError for a size that
     does not parse). Every option is given: the CLI passes all of its flags (and its launcher's,
     such as run_dir, which are no part of the config), `seerd.submit()` fills in ROLLOUT_DEFAULTS."""
@@ -330,7 +333,7 @@ def build_config(*, workers: int, input_path: Path, model_path: Path, policy: st
                         adaptive=not spec_fixed_depth,
                         profile_path=_absolute(spec_profile), history_run_dir=_absolute(spec_history_dir)),
         kv_pool=KVPoolConfig(mode=KVPoolConfig.resolve_mode(kv_pool_mode, workers=workers, policy=policy,
-                                                            gpus_per_worker=gpus_per_worker),
+                                                            gpus_per_worker=gpus_per_worker, nodes=nodes),
                              protocol=kv_pool_protocol, devices=kv_pool_devices,
                              segment_bytes=_pool_size(kv_pool_size), gpu_workers=bool(gpus_per_worker)),
     )

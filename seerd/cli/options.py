@@ -82,7 +82,8 @@ ROLLOUT_OPTIONS = [
     click.option("--kv-pool", "kv_pool_mode", default=DEFAULTS["kv_pool_mode"], show_default=True,
                  type=click.Choice(["auto", "off", "mooncake"]),
                  help="Global KV pool: a chunk continues on any worker loading its context's KV instead of "
-                      f"recomputing it (auto: mooncake with more than one worker, except {_POOL_LESS_POLICIES})."),
+                      f"recomputing it (auto: mooncake for CPU workers on more than one node, except "
+                      f"{_POOL_LESS_POLICIES}; one node runs without it)."),
     click.option("--kv-pool-size", default=DEFAULTS["kv_pool_size"], metavar="BYTES",
                  help="Pool memory per node, e.g. 8GiB (default: a quarter of the node's free RAM, at most 64GiB)."),
     click.option("--kv-pool-protocol", default=DEFAULTS["kv_pool_protocol"], show_default=True,

@@ -55,7 +55,8 @@ def slurm_run(workers_per_node: int | None, gpus_per_worker: int | None, cpus_pe
     except (ConfigError, LayoutError, NotInAllocation, click.BadParameter) as exc:
         ui.error(str(exc))
         raise SystemExit(EXIT_BAD_INPUT) from None
-    prepared = prepare_or_exit({**options, "engine_args": parsed, "gpus_per_worker": layout.gpus_per_worker},
+    prepared = prepare_or_exit({**options, "engine_args": parsed, "gpus_per_worker": layout.gpus_per_worker,
+                                "nodes": len(layout.nodes)},
                                workers=layout.total_workers, where=layout.describe(),
                                allow_model_change=allow_model_change)
     if prepared.finished:
@@ -127,7 +128,7 @@ def submit(nodes: int, workers_per_node: int | None, gpus_per_worker: int, gpus_
             folder = options["run_dir"].resolve() / "submitit" / "DRY-RUN"
             click.echo(sbatch_script(resources, folder, shlex.quote(sys.executable)), nl=False)
             return
-        config = build_config(workers=nodes * resources.workers, gpus_per_worker=resources.gpus_per_worker,
+        config = build_config(workers=nodes * resources.workers, gpus_per_worker=resources.gpus_per_worker, nodes=nodes,
                               engine_args=_engine_args(engine_args, gpus_per_worker), **options)
         handle = submit_rollout(RunDir(options["run_dir"].resolve()), config, options["input_path"], resources,
                                 prior_dir=options["prior_dir"], cluster=None if cluster == "auto" else cluster,

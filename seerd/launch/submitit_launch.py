@@ -291,6 +291,7 @@ def submit(input: str | Path, model: str | Path, run_dir: str | Path, *,  # noqa
     resources.validate()
     try:
         config = build_config(workers=resources.nodes * resources.workers, gpus_per_worker=resources.gpus_per_worker,
+                              nodes=resources.nodes,
                               input_path=Path(input), model_path=Path(model), prior_dir=prior_dir, **merged)
     except ConfigError as exc:
         raise BadRun(str(exc)) from None

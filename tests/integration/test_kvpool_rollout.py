@@ -55,15 +55,17 @@ def prompts(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def without_pool(prompts, tmp_path_factory) -> dict:
     run_dir = tmp_path_factory.mktemp("kvpool-off") / "run"
-    result = run_seerd("run", "--input", str(prompts), "--run-dir", str(run_dir), "--kv-pool", "off", *COMMON)
+    # --kv-pool auto: one node runs without the pool (no pool processes, no listeners)
+    result = run_seerd("run", "--input", str(prompts), "--run-dir", str(run_dir), *COMMON)
     assert result.returncode == 0, result.stderr[-3000:]
     assert not (run_dir / "kvpool.json").exists()
+    assert db_rows(run_dir, "select count(*) from events where kind = 'kv_pool_started'")[0][0] == 0
     return outputs(run_dir)
 
 
 def test_moved_chunks_load_their_context_and_outputs_equal_a_run_without_the_pool(prompts, without_pool, tmp_path):
     run_dir = tmp_path / "run"
-    result = run_seerd("run", "--input", str(prompts), "--run-dir", str(run_dir), *COMMON)  # --kv-pool auto
+    result = run_seerd("run", "--input", str(prompts), "--run-dir", str(run_dir), "--kv-pool", "mooncake", *COMMON)
     assert result.returncode == 0, result.stderr[-3000:]
     assert outputs(run_dir) == without_pool
     cache = continuation_cache_figures(load_run(run_dir / "state.db"))
@@ -106,7 +108,8 @@ def _pool_processes(run_dir: Path) -> list[int]:
 
 def test_a_master_killed_mid_rollout_is_restarted_and_nothing_is_lost(prompts, without_pool, tmp_path):
     run_dir = tmp_path / "run"
-    process = start_seerd("run", "--input", str(prompts), "--run-dir", str(run_dir), *COMMON, log=tmp_path / "log")
+    process = start_seerd("run", "--input", str(prompts), "--run-dir", str(run_dir), "--kv-pool", "mooncake", *COMMON,
+                          log=tmp_path / "log")
     try:
         wait_for(lambda: done_chunks(run_dir) >= 6, 300, "the rollout to get going")
         address = json.loads((run_dir / "kvpool.json").read_text())

@@ -39,10 +39,12 @@ def test_group_is_the_one_daemon_policy_that_binds_and_preempts():
 
 
 def test_kv_pool_auto_follows_whether_requests_move():
-    assert KVPoolConfig.resolve_mode("auto", workers=2, policy="seer") == "mooncake"
-    assert KVPoolConfig.resolve_mode("auto", workers=2, policy="group") == "off"
-    assert KVPoolConfig.resolve_mode("auto", workers=1, policy="seer") == "off"
-    assert KVPoolConfig.resolve_mode("auto", workers=2, policy="fastest") == "off"
+    assert KVPoolConfig.resolve_mode("auto", workers=4, policy="seer", nodes=2) == "mooncake"
+    assert KVPoolConfig.resolve_mode("auto", workers=2, policy="seer") == "off"  # one node: `seerd run`
+    assert KVPoolConfig.resolve_mode("auto", workers=4, policy="group", nodes=2) == "off"
+    assert KVPoolConfig.resolve_mode("auto", workers=1, policy="seer", nodes=2) == "off"
+    assert KVPoolConfig.resolve_mode("auto", workers=4, policy="fastest", nodes=2) == "off"
+    assert KVPoolConfig.resolve_mode("auto", workers=4, policy="seer", nodes=2, gpus_per_worker=1) == "off"
     with pytest.raises(ConfigError, match="--policy must be one of seer, divided, group"):
         RunConfig(input_path="p", model_path="m", policy="fastest").validate()
 
