@@ -17,7 +17,7 @@ Lengths: the tiny random model almost never emits EOS, so each group's length is
 drawn heavy-tailed (lognormal) so that a few groups form a tail, as in RL rollouts.
 
     python tools/bench_rollout.py [--groups 32] [--n 4] [--repeats 3] [--chunk-tokens 128] [--configs A,B]
-                                  [--before CHECKOUT]
+                                  [--before CHECKOUT] [--kv-pool off|mooncake|auto]
 
 `--before CHECKOUT` (a git worktree of an earlier commit): every seerd configuration also runs on
 that checkout's code (PYTHONPATH), interleaved with this one's, and the table adds the
@@ -28,6 +28,7 @@ generation phase / chunks): the same command measuring both sides of a change.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -120,7 +121,7 @@ def run_direct(model: str, rows: list[dict], n: int, work: Path, seed: int) -> d
 
 # --------------------------------------------------------------------------- seerd
 def run_seerd(model: str, prompts: Path, policy: str, chunk_tokens: int, n: int, work: Path, seed: int,
-              engine_api: str = "stepped", in_place: bool = True, code: Path = REPO) -> dict:
+              engine_api: str = "stepped", in_place: bool = True, code: Path = REPO, kv_pool: str | None = None) -> dict:
     run_dir = work / f"run-{policy}-{time.time_ns()}"
     cmd = [sys.executable, "-m", "seerd.cli.main", "run", "--input", str(prompts), "--model", model,
            "--run-dir", str(run_dir), "--workers", "2", "--policy", policy, "--chunk-tokens", str(chunk_tokens),
@@ -128,6 +129,8 @@ def run_seerd(model: str, prompts: Path, policy: str, chunk_tokens: int, n: int,
            "--kv-cache-gib", str(ENGINE["kv_cache_gib"]), "--max-num-seqs", str(ENGINE["max_num_seqs"]),
            "--dtype", ENGINE["dtype"], "--engine-api", engine_api, "--no-progress",
            "--wait-for-workers"]  # like the baseline's barrier: both engines up before the clock starts
+    if kv_pool is not None:  # else each checkout's own default
+        cmd += ["--kv-pool", kv_pool]
     if code == REPO or not in_place:  # an earlier checkout may predate the option (and re-submit anyway)
         cmd.append("--in-place" if in_place else "--no-in-place")
     # From the checkout's own directory: `python -m` puts the working directory first on the path.
@@ -171,7 +174,10 @@ def main() -> int:
                                           "async one; vllm-direct always runs, it is the base)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--before", help="an earlier checkout: run every seerd configuration on its code too")
+    parser.add_argument("--kv-pool", choices=("off", "mooncake", "auto"),
+                        help="every seerd configuration's --kv-pool (default: each checkout's own default)")
     args = parser.parse_args()
+    seerd = functools.partial(run_seerd, kv_pool=args.kv_pool)
     work = Path(tempfile.mkdtemp(prefix="seerd-bench-"))
     model = args.model
     if model is None:
@@ -182,16 +188,16 @@ def main() -> int:
     rows = make_prompts(prompts, args.groups, args.seed, args.mean_tokens, args.max_tokens)
     configs = {
         "vllm-direct": lambda s: run_direct(model, rows, args.n, work, s),
-        "seerd-group": lambda s: run_seerd(model, prompts, "group", 10**6, args.n, work, s),
-        "seerd-divided": lambda s: run_seerd(model, prompts, "divided", args.chunk_tokens, args.n, work, s),
-        "seerd-seer": lambda s: run_seerd(model, prompts, "seer", args.chunk_tokens, args.n, work, s),
-        "seerd-divided-resubmit": lambda s: run_seerd(model, prompts, "divided", args.chunk_tokens, args.n, work, s,
+        "seerd-group": lambda s: seerd(model, prompts, "group", 10**6, args.n, work, s),
+        "seerd-divided": lambda s: seerd(model, prompts, "divided", args.chunk_tokens, args.n, work, s),
+        "seerd-seer": lambda s: seerd(model, prompts, "seer", args.chunk_tokens, args.n, work, s),
+        "seerd-divided-resubmit": lambda s: seerd(model, prompts, "divided", args.chunk_tokens, args.n, work, s,
                                                       in_place=False),
-        "seerd-seer-resubmit": lambda s: run_seerd(model, prompts, "seer", args.chunk_tokens, args.n, work, s,
+        "seerd-seer-resubmit": lambda s: seerd(model, prompts, "seer", args.chunk_tokens, args.n, work, s,
                                                    in_place=False),
     }
     if args.with_async:
-        configs["seerd-div-async"] = lambda s: run_seerd(model, prompts, "divided", args.chunk_tokens, args.n, work,
+        configs["seerd-div-async"] = lambda s: seerd(model, prompts, "divided", args.chunk_tokens, args.n, work,
                                                          s, engine_api="async")
     if args.before:
         before = Path(args.before).resolve()
@@ -199,7 +205,7 @@ def main() -> int:
             policy = name.split("-")[1]  # seerd-divided -> divided
             chunk = 10**6 if policy == "group" else args.chunk_tokens
             resubmit = name.endswith("-resubmit")
-            configs[f"{name}@before"] = (lambda p, c, r: lambda s: run_seerd(
+            configs[f"{name}@before"] = (lambda p, c, r: lambda s: seerd(
                 model, prompts, p, c, args.n, work, s, in_place=not r, code=before))(policy, chunk, resubmit)
     if args.configs:
         wanted = {"vllm-direct", *args.configs.split(",")}
