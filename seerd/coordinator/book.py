@@ -37,7 +37,8 @@ from seerd.coordinator.reports import (
 )
 from seerd.coordinator.saved import read_saved_rollout
 from seerd.coordinator.statements import (
-    BIND_GROUP, CHUNKS, DONE_TOKENS, FIRST_START, GROUPS, INSERT_EVENT, REQUESTS, ROLLOUTS, WORKERS,
+    BIND_GROUP, CHUNKS, DONE_TOKENS, FIRST_START, GROUP_FORECAST, INSERT_EVENT, REQUESTS, ROLLOUTS, WORKER_FIGURES,
+    WORKERS,
 )
 from seerd.cpu import CpuSnapshot
 from seerd.db import ChunkStatus, RequestStatus, RolloutStatus, WorkerStatus
@@ -578,15 +579,10 @@ class LeaseBook:
         heartbeats, self.unwritten_heartbeats = self.unwritten_heartbeats, {}
         if changed or heartbeats:
             with self.writer.begin(durable=False) as conn:
-                if changed:
-                    conn.execute(update(GROUPS).where(GROUPS.c.id == bindparam("gid")).values(
-                        forecast_tokens=bindparam("forecast")),
-                        [{"gid": gid, "forecast": forecast} for gid, forecast in changed.items()])
-                if heartbeats:
-                    conn.execute(update(WORKERS).where(WORKERS.c.id == bindparam("wid")).values(
-                        last_heartbeat=bindparam("beat"), stats_json=bindparam("stats")),
-                        [{"wid": wid, "beat": f["last_heartbeat"], "stats": f["stats_json"]}
-                         for wid, f in heartbeats.items()])
+                driver.executemany(conn, GROUP_FORECAST, [{"gid": gid, "forecast": forecast}
+                                                          for gid, forecast in changed.items()])
+                driver.executemany(conn, WORKER_FIGURES, [{"wid": wid, "beat": f["last_heartbeat"],
+                                                           "stats": f["stats_json"]} for wid, f in heartbeats.items()])
         return len(changed) + len(heartbeats)
 
     def set_rollout_status(self, status: RolloutStatus, now: float, reason: str | None = None) -> None:

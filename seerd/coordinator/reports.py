@@ -14,10 +14,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
-from sqlalchemy import Connection, bindparam, select, update
+from sqlalchemy import Connection, select
 
 from seerd.db import ChunkStatus, RequestStatus
-from seerd.coordinator.statements import CHUNKS, GROUP_COUNTS, INSERT_EVENT, REQUESTS
+from seerd.coordinator.statements import (
+    CHUNK_DONE_VALUES, CHUNKS, GROUP_COUNTS, INSERT_EVENT, REQUEST_COUNT_VALUES, REQUEST_FINISH_REASON, REQUESTS,
+)
 from seerd.db import driver
 from seerd.db.event import event_row
 from seerd.db.transitions import ROW_EPOCH, ROW_ID, change_status
@@ -130,15 +132,12 @@ def write_results(conn: Connection, rollout_id: int, worker_id: str, prepared: R
                                            "group_estimate": outcome.group_estimate}))
         else:
             requeued_rows.append(row)
-    change_status(conn, CHUNKS, ChunkStatus.LEASED, ChunkStatus.DONE, chunk_rows, guard_epoch=True, values={
-        "finished_at": bindparam("fin"), "num_tokens": bindparam("n"), "token_ids": bindparam("tok"),
-        "logprobs": bindparam("lp"), "finish_reason": bindparam("fr"), "cached_tokens": bindparam("cached"),
-        "lease_deadline": None})
-    counts = {"generated_tokens": bindparam("gen"), "num_chunks": bindparam("nc")}
+    change_status(conn, CHUNKS, ChunkStatus.LEASED, ChunkStatus.DONE, chunk_rows, guard_epoch=True,
+                  values=CHUNK_DONE_VALUES)
     change_status(conn, REQUESTS, RequestStatus.RUNNING, RequestStatus.FINISHED, finished_rows,
-                  values={**counts, "finish_reason": bindparam("fr"), "finished_at": now})
+                  values={**REQUEST_COUNT_VALUES, "finish_reason": REQUEST_FINISH_REASON, "finished_at": now})
     change_status(conn, REQUESTS, RequestStatus.RUNNING, RequestStatus.QUEUED, requeued_rows,
-                  values={**counts, "queued_at": now})
+                  values={**REQUEST_COUNT_VALUES, "queued_at": now})
     driver.executemany(conn, GROUP_COUNTS, [{"gid": g.group_id, "fr": g.finished, "est": g.estimate,
                                                "fa": now if g.complete else None} for g in prepared.groups])
     driver.executemany(conn, INSERT_EVENT, events)

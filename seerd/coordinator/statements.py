@@ -19,5 +19,16 @@ INSERT_EVENT = insert(EVENTS)
 BIND_GROUP = update(GROUPS).where(GROUPS.c.id == bindparam("gid")).values(bound_worker=bindparam("worker"))
 GROUP_COUNTS = update(GROUPS).where(GROUPS.c.id == bindparam("gid")).values(
     finished_requests=bindparam("fr"), length_estimate=bindparam("est"), finished_at=bindparam("fa"))
+GROUP_FORECAST = update(GROUPS).where(GROUPS.c.id == bindparam("gid")).values(forecast_tokens=bindparam("forecast"))
+WORKER_FIGURES = update(WORKERS).where(WORKERS.c.id == bindparam("wid")).values(
+    last_heartbeat=bindparam("beat"), stats_json=bindparam("stats"))
+# The values `change_status` sets with a chunk's or a request's report (bind names of the rows
+# `reports.write_results` builds): built once, as a statement built per call would be.
+CHUNK_DONE_VALUES = {
+    "finished_at": bindparam("fin"), "num_tokens": bindparam("n"), "token_ids": bindparam("tok"),
+    "logprobs": bindparam("lp"), "finish_reason": bindparam("fr"), "cached_tokens": bindparam("cached"),
+    "lease_deadline": None}
+REQUEST_COUNT_VALUES = {"generated_tokens": bindparam("gen"), "num_chunks": bindparam("nc")}
+REQUEST_FINISH_REASON = bindparam("fr")
 DONE_TOKENS = select(CHUNKS.c.token_ids).where(
     CHUNKS.c.request_id == bindparam("rid"), CHUNKS.c.status == ChunkStatus.DONE.value).order_by(CHUNKS.c.seq)
