@@ -100,8 +100,11 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's own maximum
     max_num_seqs: int = 64
     dtype: str = "auto"  # vLLM-CPU turns float32 checkpoints into bfloat16 unless told "float32"
-    api: str = "auto"  # "stepped" (LLMEngine in-process), "async" (AsyncLLM); auto: async with CUDA
+    api: str = "auto"  # "stepped" (LLMEngine in-process), "async" (AsyncLLM); auto: async with CUDA;
+    # "sim": the simulator's model of an engine (seerd/worker/sim_engine.py), no vLLM
     extra_args: dict = field(default_factory=dict)  # passed to AsyncEngineArgs as given
+    sim_preset: str = "cpu-tiny"  # api "sim": the `seerd sim` preset whose engine model (costs, KV) runs
+    time_scale: float = 1.0  # api "sim": modelled engine seconds per wall second
 
 
 @dataclass(frozen=True)
@@ -137,6 +140,7 @@ class SpecConfig:
         return found
 
 
+ENGINE_APIS = ("auto", "stepped", "async", "sim")
 KV_POOL_MODES = ("off", "mooncake")
 KV_POOL_PROTOCOLS = ("tcp", "rdma")
 
@@ -218,14 +222,28 @@ class RunConfig:
         if self.policy not in DAEMON_POLICIES:
             problems.append(f"--policy must be one of {', '.join(DAEMON_POLICIES)} (got {self.policy!r})")
         problems.extend(self._number_problems())
-        if self.engine.api not in ("auto", "stepped", "async"):
-            problems.append(f"--engine-api must be auto, stepped or async (got {self.engine.api!r})")
+        if self.engine.api not in ENGINE_APIS:
+            problems.append(f"--engine-api must be {', '.join(ENGINE_APIS[:-1])} or sim (got {self.engine.api!r})")
+        if self.engine.api == "sim":
+            problems.extend(self._sim_problems())
         if not isinstance(self.engine.extra_args, dict):
             problems.append(f"engine_args must be a dict of vLLM engine arguments (got {self.engine.extra_args!r})")
         problems.extend(self.spec.problems())
         problems.extend(self.kv_pool.problems())
         if problems:
             raise ConfigError("; ".join(problems))
+
+    def _sim_problems(self) -> list[str]:
+        from seerd.sim.presets import PRESETS
+
+        found = [number_problem("--time-scale", self.engine.time_scale, above=0, at_most=1e6)]
+        if self.engine.sim_preset not in PRESETS:
+            found.append(f"--sim-preset must be one of {', '.join(PRESETS)} (got {self.engine.sim_preset!r})")
+        if self.spec.mode != "off":
+            found.append("--engine-api sim models no drafting: use --spec off")
+        if self.kv_pool.mode != "off":
+            found.append("--engine-api sim models no KV pool: use --kv-pool off")
+        return [problem for problem in found if problem]
 
     def _number_problems(self) -> list[str]:
         """Type, finiteness and range of every number. The sampling options' ranges are vLLM's own:
@@ -293,6 +311,8 @@ ROLLOUT_DEFAULTS: Mapping[str, object] = MappingProxyType({
     "max_model_len": EngineConfig.max_model_len,
     "dtype": EngineConfig.dtype,
     "engine_api": EngineConfig.api,
+    "sim_preset": EngineConfig.sim_preset,
+    "time_scale": EngineConfig.time_scale,
     "lease_ttl": RunConfig.lease_ttl_s,
     "wait_for_workers": RunConfig.wait_for_workers,
     "in_place": RunConfig.in_place,
@@ -312,7 +332,8 @@ ROLLOUT_DEFAULTS: Mapping[str, object] = MappingProxyType({
 
 def build_config(*, workers: int, input_path: Path, model_path: Path, policy: str, chunk_tokens: int, n: int,
                  max_tokens: int, temperature: float, top_p: float, top_k: int, seed: int, kv_cache_gib: float,
-                 max_num_seqs: int, max_model_len: int | None, dtype: str, engine_api: str, lease_ttl: float,
+                 max_num_seqs: int, max_model_len: int | None, dtype: str, engine_api: str, sim_preset: str,
+                 time_scale: float, lease_ttl: float,
                  wait_for_workers: bool, in_place: bool, prior_dir: Path | None, spec_mode: str, spec_depth: int,
                  spec_probe_weight: float, spec_fixed_depth: bool, spec_profile: Path | None,
                  spec_history_dir: Path | None, kv_pool_mode: str, kv_pool_size: str | int | None,
@@ -326,14 +347,16 @@ def build_config(*, workers: int, input_path: Path, model_path: Path, policy: st
         workers=workers, chunk_tokens=chunk_tokens, n=n, max_tokens=max_tokens, seed=seed,
         sampling=SamplingDefaults(temperature=temperature, top_p=top_p, top_k=top_k),
         engine=EngineConfig(kv_cache_gib=kv_cache_gib, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                            dtype=dtype, api=engine_api, extra_args=dict(engine_args or {})),
+                            dtype=dtype, api=engine_api, extra_args=dict(engine_args or {}),
+                            sim_preset=sim_preset, time_scale=time_scale),
         lease_ttl_s=lease_ttl, wait_for_workers=wait_for_workers, in_place=in_place,
         prior_run_dir=_absolute(prior_dir),
         spec=SpecConfig(mode=spec_mode, gamma_max=spec_depth, probe_weight=spec_probe_weight,
                         adaptive=not spec_fixed_depth,
                         profile_path=_absolute(spec_profile), history_run_dir=_absolute(spec_history_dir)),
-        kv_pool=KVPoolConfig(mode=KVPoolConfig.resolve_mode(kv_pool_mode, workers=workers, policy=policy,
-                                                            gpus_per_worker=gpus_per_worker, nodes=nodes),
+        kv_pool=KVPoolConfig(mode="off" if engine_api == "sim" and kv_pool_mode == "auto" else
+                             KVPoolConfig.resolve_mode(kv_pool_mode, workers=workers, policy=policy,
+                                                       gpus_per_worker=gpus_per_worker, nodes=nodes),
                              protocol=kv_pool_protocol, devices=kv_pool_devices,
                              segment_bytes=_pool_size(kv_pool_size), gpu_workers=bool(gpus_per_worker)),
     )

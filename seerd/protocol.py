@@ -102,6 +102,7 @@ class LeaseReply(msgspec.Struct):
     chunks: list[ChunkGrant]
     done: bool  # the rollout is complete: the worker may exit
     retry_after_s: float = 0.0  # with no chunks: when to ask again
+    waited_s: float = 0.0  # of the call's time, the long poll's wait for work (not the coordinator's latency)
 
 
 class ChunkReport(msgspec.Struct, frozen=True):

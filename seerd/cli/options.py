@@ -53,9 +53,14 @@ ROLLOUT_OPTIONS = [
     click.option("--dtype", default=DEFAULTS["dtype"], show_default=True,
                  help="Engine dtype (auto, float32, bfloat16)."),
     click.option("--engine-api", default=DEFAULTS["engine_api"], show_default=True,
-                 type=click.Choice(["auto", "stepped", "async"]),
+                 type=click.Choice(["auto", "stepped", "async", "sim"]),
                  help="vLLM driver: stepped = LLMEngine in the worker process; async = AsyncLLM "
-                      "(auto: async with CUDA)."),
+                      "(auto: async with CUDA); sim = no vLLM: the simulator's model of an engine "
+                      "(--sim-preset), for load tests and trying policies (docs/simulator.md)."),
+    click.option("--sim-preset", default=DEFAULTS["sim_preset"], show_default=True,
+                 help="--engine-api sim: the `seerd sim` preset whose engine model each worker runs."),
+    click.option("--time-scale", default=DEFAULTS["time_scale"], show_default=True, type=float,
+                 help="--engine-api sim: modelled engine seconds per wall second."),
     click.option("--lease-ttl", default=DEFAULTS["lease_ttl"], show_default=True,
                  help="Seconds a lease lives without a heartbeat (1 to 3600)."),
     click.option("--wait-for-workers", is_flag=True, default=DEFAULTS["wait_for_workers"],

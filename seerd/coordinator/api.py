@@ -222,15 +222,18 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
         if not control.scheduling_gate():  # e.g. `group` waits for every worker: ask again soon
             return _json(LeaseReply([], done=False, retry_after_s=0.05))
         grants = await control.run(book.lease, body.worker_id, max(0, body.wanted), clock())
+        waited_s = 0.0
         if not grants and body.wait_s > 0 and not book.is_complete():
             # Long poll: an idle worker hears of new work at once and costs nothing meanwhile.
+            waiting_since = time.monotonic()
             await control.wait_for_work(min(body.wait_s, LONG_POLL_MAX_S))
+            waited_s = time.monotonic() - waiting_since
             known(body.worker_id)
             if done_for(body.worker_id):
-                return _json(LeaseReply([], done=True))
+                return _json(LeaseReply([], done=True, waited_s=waited_s))
             if control.accepting:
                 grants = await control.run(book.lease, body.worker_id, max(0, body.wanted), clock())
-        return _json(LeaseReply(grants, done=False, retry_after_s=0.0 if grants else 0.05))
+        return _json(LeaseReply(grants, done=False, retry_after_s=0.0 if grants else 0.05, waited_s=waited_s))
 
     @route("POST", REPORT.path)
     async def report(request: Request) -> Response:

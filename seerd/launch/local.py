@@ -27,6 +27,9 @@ log = logging.getLogger("seerd.local")
 
 RESTARTS_PER_WORKER = 3
 WORKER_EXIT_GRACE_S = 20.0
+# Simulated workers (`--engine-api sim`) one process hosts (seerd/worker/sim_host.py): each is a
+# worker of its own on the wire, and they share the process's event loop.
+SIM_WORKERS_PER_PROCESS = 128
 
 
 def worker_env() -> dict[str, str]:
@@ -38,8 +41,18 @@ def worker_env() -> dict[str, str]:
 
 
 class WorkerPool:
-    def __init__(self, run_dir: RunDir, count: int, *, kv_pool: KVPoolConfig | None = None) -> None:
+    """The run's worker processes, supervised. With `simulated`, a process hosts up to
+    `SIM_WORKERS_PER_PROCESS` workers (ranks `hosted[i]`); else each process is one worker, and
+    process i is rank i."""
+
+    def __init__(self, run_dir: RunDir, count: int, *, kv_pool: KVPoolConfig | None = None,
+                 simulated: bool = False) -> None:
         self.run_dir = run_dir
+        self.simulated = simulated
+        per_process = SIM_WORKERS_PER_PROCESS if simulated else 1
+        self.hosted = {i: range(first, min(count, first + per_process))
+                       for i, first in enumerate(range(0, count, per_process))}
+        count = len(self.hosted)
         self.count = count
         self.kv_pool = kv_pool if kv_pool is not None and kv_pool.mode == "mooncake" else None
         self.procs: dict[int, subprocess.Popen] = {}
@@ -69,14 +82,24 @@ class WorkerPool:
         self.holders[name] = self._popen(self.holder_commands()[name], self.run_dir.logs / f"{name}.log")
 
     def command(self, rank: int) -> list[str]:
-        """How worker `rank` starts (the Slurm pool wraps it in `srun`)."""
+        """How worker process `rank` starts (the Slurm pool wraps it in `srun`)."""
+        if self.simulated:
+            ranks = self.hosted[rank]
+            return [sys.executable, "-m", "seerd.worker.sim_host", "--run-dir", str(self.run_dir.path),
+                    "--rank", str(ranks.start), "--count", str(len(ranks))]
         return [sys.executable, "-m", "seerd.worker", "--run-dir", str(self.run_dir.path), "--rank", str(rank)]
+
+    def log_path(self, rank: int) -> Path:
+        if self.simulated:
+            ranks = self.hosted[rank]
+            return self.run_dir.logs / f"sim-workers-{ranks.start}-{ranks.stop - 1}.log"
+        return self.run_dir.logs / f"worker-{rank}.log"
 
     def environment(self) -> dict[str, str]:
         return worker_env()
 
     def _spawn(self, rank: int) -> None:
-        self.procs[rank] = self._popen(self.command(rank), self.run_dir.logs / f"worker-{rank}.log")
+        self.procs[rank] = self._popen(self.command(rank), self.log_path(rank))
 
     def _popen(self, command: list[str], log_path: Path) -> subprocess.Popen:
         with open(log_path, "ab") as log_file:
@@ -114,7 +137,7 @@ class WorkerPool:
         if not self.procs:
             self.exhausted = True
             return (f"every worker exited {RESTARTS_PER_WORKER + 1} times; see "
-                    f"{self.run_dir.logs}/worker-*.log")
+                    f"{self.log_path(0).parent}/{'sim-workers' if self.simulated else 'worker'}-*.log")
         return None
 
     def stop(self, *, complete: bool, grace_s: float = WORKER_EXIT_GRACE_S) -> None:
@@ -148,7 +171,8 @@ def run_local(coordinator: Coordinator, workers: int, on_tick: Callable[[dict], 
               pool: WorkerPool | None = None) -> CoordinatorResult:
     """`coordinator` in this process, its workers supervised by `pool` (local processes by
     default; the Slurm launcher passes a pool of job steps)."""
-    pool = pool or WorkerPool(coordinator.run_dir, workers, kv_pool=coordinator.config.kv_pool)
+    pool = pool or WorkerPool(coordinator.run_dir, workers, kv_pool=coordinator.config.kv_pool,
+                              simulated=coordinator.config.engine.api == "sim")
 
     def tick(counts: dict) -> None:
         reason = pool.supervise(counts["requests_done"] == counts["requests_total"])

@@ -142,6 +142,11 @@ class SimInstance:
     def busy(self) -> bool:
         return bool(self.running or self.waiting)
 
+    @property
+    def segment(self) -> tuple[float, int, float] | None:
+        """The planned segment (start time, steps, end time) from the current step, or None."""
+        return self._segment
+
     # ------------------------------------------------------------- time
     def sync(self, t: float) -> list[SimSeq]:
         """Advance to the first step boundary at or after `t`; return the chunks that ended there."""
@@ -288,6 +293,20 @@ class SimInstance:
                 return self.costs.pool_load_time(context)
         self.stats.recomputed_tokens += generated
         return prompt_s + self.costs.prefill_time(generated, cached_tokens=seq.prompt_len)
+
+    def cancel(self, chunk_id: int) -> bool:
+        """Take a chunk out (an abort), at a step boundary (after `sync`): its KV is freed and
+        the next `schedule` plans without it. False when it is not here (finished already)."""
+        seq = self.running.pop(chunk_id, None)
+        if seq is not None:
+            self.kv_used -= seq.held(self.step)
+            self._segment = None
+            return True  # its end entry is dropped lazily, as a preempted one's is
+        for seq in self.waiting:
+            if seq.chunk_id == chunk_id:
+                self.waiting.remove(seq)
+                return True
+        return False
 
     def _preempt_for_next_step(self) -> None:
         while self.running and self.kv_capacity - self.kv_used < len(self.running):

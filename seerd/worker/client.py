@@ -80,10 +80,24 @@ CONNECT_TIMEOUT_S = 5.0
 TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)  # no answer: retried within patience
 
 
+class CallTimings:
+    """Seconds each answered call took, by endpoint path, as a worker sees them (what
+    `tools/load.py` reports as the coordinator's latency); a lease's long-poll wait for work
+    (`LeaseReply.waited_s`) is taken out. Kept only where asked for (simulated workers)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, list[float]] = {}
+
+    def record(self, path: str, seconds: float) -> None:
+        self.seconds.setdefault(path, []).append(seconds)
+
+
 class CoordinatorClient:
-    def __init__(self, base_url: str, secret: str, *, patience_s: float = 60.0) -> None:
+    def __init__(self, base_url: str, secret: str, *, patience_s: float = 60.0,
+                 timings: CallTimings | None = None) -> None:
         self.base_url = base_url
         self.patience_s = patience_s
+        self.timings = timings
         self._headers = {"Authorization": f"Bearer {secret}", "Content-Type": "application/json"}
         self._http: aiohttp.ClientSession | None = None  # made in the event loop that uses it
 
@@ -96,9 +110,9 @@ class CoordinatorClient:
 
     @classmethod
     async def from_run_dir(cls, run_dir: RunDir, *, address_timeout_s: float = 120.0,
-                           patience_s: float = 60.0) -> CoordinatorClient:
+                           patience_s: float = 60.0, timings: CallTimings | None = None) -> CoordinatorClient:
         host, port = await wait_for_address(run_dir, address_timeout_s)
-        return cls(f"http://{host}:{port}", run_dir.read_secret(), patience_s=patience_s)
+        return cls(f"http://{host}:{port}", run_dir.read_secret(), patience_s=patience_s, timings=timings)
 
     async def close(self) -> None:
         if self._http is not None:
@@ -123,6 +137,7 @@ class CoordinatorClient:
         unreachable_since: float | None = None
         content = None if body is None else msgspec.json.encode(body)
         while True:
+            sent_at = time.monotonic()
             try:
                 status, reply = await self._send(endpoint.method, endpoint.path, content)
             except TRANSPORT_ERRORS as exc:
@@ -147,7 +162,11 @@ class CoordinatorClient:
                 if error.code == WORKER_RETIRED:
                     raise Retired(error.detail)
                 raise CoordinatorRefused(status, f"{endpoint.method} {endpoint.path}: {error.detail}")
-            return decode_reply(endpoint, reply)
+            decoded = decode_reply(endpoint, reply)
+            if self.timings is not None:
+                waited = getattr(decoded, "waited_s", 0.0)
+                self.timings.record(endpoint.path, time.monotonic() - sent_at - waited)
+            return decoded
 
     async def call_until_answered(self, endpoint: Endpoint[Any, ReplyT], body: msgspec.Struct | None = None) -> ReplyT:
         """`call`, with a 4xx logged and the call sent again after a backoff: for the calls a

@@ -65,6 +65,11 @@ class Stream:
     def finished(self) -> bool:
         return self.finish_reason is not None or self.error is not None
 
+    @property
+    def wanted(self) -> int | None:
+        """The token count a waiter waits for and does not have yet (None: nobody waits)."""
+        return self._wake_at if len(self.token_ids) < self._wake_at < 1 << 62 and not self.finished else None
+
     def push(self, token_ids, logprobs, finish_reason: str | None, cached_tokens: int | None) -> None:  # noqa: ANN001
         """New tokens (any thread). `finish_reason` ends the stream."""
         self.token_ids.extend(token_ids)
@@ -294,6 +299,8 @@ def start_engine(model_path: str, engine: dict, seed: int, spec: dict | None = N
         import torch
 
         api = "async" if torch.cuda.is_available() else "stepped"
+    if api == "sim":
+        raise ValueError("--engine-api sim: simulated workers run in `python -m seerd.worker.sim_host`")
     driver = {"stepped": SteppedEngine, "async": AsyncEngine}.get(api)
     if driver is None:
         raise ValueError(f"unknown engine api {api!r}: use auto, stepped or async")

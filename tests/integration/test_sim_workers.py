@@ -1,0 +1,48 @@
+"""`seerd run --engine-api sim`: the real coordinator, SQLite and HTTP with simulated engines
+(the simulator's engine model in each worker, seerd/worker/sim_engine.py), several workers per
+process. No vLLM: these are the control plane's tests at a scale real engines cannot reach here."""
+
+from __future__ import annotations
+
+import json
+import stat
+
+from tests.integration.harness import assert_complete_output, db_rows, run_seerd
+from tests.integration.test_target_lengths import assert_lengths_are_the_targets, write_target_prompts
+
+
+def test_simulated_workers_complete_every_response_at_its_target_length(tiny_model_dir, tmp_path):
+    # Lengths below, at and across chunk boundaries (chunk 64), up to max_tokens; 8 workers in one
+    # process, each a worker of its own to the coordinator.
+    targets = [[(g * 37 + r * 101) % 300 + 1 for r in range(4)] for g in range(24)]
+    prompts = write_target_prompts(tmp_path / "prompts.jsonl", targets, max_tokens=300)
+    run_dir = tmp_path / "run"
+    result = run_seerd("run", "--input", str(prompts), "--model", str(tiny_model_dir), "--run-dir", str(run_dir),
+                       "--engine-api", "sim", "--time-scale", "20", "--workers", "8", "--max-num-seqs", "8",
+                       "--chunk-tokens", "64", "--no-progress")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = assert_complete_output(run_dir, 96)
+    assert_lengths_are_the_targets(rows, targets)
+    assert {r["finish_reason"] for r in rows} == {"length_target"}
+    workers = db_rows(run_dir, "select count(*), count(distinct id) from workers")[0]
+    assert workers == (8, 8)
+    # Several chunks per long response, continued in place where the scheduler keeps them.
+    assert db_rows(run_dir, "select count(*) from chunks")[0][0] > 96
+    # What the workers measured of the coordinator, per endpoint, in a private file.
+    calls_file = run_dir / "logs" / "sim-calls-0.json"
+    assert stat.S_IMODE(calls_file.stat().st_mode) == 0o600
+    calls = json.loads(calls_file.read_text())
+    assert len(calls["/v1/register"]) == 8 and len(calls["/v1/report"]) > 0
+    assert all(seconds >= 0 for seconds in calls["/v1/lease"])
+
+
+def test_simulated_engines_refuse_drafting_and_the_pool_before_anything_starts(tiny_model_dir, tmp_path):
+    prompts = write_target_prompts(tmp_path / "prompts.jsonl", [[3, 4]], max_tokens=8)
+    for extra, words in [(["--spec", "grouped"], "--spec off"), (["--kv-pool", "mooncake"], "--kv-pool off"),
+                         (["--time-scale", "0"], "--time-scale"), (["--sim-preset", "gpt5"], "--sim-preset")]:
+        run_dir = tmp_path / f"run{len(words)}"
+        result = run_seerd("run", "--input", str(prompts), "--model", str(tiny_model_dir), "--run-dir", str(run_dir),
+                           "--engine-api", "sim", *extra, "--no-progress")
+        assert result.returncode == 2, (extra, result.stderr[-2000:])
+        assert words in result.stderr, (extra, result.stderr[-2000:])
+        assert not (run_dir / "state.db").exists()
