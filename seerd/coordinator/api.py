@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -28,13 +29,15 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from seerd.config import EngineConfig
-from seerd.coordinator.book import LeaseBook, RetiredWorker, UnknownWorker
+from seerd.coordinator.book import LeaseBook, ReportCall, RetiredWorker, UnknownWorker
 from seerd.coordinator.drafts import DraftHost, append_items
 from seerd.coordinator.metrics import RolloutCollector, metrics_registry
+from seerd.coordinator.reports import ReportOutcome
 from seerd.drafts.server import DraftError
 from seerd.protocol import (
     CONFIG, DRAFTS_APPEND, DRAFTS_FETCH, DRAFTS_STATS, HEARTBEAT, LEASE, LONG_POLL_MAX_S, REGISTER, RELEASE,
-    REPORT, STATUS, UNKNOWN_WORKER, WORKER_RETIRED, DraftAppendReply, DraftStats, ErrorReply, HeartbeatReply, LeaseReply,
+    REPORT, STATUS, UNKNOWN_WORKER, WORKER_RETIRED, ChunkGrant, DraftAppendReply, DraftStats, ErrorReply,
+    HeartbeatReply, LeaseReply,
     RegisterReply, ReleaseReply, ReportBatch, ReportReply, ReportResult, StatusReply, decode_report,
     heartbeat_interval,
 )
@@ -58,7 +61,7 @@ class CoordinatorControl:
 
     Every call into the lease book runs on one dedicated thread (`run`): the book stays single-
     owner, and a commit's fsync (milliseconds on a loaded disk) never blocks the event loop that
-    parses the other workers' requests.
+    parses the other workers' requests. Report calls are committed in groups (`report`).
     """
 
     def __init__(self) -> None:
@@ -71,10 +74,48 @@ class CoordinatorControl:
         self.busy_s = 0.0  # wall time inside API calls (overlapping calls count twice)
         self.calls = 0
         self._queued = asyncio.Event()
+        self._reports: list[tuple[ReportCall, asyncio.Future]] = []  # waiting for the next group commit
+        self._reports_lock = threading.Lock()  # the loop appends, the state thread takes
+        self._commit_queued = False
+        self.report_commits = 0  # group commits of report calls, and the calls they held
+        self.reports_committed = 0
 
     async def run(self, fn, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN201
         """Run `fn` on the state thread and wait for it without blocking the loop."""
         return await asyncio.get_running_loop().run_in_executor(self._state_thread, partial(fn, *args, **kwargs))
+
+    async def report(self, book: LeaseBook, call: ReportCall, clock: Callable[[], float]
+                     ) -> tuple[list[ReportOutcome], list[ChunkGrant]]:
+        """One worker's report call, committed with every other that queues while the state
+        thread is busy (a commit's fsync, say): one durable transaction and one fsync for all of
+        them (`LeaseBook.report_calls`), where one each made the disk the coordinator's limit
+        (tools/load.py). Its answer comes once that commit is done; the order of the calls is
+        kept. Raises `UnknownWorker` for a worker the book does not know (that call alone)."""
+        loop = asyncio.get_running_loop()
+        answer = loop.create_future()
+        with self._reports_lock:
+            self._reports.append((call, answer))
+            start, self._commit_queued = not self._commit_queued, True
+        if start:
+            loop.run_in_executor(self._state_thread, self._commit_reports, book, clock, loop)
+        result = await answer
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def _commit_reports(self, book: LeaseBook, clock: Callable[[], float], loop: asyncio.AbstractEventLoop) -> None:
+        """On the state thread: every report call queued by now, in one group commit."""
+        with self._reports_lock:
+            batch, self._reports = self._reports, []
+            self._commit_queued = False
+        try:
+            answers = book.report_calls([call for call, _ in batch], clock())
+        except Exception as exc:  # noqa: BLE001 - the commit failed (disk): every call of it answers 5xx
+            answers = [exc] * len(batch)
+        self.report_commits += 1
+        self.reports_committed += len(batch)
+        for (_, future), answer in zip(batch, answers):
+            loop.call_soon_threadsafe(_settle, future, answer)
 
     def close(self) -> None:
         self._state_thread.shutdown(wait=True)
@@ -87,6 +128,11 @@ class CoordinatorControl:
     async def wait_for_work(self, timeout_s: float) -> None:
         with contextlib.suppress(asyncio.TimeoutError):  # no new work in time: answer empty
             await asyncio.wait_for(self._queued.wait(), timeout_s)
+
+
+def _settle(future: asyncio.Future, answer: object) -> None:
+    if not future.done():  # else its call went away (the client disconnected)
+        future.set_result(answer)
 
 
 class ApiError(Exception):
@@ -243,9 +289,9 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
         except msgspec.ValidationError as exc:
             raise ApiError(422, f"invalid body: a report without an integer chunk_id and epoch ({exc})") from None
         known(body.worker_id)
-        outcomes, grants = await control.run(book.report_and_continue, body.worker_id, reports, clock(),
-                                             may_lease=control.accepting and control.scheduling_gate(),
-                                             wanted=body.wanted)
+        outcomes, grants = await control.report(book, ReportCall(
+            body.worker_id, reports, may_lease=control.accepting and control.scheduling_gate(), wanted=body.wanted),
+            clock)
         # Work for lease calls waiting: a request to continue, a rejected chunk to run again.
         if any(o.rerun or (o.accepted and not o.request_finished and not o.duplicate) for o in outcomes) \
                 or book.is_complete():

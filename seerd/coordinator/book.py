@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 from array import array
 from collections.abc import Callable, Collection, Iterable, Sequence
+from typing import NamedTuple
 
 from sqlalchemy import Connection, Engine, bindparam, select, update
 from sqlalchemy.orm import Session, sessionmaker
@@ -69,6 +70,15 @@ class RetiredWorker(UnknownWorker):
     def __init__(self, worker_id: str, reason: str) -> None:
         super().__init__(worker_id)
         self.reason = reason
+
+
+class ReportCall(NamedTuple):
+    """One worker's report call, as `report_calls` takes a batch of them."""
+
+    worker_id: str
+    reports: Sequence[ChunkReport | UnreadableReport]
+    may_lease: bool = True
+    wanted: int = 0
 
 
 class LeaseBook:
@@ -347,42 +357,58 @@ class LeaseBook:
 
     def report_many(self, worker_id: str, reports: Sequence[ChunkReport | UnreadableReport],
                     now: float) -> list[ReportOutcome]:
-        """Commit every acceptable report of one call in one transaction, then acknowledge.
+        """One call's reports (`report_calls` for one call, without a lease)."""
+        outcomes = self._report_calls([(worker_id, reports)], now)[0]
+        if isinstance(outcomes, UnknownWorker):
+            raise outcomes
+        return outcomes
+
+    def _report_calls(self, calls: Sequence[tuple[str, Sequence[ChunkReport | UnreadableReport]]],
+                      now: float) -> list[list[ReportOutcome] | UnknownWorker]:
+        """Commit every acceptable report of every call in one durable transaction (group commit:
+        one fsync for all the calls that queued meanwhile), then acknowledge; per call its
+        outcomes, or the `UnknownWorker` its worker is (that call alone fails).
 
         A report that cannot be right (`report_problem`, or unreadable) is rejected alone: in the
         same transaction its lease ends, with an event saying why, and its chunk runs again; the
         rest of the batch is committed."""
-        self._worker(worker_id)
-        outcomes: list[ReportOutcome | None] = [None] * len(reports)
+        answers: list[list[ReportOutcome | None] | UnknownWorker] = []
         accepted: list[AcceptedReport] = []
         results: list[ChunkResult] = []
-        rejected: list[tuple[int, str]] = []  # (position, problem)
+        rejected: list[tuple[int, int, str]] = []  # (call, position, problem)
         seen: set[int] = set()
-        for i, report in enumerate(reports):
-            lease, terms = self.state.leases.get(report.chunk_id), self.terms.get(report.chunk_id)
-            if (lease is None or terms.epoch != report.epoch or lease.worker_id != worker_id
-                    or report.chunk_id in seen):
-                continue  # judged below, against the database
-            seen.add(report.chunk_id)
-            request = self.state.requests[lease.request_id]
-            target = self.worker_only_targets.get(request.id)
-            problem = (report.problem if isinstance(report, UnreadableReport) else
-                       report_problem(report, lease.max_tokens, request.generated, target, self.vocab_size))
-            if problem is not None:
-                rejected.append((i, problem))
+        for c, (worker_id, reports) in enumerate(calls):
+            try:
+                self._worker(worker_id)
+            except UnknownWorker as exc:
+                answers.append(exc)
                 continue
-            verdict = judge(report, lease.max_tokens, request.generated, request.max_tokens, target)
-            num_chunks = self.progress[request.id].num_chunks + 1
-            accepted.append(AcceptedReport(i, report, verdict.finish_reason, num_chunks))
-            results.append(ChunkResult(report.chunk_id, len(report.token_ids), verdict.finished))
+            answers.append([None] * len(reports))
+            for i, report in enumerate(reports):
+                lease, terms = self.state.leases.get(report.chunk_id), self.terms.get(report.chunk_id)
+                if (lease is None or terms.epoch != report.epoch or lease.worker_id != worker_id
+                        or report.chunk_id in seen):
+                    continue  # judged below, against the database
+                seen.add(report.chunk_id)
+                request = self.state.requests[lease.request_id]
+                target = self.worker_only_targets.get(request.id)
+                problem = (report.problem if isinstance(report, UnreadableReport) else
+                           report_problem(report, lease.max_tokens, request.generated, target, self.vocab_size))
+                if problem is not None:
+                    rejected.append((c, i, problem))
+                    continue
+                verdict = judge(report, lease.max_tokens, request.generated, request.max_tokens, target)
+                num_chunks = self.progress[request.id].num_chunks + 1
+                accepted.append(AcceptedReport(i, report, verdict.finish_reason, num_chunks, worker_id, c))
+                results.append(ChunkResult(report.chunk_id, len(report.token_ids), verdict.finished))
         prepared = self.state.prepare_results(results, now)
         failures = []
         if results or rejected:
             with self.writer.begin(durable=True) as conn:
                 if results:
-                    write_results(conn, self.rollout_id, worker_id, prepared, accepted, now)
-                failures = [self._write_failure(conn, reports[i].chunk_id, f"report rejected: {problem}", now,
-                                                kind="report_rejected") for i, problem in rejected]
+                    write_results(conn, self.rollout_id, prepared, accepted, now)
+                failures = [self._write_failure(conn, calls[c][1][i].chunk_id, f"report rejected: {problem}", now,
+                                                kind="report_rejected") for c, i, problem in rejected]
         # Committed: now the state follows.
         self.state.apply_results(prepared)
         if self.completed_at is None and self.state.is_complete():
@@ -390,10 +416,11 @@ class LeaseBook:
         for failure in failures:
             self._apply_failure(failure)
         refuted: dict[str, WorkerLiveness] = {}
-        for (i, report, _, _), outcome in zip(accepted, prepared.requests):
+        for entry, outcome in zip(accepted, prepared.requests):
+            report = entry.report
             del self.terms[report.chunk_id]
             request = self.state.requests[outcome.request_id]
-            refuted.update((w.id, w) for w in chunk_done(self.workers, worker_id, request.id, request.failed_on))
+            refuted.update((w.id, w) for w in chunk_done(self.workers, entry.worker_id, request.id, request.failed_on))
             progress = self.progress[request.id]
             progress.num_chunks += 1
             if self.on_committed_tokens is not None:  # e.g. the grouped draft server's copy
@@ -405,45 +432,68 @@ class LeaseBook:
                     self.on_request_finished(request.group_id, request.id)
             else:
                 progress.tokens.extend(report.token_ids)
-            outcomes[i] = ReportOutcome(True, request_finished=outcome.finished)
+            answers[entry.call][entry.position] = ReportOutcome(True, request_finished=outcome.finished)
         for group in prepared.groups:
             if group.complete and self.on_group_finished is not None:
                 self.on_group_finished(group.group_id)
-        for (i, problem), failure in zip(rejected, failures):
+        for (c, i, problem), failure in zip(rejected, failures):
             again = "its request failed" if failure.fatal else "the chunk runs again"
-            outcomes[i] = ReportOutcome(False, reason=f"rejected, {again}: {problem}", rerun=not failure.fatal)
+            answers[c][i] = ReportOutcome(False, reason=f"rejected, {again}: {problem}", rerun=not failure.fatal)
         if refuted:
             self._retire(list(refuted.values()), now, refuted_reason)
-        unleased = [i for i, outcome in enumerate(outcomes) if outcome is None]
+        unleased = [(c, i) for c, outcomes in enumerate(answers) if not isinstance(outcomes, UnknownWorker)
+                    for i, outcome in enumerate(outcomes) if outcome is None]
         if unleased:
             with self.writer.begin(durable=False) as conn:  # reads only
-                for i in unleased:
-                    outcomes[i] = judge_unleased(conn, worker_id, reports[i])
-        return outcomes
+                for c, i in unleased:
+                    answers[c][i] = judge_unleased(conn, calls[c][0], calls[c][1][i])
+        return answers
 
     def report_and_continue(self, worker_id: str, reports: Sequence[ChunkReport | UnreadableReport], now: float,
                             *, may_lease: bool = True, wanted: int = 0) -> tuple[list[ReportOutcome], list[ChunkGrant]]:
-        """`report_many`, then, in the same state-thread call (no other lease can come between),
-        a lease for the slots of the chunks reported `running_on` (their engine requests still
+        """One call of `report_calls`: raises `UnknownWorker` for a worker the book does not know."""
+        answer = self.report_calls([ReportCall(worker_id, reports, may_lease, wanted)], now)[0]
+        if isinstance(answer, UnknownWorker):
+            raise answer
+        return answer
+
+    def report_calls(self, calls: Sequence[ReportCall], now: float
+                     ) -> list[tuple[list[ReportOutcome], list[ChunkGrant]] | UnknownWorker]:
+        """Report calls that queued together: their reports in one durable commit (`_report_calls`),
+        then, call by call in the same state-thread call (no other lease can come between), a
+        lease for the slots of the chunks reported `running_on` (their engine requests still
         generate past the boundary) and `wanted` more (free slots, e.g. of finished chunks). The
         policy plans for those slots over the whole queue as at any lease call: a reported request
         it gives this worker again continues in place (a grant with `continues`, without its
         context: the worker holds it); one it does not is stopped by the worker, and the slot runs
         what the plan gave instead. So the scheduler decides exactly as with re-submitted chunks
         and lease calls; only the engine's cost of a boundary and a round trip go."""
-        running_on = {}
-        for report in reports:
-            lease = self.state.leases.get(report.chunk_id)
-            if self.in_place and getattr(report, "running_on", False) and lease is not None \
-                    and lease.worker_id == worker_id:
-                running_on[report.chunk_id] = lease.request_id
-        outcomes = self.report_many(worker_id, reports, now)
-        slots = sum(1 for report, outcome in zip(reports, outcomes) if report.chunk_id in running_on
-                    and outcome.accepted and not outcome.duplicate and not outcome.request_finished)
-        slots += max(0, wanted)
-        if not may_lease or not slots:
-            return outcomes, []
-        return outcomes, self.lease(worker_id, slots, now, continuing=set(running_on.values()))
+        running_on: list[dict[int, int]] = []
+        for call in calls:
+            held = {}
+            for report in call.reports:
+                lease = self.state.leases.get(report.chunk_id)
+                if self.in_place and getattr(report, "running_on", False) and lease is not None \
+                        and lease.worker_id == call.worker_id:
+                    held[report.chunk_id] = lease.request_id
+            running_on.append(held)
+        answers = self._report_calls([(call.worker_id, call.reports) for call in calls], now)
+        replies: list[tuple[list[ReportOutcome], list[ChunkGrant]] | UnknownWorker] = []
+        for call, held, outcomes in zip(calls, running_on, answers):
+            if isinstance(outcomes, UnknownWorker):
+                replies.append(outcomes)
+                continue
+            slots = sum(1 for report, outcome in zip(call.reports, outcomes) if report.chunk_id in held
+                        and outcome.accepted and not outcome.duplicate and not outcome.request_finished)
+            slots += max(0, call.wanted)
+            grants = []
+            if call.may_lease and slots:
+                try:
+                    grants = self.lease(call.worker_id, slots, now, continuing=set(held.values()))
+                except UnknownWorker:  # taken out by a report of this batch (refuted): its reports stand
+                    grants = []
+            replies.append((outcomes, grants))
+        return replies
 
     def release(self, worker_id: str, chunk_id: int, epoch: int, reason: str, now: float,
                 *, failed: bool = False) -> bool:

@@ -351,7 +351,9 @@ class Coordinator:
                 "generation_cpu_by_thread_s": ended.since(started),
                 "api_wall_s": self.control.busy_s, "export_s": export_s, "api_calls": self.control.calls,
                 "cpu_share": generation_cpu / generating,
-                "longest_commit_s": CommitTimes.longest_s, "slow_commits": CommitTimes.slow}
+                "longest_commit_s": CommitTimes.longest_s, "slow_commits": CommitTimes.slow,
+                "durable_commits": CommitTimes.durable, "relaxed_commits": CommitTimes.relaxed,
+                "report_commits": self.control.report_commits, "reports_committed": self.control.reports_committed}
 
     def record_event(self, kind: str, data: dict) -> None:
         """One event in its own transaction (outside the state thread only before or after `serve`)."""

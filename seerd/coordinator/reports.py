@@ -56,6 +56,8 @@ class AcceptedReport(NamedTuple):
     report: ChunkReport
     finish_reason: str  # the request's, should this chunk finish it
     num_chunks: int  # the request's done chunks, this one included
+    worker_id: str  # who reported it
+    call: int = 0  # its call, in a group commit of several
 
 
 @dataclass(frozen=True)
@@ -110,13 +112,13 @@ def judge(report: Report, budget: int, generated: int, max_tokens: int, target: 
     return Verdict(finished, reason)
 
 
-def write_results(conn: Connection, rollout_id: int, worker_id: str, prepared: ResultsUpdate,
+def write_results(conn: Connection, rollout_id: int, prepared: ResultsUpdate,
                   accepted: Sequence[AcceptedReport], now: float) -> None:
     """The rows of a prepared update (`SchedulerState.prepare_results`) of `accepted`, in the
     caller's transaction: each chunk `leased` -> `done` (guarded by its lease epoch, with its
     tokens), its request `running` -> `finished` or `queued`, the groups' counts and estimates."""
     chunk_rows, finished_rows, requeued_rows, events = [], [], [], []
-    for (_, report, finish_reason, num_chunks), outcome in zip(accepted, prepared.requests):
+    for (_, report, finish_reason, num_chunks, worker_id, _), outcome in zip(accepted, prepared.requests):
         n_tokens = len(report.token_ids)
         chunk_rows.append({ROW_ID: report.chunk_id, ROW_EPOCH: report.epoch, "fin": now, "n": n_tokens,
                            "tok": pack_ints(report.token_ids), "lp": pack_floats(report.logprobs),

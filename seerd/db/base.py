@@ -35,13 +35,20 @@ SLOW_COMMIT_S = 1.0  # a write transaction longer than this is logged: the disk 
 class CommitTimes:
     """The longest write transaction and how many passed `SLOW_COMMIT_S`, for this process: a
     coordinator that stops answering for seconds is often waiting on its disk, which its own CPU
-    time does not show (`coordinator_load` carries these)."""
+    time does not show (`coordinator_load` carries these). And how many committed, durable
+    (each an fsync) or not: what the disk is asked for."""
 
     longest_s = 0.0
     slow = 0
+    durable = 0
+    relaxed = 0
 
     @classmethod
     def record(cls, seconds: float, durable: bool) -> None:
+        if durable:
+            cls.durable += 1
+        else:
+            cls.relaxed += 1
         cls.longest_s = max(cls.longest_s, seconds)
         if seconds > SLOW_COMMIT_S:
             cls.slow += 1

@@ -63,6 +63,9 @@ class SimEngineStats:
 
 
 class SimEngine:
+    live = None  # no sampled scheduler figures (`EngineLive`) for the heartbeat
+    counters = None  # nor vLLM's step counters
+
     def __init__(self, costs: InstanceCosts | ProfiledCosts, *, index: int, kv_capacity_tokens: int,
                  max_num_seqs: int, time_scale: float, vocab_size: int, seed: int = 0,
                  kv_block_tokens: int = 16) -> None:
@@ -75,7 +78,7 @@ class SimEngine:
         self.vocab_size = vocab_size
         self.instance = SimInstance(index, costs, kv_capacity=kv_capacity_tokens, max_num_seqs=max_num_seqs,
                                     pool_hit_rate=0.0, rng=random.Random(seed), record_timeline=False)
-        self.live: dict[int, _Live] = {}  # SimSeq.chunk_id -> (engine requests in the instance)
+        self.in_engine: dict[int, _Live] = {}  # SimSeq.chunk_id -> (engine requests in the instance)
         self.by_engine_id: dict[str, int] = {}
         self._ran_requests: set[int] = set()  # requests with a chunk here before: their prefix is cached
         self._next_seq = 0
@@ -121,7 +124,8 @@ class SimEngine:
         self._changed.set()
 
     def progress(self) -> EngineProgress:
-        return EngineProgress(self.instance.step, self.stats.longest_step_s, len(self.live) + len(self._arrivals))
+        return EngineProgress(self.instance.step, self.stats.longest_step_s,
+                              len(self.in_engine) + len(self._arrivals))
 
     def shutdown(self) -> None:
         self._task.cancel()
@@ -146,7 +150,7 @@ class SimEngine:
         except BaseException as exc:  # a modelling error: fail every stream, the worker exits
             log.exception("simulated engine failed")
             self.failure = exc
-            for live in [*self.live.values(), *self._arrivals]:
+            for live in [*self.in_engine.values(), *self._arrivals]:
                 live.stream.fail(EngineDead(f"simulated engine failed: {exc!r}"))
 
     def _advance(self) -> float | None:
@@ -156,7 +160,7 @@ class SimEngine:
         self.stats.scheduling_points += 1
         finished = instance.sync(self._now())
         for seq in finished:
-            live = self.live.pop(seq.chunk_id, None)
+            live = self.in_engine.pop(seq.chunk_id, None)
             if live is not None:
                 self._finish(live)
         replan = bool(finished)
@@ -164,7 +168,7 @@ class SimEngine:
             replan |= self._cancel(engine_id)
         self._aborts.clear()
         for live in self._arrivals:
-            self.live[live.seq.chunk_id] = live
+            self.in_engine[live.seq.chunk_id] = live
             self.by_engine_id[live.engine_id] = live.seq.chunk_id
             instance.submit(live.seq)
             replan = True
@@ -189,7 +193,7 @@ class SimEngine:
                     del self._arrivals[i]
                     self.stats.chunks_aborted += 1
             return False
-        live = self.live.pop(chunk, None)
+        live = self.in_engine.pop(chunk, None)
         self.stats.chunks_aborted += 1
         return live is not None and self.instance.cancel(chunk)
 
@@ -201,7 +205,7 @@ class SimEngine:
 
     def _push_progress(self) -> None:
         """Streamed requests: their tokens so far, so a chunk boundary inside a segment is seen."""
-        for live in self.live.values():
+        for live in self.in_engine.values():
             if live.streamed:
                 produced = self._produced(live)
                 if produced > live.pushed:
@@ -213,7 +217,7 @@ class SimEngine:
         start, steps, end = instance.segment
         batch = len(instance.running)
         first = end
-        for live in self.live.values():
+        for live in self.in_engine.values():
             wanted = live.stream.wanted if live.streamed else None
             if wanted is None or live.seq.chunk_id not in instance.running:
                 continue

@@ -1,0 +1,73 @@
+"""Group commit: report calls that queue while the state thread is busy are committed together,
+in one durable transaction (`CoordinatorControl.report`, `LeaseBook.report_calls`), each answered
+as if alone. Deterministic: the state thread is held busy until every call has queued."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from seerd import protocol
+from seerd.coordinator.api import CoordinatorControl, create_app
+from seerd.coordinator.book import ReportCall, UnknownWorker
+from seerd.db.base import CommitTimes
+from seerd.protocol import ChunkReport, EngineSettings, LeaseBody, RegisterBody, ReportBody
+from seerd.worker.client import CoordinatorClient
+from tests.unit.helpers import FakeClock, make_book, rows, served
+
+SECRET = "s3cret-token"
+WORKERS = 5
+
+
+def test_report_calls_queued_while_the_state_thread_is_busy_share_one_durable_commit(tmp_path):
+    clock = FakeClock()
+    book = make_book(tmp_path, policy="divided", prompt_rows=rows(groups=WORKERS, n=2, max_tokens=20), now=clock())
+    control = CoordinatorControl()
+    app = create_app(book, SECRET, control, clock)
+    app.state.engine_settings = EngineSettings("m", {}, 0)
+
+    async def scenario() -> list:
+        async with served(app) as url:
+            clients = [CoordinatorClient(url, SECRET, patience_s=5.0) for _ in range(WORKERS)]
+            grants = []
+            for rank, client in enumerate(clients):
+                reg = await client.call(protocol.REGISTER, RegisterBody(f"w{rank}", rank, "x", max_chunks=1,
+                                                                        kv_capacity_tokens=1000))
+                (grant,) = (await client.call(protocol.LEASE, LeaseBody(reg.worker_id, 1))).chunks
+                grants.append((reg.worker_id, grant))
+            durable_before = CommitTimes.durable
+            release = threading.Event()
+            blocker = asyncio.ensure_future(control.run(release.wait, 30))  # the state thread, busy
+            sent = [asyncio.ensure_future(client.call(protocol.REPORT, ReportBody(worker, [
+                ChunkReport(grant.chunk_id, grant.epoch, [5] * 4, [-0.5] * 4, "stop")], wanted=1)))
+                for client, (worker, grant) in zip(clients, grants)]
+            while len(control._reports) < WORKERS:  # every call queued behind the busy state thread
+                await asyncio.sleep(0.01)
+            release.set()
+            replies = await asyncio.gather(*sent)
+            await blocker
+            assert CommitTimes.durable - durable_before == 1  # one fsync for the five calls
+            for client in clients:
+                await client.close()
+            return [(reply, grant) for reply, (_, grant) in zip(replies, grants)]
+
+    answered = asyncio.run(asyncio.wait_for(scenario(), 60))
+    assert (control.report_commits, control.reports_committed) == (1, WORKERS)
+    for reply, grant in answered:
+        assert [(r.chunk_id, r.accepted, r.duplicate) for r in reply.results] == [(grant.chunk_id, True, False)]
+        # Each call's lease, in the same state-thread call: the freed slot runs the group's sibling.
+        assert len(reply.grants) == 1 and reply.grants[0].request_id != grant.request_id
+    assert book.state.finished_requests == WORKERS
+
+
+def test_in_a_group_commit_an_unknown_worker_fails_its_call_alone(tmp_path):
+    clock = FakeClock()
+    book = make_book(tmp_path, policy="divided", prompt_rows=rows(groups=1, n=2, max_tokens=20), now=clock())
+    book.register(rank=0, address="x", max_chunks=1, kv_capacity_tokens=1000, worker_id="w0", now=clock())
+    (grant,) = book.lease("w0", 1, clock())
+    report = ChunkReport(grant.chunk_id, grant.epoch, [5] * 4, [-0.5] * 4, "stop")
+    ghost, real = book.report_calls([ReportCall("ghost", [report]), ReportCall("w0", [report], wanted=1)], clock())
+    assert isinstance(ghost, UnknownWorker)
+    outcomes, grants = real
+    assert [o.accepted for o in outcomes] == [True] and len(grants) == 1
+    assert book.state.finished_requests == 1

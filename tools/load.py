@@ -1,0 +1,253 @@
+#!/usr/bin/env python
+"""Load test of the control plane: the real coordinator with many simulated workers.
+
+`seerd run --engine-api sim` on a generated workload: the real coordinator (its SQLite database
+with synchronous FULL, its HTTP API on loopback) and W workers that register, lease, heartbeat,
+report and continue in place exactly as vLLM workers do, each on the simulator's model of an
+engine (seerd/worker/sim_engine.py) run `--time-scale` times faster than real time, 128 workers
+per process. Lengths are the preset's (`seerd.sim.workload.generate`), given to the workers as
+target lengths (the scheduler never sees them).
+
+It runs R requests to the end, then checks that every request finished exactly once (one output
+row each, chunk tokens adding up to the target, chunk sequence numbers 0..k-1 without a gap or
+a double) and reports: lease and report latency as the workers measured them (p50 / p99, a
+lease's long-poll wait taken out), the coordinator's CPU share, RSS and open files over time,
+the database's size, and commits per second (durable ones are fsyncs).
+
+    .venv/bin/python tools/load.py --workers 512 --requests 100000 [--preset cpu-tiny] [--time-scale 20]
+                                   [--policy seer] [--chunk-tokens N] [--max-num-seqs N] [--json]
+
+`--json` prints one object: {"workers", "requests", "exactly_once", "lease_p99_ms", "report_p99_ms",
+"coordinator_cpu_share", "coordinator_rss_mb", "db_mb", ...}. Results: docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tools"))
+
+from seerd.sim.presets import get_preset  # noqa: E402
+from seerd.sim.workload import generate  # noqa: E402
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def write_workload(path: Path, preset_name: str, requests: int, seed: int) -> tuple[int, dict[tuple[int, int], int]]:
+    """The preset's groups as a prompt file with target lengths; (max_tokens, target per response)."""
+    preset = get_preset(preset_name)
+    workload = generate(preset, seed, requests=requests)
+    targets = {}
+    with open(path, "w") as handle:
+        for group in workload.groups:
+            prompt = [4 + (group.index * 31 + i * 7) % 900 for i in range(group.prompt_len)]
+            handle.write(json.dumps({"id": f"g{group.index}", "prompt_token_ids": prompt, "n": len(group.lengths),
+                                     "max_tokens": group.max_tokens, "target_lengths": list(group.lengths)}) + "\n")
+            targets.update({(group.index, r): length for r, length in enumerate(group.lengths)})
+    return preset.max_tokens, targets
+
+
+class ProcessSampler(threading.Thread):
+    """The coordinator process's CPU seconds, RSS, open files and the database's size, every `interval_s`."""
+
+    def __init__(self, pid: int, db_path: Path, interval_s: float = 0.5) -> None:
+        super().__init__(daemon=True)
+        self.pid, self.db_path, self.interval_s = pid, db_path, interval_s
+        self.samples: list[dict] = []
+        self.host_cpu_s: dict[int, float] = {}  # the simulated workers' processes: pid -> CPU seconds
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        started = time.monotonic()
+        while not self.stopped.wait(self.interval_s):
+            try:
+                fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+                status = Path(f"/proc/{self.pid}/status").read_text()
+                fds = len(os.listdir(f"/proc/{self.pid}/fd"))
+            except OSError:
+                return
+            rss_kb = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0)
+            self.host_cpu_s.update(simulated_hosts_cpu())
+            db_bytes = sum(p.stat().st_size for p in self.db_path.parent.glob(self.db_path.name + "*") if p.exists())
+            self.samples.append({"t": time.monotonic() - started,
+                                 "cpu_s": (int(fields[11]) + int(fields[12])) / CLOCK_TICKS,
+                                 "rss_mb": rss_kb / 1024, "fds": fds, "db_mb": db_bytes / 2**20})
+
+
+def simulated_hosts_cpu() -> dict[int, float]:
+    """CPU seconds of every process hosting simulated workers (they compete with the coordinator
+    for the cores: the latencies they measure include their own event loops' delays)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if b"seerd.worker.sim_host" not in (entry / "cmdline").read_bytes():
+                continue
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        found[int(entry.name)] = (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+    return found
+
+
+def exactly_once(run_dir: Path, targets: dict[tuple[int, int], int]) -> list[str]:
+    """What is wrong with the run's outputs (empty: every request finished exactly once)."""
+    problems = []
+    rows = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
+    keys = [(r["group_index"], r["response_index"]) for r in rows]
+    if len(keys) != len(set(keys)):
+        problems.append(f"{len(keys) - len(set(keys))} responses appear more than once")
+    if set(keys) != set(targets):
+        problems.append(f"{len(set(targets) - set(keys))} responses missing, {len(set(keys) - set(targets))} unknown")
+    wrong = [(k, len(r["token_ids"])) for k, r in zip(keys, rows) if len(r["token_ids"]) != targets.get(k)]
+    if wrong:
+        problems.append(f"{len(wrong)} responses not at their target length, e.g. {wrong[:3]}")
+    with sqlite3.connect(f"file:{run_dir / 'state.db'}?mode=ro", uri=True) as db:
+        unfinished = db.execute("select count(*) from requests where status != 'finished'").fetchone()[0]
+        # Per request: its done chunks are seq 0..k-1 once each, their tokens its generated count.
+        bad = db.execute("""
+            select count(*) from (
+                select r.id, r.generated_tokens g, r.num_chunks k, count(c.id) n, count(distinct c.seq) s,
+                       min(c.seq) lo, max(c.seq) hi, sum(c.num_tokens) t
+                from requests r join chunks c on c.request_id = r.id and c.status = 'done' group by r.id)
+            where n != k or s != k or lo != 0 or hi != k - 1 or t != g""").fetchone()[0]
+    if unfinished:
+        problems.append(f"{unfinished} requests not finished in the database")
+    if bad:
+        problems.append(f"{bad} requests whose done chunks do not add up (a gap, a double, or tokens)")
+    return problems
+
+
+def percentiles(seconds: list[float]) -> dict[str, float | None]:
+    if not seconds:
+        return {"p50_ms": None, "p99_ms": None, "max_ms": None, "calls": 0}
+    ordered = sorted(seconds)
+    return {"p50_ms": 1e3 * ordered[len(ordered) // 2], "p99_ms": 1e3 * ordered[min(len(ordered) - 1,
+                                                                                   int(0.99 * len(ordered)))],
+            "max_ms": 1e3 * ordered[-1], "calls": len(ordered)}
+
+
+def call_times(run_dir: Path) -> dict[str, list[float]]:
+    merged: dict[str, list[float]] = {}
+    for path in (run_dir / "logs").glob("sim-calls-*.json"):
+        for endpoint, seconds in json.loads(path.read_text()).items():
+            merged.setdefault(endpoint, []).extend(seconds)
+    return merged
+
+
+def run(args: argparse.Namespace, work: Path) -> dict:
+    from make_tiny_model import make_tiny_model
+
+    model = make_tiny_model(work / "model", seed=0)
+    prompts = work / "prompts.jsonl"
+    max_tokens, targets = write_workload(prompts, args.preset, args.requests, args.seed)
+    preset = get_preset(args.preset)
+    run_dir = work / "run"
+    command = [sys.executable, "-m", "seerd.cli.main", "run", "--input", str(prompts), "--model", str(model),
+               "--run-dir", str(run_dir), "--workers", str(args.workers), "--engine-api", "sim",
+               "--sim-preset", args.preset, "--time-scale", str(args.time_scale), "--policy", args.policy,
+               "--chunk-tokens", str(args.chunk_tokens or preset.chunk_tokens), "--max-tokens", str(max_tokens),
+               "--max-num-seqs", str(args.max_num_seqs or preset.max_num_seqs), "--seed", str(args.seed),
+               "--no-progress"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+               OMP_NUM_THREADS="1")
+    log_path = work / "seerd.log"
+    started = time.monotonic()
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        sampler = ProcessSampler(process.pid, run_dir / "state.db")
+        sampler.start()
+        code = process.wait()
+        sampler.stopped.set()
+    wall_s = time.monotonic() - started
+    if code != 0:
+        raise SystemExit(f"seerd run exited {code}; see {log_path}:\n{log_path.read_text()[-3000:]}")
+    problems = exactly_once(run_dir, targets)
+    with sqlite3.connect(f"file:{run_dir / 'state.db'}?mode=ro", uri=True) as db:
+        load = json.loads(db.execute("select data_json from events where kind = 'coordinator_load'").fetchone()[0])
+        chunks = db.execute("select count(*) from chunks").fetchone()[0]
+        tokens = db.execute("select sum(generated_tokens) from requests").fetchone()[0]
+    calls = call_times(run_dir)
+    samples = sampler.samples
+    generation_s = load["generation_s"]
+    return {
+        "workers": args.workers, "requests": len(targets), "exactly_once": not problems, "problems": problems,
+        "lease_p99_ms": percentiles(calls.get("/v1/lease", []))["p99_ms"],
+        "report_p99_ms": percentiles(calls.get("/v1/report", []))["p99_ms"],
+        "coordinator_cpu_share": load["cpu_share"],
+        "coordinator_rss_mb": max((s["rss_mb"] for s in samples), default=None),
+        "db_mb": (run_dir / "state.db").stat().st_size / 2**20,
+        "calls": {endpoint: percentiles(seconds) for endpoint, seconds in sorted(calls.items())},
+        "chunks": chunks, "output_tokens": tokens, "generation_s": generation_s, "wall_s": wall_s,
+        "coordinator_cpu_s": load["generation_cpu_s"], "cpu_ms_per_chunk": 1e3 * load["generation_cpu_s"] / chunks,
+        "durable_commits_per_s": load.get("durable_commits", 0) / generation_s,
+        "relaxed_commits_per_s": load.get("relaxed_commits", 0) / generation_s,
+        "longest_commit_s": load["longest_commit_s"], "api_calls": load["api_calls"],
+        "max_fds": max((s["fds"] for s in samples), default=None),
+        "simulated_workers_cpu_s": sum(sampler.host_cpu_s.values()),
+        "series": samples[:: max(1, len(samples) // 20)],
+        "settings": {"preset": args.preset, "time_scale": args.time_scale, "policy": args.policy,
+                     "seed": args.seed},
+    }
+
+
+def print_table(result: dict) -> None:
+    print(f"{result['workers']} workers, {result['requests']} requests ({result['output_tokens']} tokens, "
+          f"{result['chunks']} chunks), preset {result['settings']['preset']}, time scale "
+          f"{result['settings']['time_scale']}, policy {result['settings']['policy']}")
+    print(f"exactly once: {result['exactly_once']}" + "".join(f"\n  {p}" for p in result["problems"]))
+    print(f"generation {result['generation_s']:.1f} s (wall {result['wall_s']:.1f} s with start-up)")
+    print("| call | calls | p50 ms | p99 ms | max ms |\n|---|---|---|---|---|")
+    for endpoint, figures in result["calls"].items():
+        print(f"| {endpoint} | {figures['calls']} | {figures['p50_ms']:.1f} | {figures['p99_ms']:.1f} "
+              f"| {figures['max_ms']:.1f} |")
+    print(f"coordinator: {100 * result['coordinator_cpu_share']:.0f}% of a core over generation, "
+          f"{result['cpu_ms_per_chunk']:.2f} ms CPU per chunk, peak RSS {result['coordinator_rss_mb']:.0f} MB, "
+          f"peak open files {result['max_fds']}; the simulated workers' processes "
+          f"{result['simulated_workers_cpu_s']:.1f} s CPU in all")
+    print(f"database {result['db_mb']:.1f} MB; commits/s durable {result['durable_commits_per_s']:.0f}, "
+          f"relaxed {result['relaxed_commits_per_s']:.0f}; longest commit {result['longest_commit_s']:.2f} s")
+    print("| t s | CPU s | RSS MB | open files | db MB |\n|---|---|---|---|---|")
+    for sample in result["series"]:
+        print(f"| {sample['t']:.0f} | {sample['cpu_s']:.1f} | {sample['rss_mb']:.0f} | {sample['fds']} "
+              f"| {sample['db_mb']:.1f} |")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workers", type=int, default=64)
+    parser.add_argument("--requests", type=int, default=10_000)
+    parser.add_argument("--preset", default="cpu-tiny")
+    parser.add_argument("--time-scale", type=float, default=20.0)
+    parser.add_argument("--policy", default="seer")
+    parser.add_argument("--chunk-tokens", type=int, help="default: the preset's")
+    parser.add_argument("--max-num-seqs", type=int, help="default: the preset's")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--work-dir", type=Path, help="keep the run here (default: a temporary directory)")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="seerd-load-"))
+    work.mkdir(parents=True, exist_ok=True)
+    result = run(args, work)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print_table(result)
+        print(f"(run kept in {work})")
+    return 0 if result["exactly_once"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
