@@ -12,6 +12,7 @@ validation cost more than the database commit.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import hmac
 import threading
@@ -73,7 +74,7 @@ class CoordinatorControl:
         self.left: set[str] = set()  # workers that said goodbye (`HeartbeatBody.leaving`) with their final figures
         self.busy_s = 0.0  # wall time inside API calls (overlapping calls count twice)
         self.calls = 0
-        self._queued = asyncio.Event()
+        self._waiting: collections.deque[asyncio.Future] = collections.deque()  # lease calls, longest waiting first
         self._reports: list[tuple[ReportCall, asyncio.Future]] = []  # waiting for the next group commit
         self._reports_lock = threading.Lock()  # the loop appends, the state thread takes
         self._commit_queued = False
@@ -120,14 +121,29 @@ class CoordinatorControl:
     def close(self) -> None:
         self._state_thread.shutdown(wait=True)
 
-    def work_queued(self) -> None:
-        """Wake lease calls waiting for work (a chunk was re-queued, a lease expired)."""
-        self._queued.set()
-        self._queued = asyncio.Event()
+    def work_queued(self, requests: int | None = None) -> None:
+        """Wake lease calls waiting for work (a chunk was re-queued, a lease expired): for
+        `requests` newly queued, that many of the longest waiting and `EXTRA_WAKE_UPS` more (a
+        woken worker may leave a request to the worker that ran it before); None: every one (the
+        rollout is done). Waking all of them for each report made hundreds of empty lease calls
+        queue on the state thread ahead of the reports (tools/load.py, 512 workers)."""
+        count = len(self._waiting) if requests is None else min(len(self._waiting), requests + EXTRA_WAKE_UPS)
+        for _ in range(count):
+            _settle(self._waiting.popleft(), None)
 
     async def wait_for_work(self, timeout_s: float) -> None:
-        with contextlib.suppress(asyncio.TimeoutError):  # no new work in time: answer empty
-            await asyncio.wait_for(self._queued.wait(), timeout_s)
+        woken = asyncio.get_running_loop().create_future()
+        self._waiting.append(woken)
+        try:
+            with contextlib.suppress(asyncio.TimeoutError):  # no new work in time: answer empty
+                await asyncio.wait_for(woken, timeout_s)
+        finally:
+            with contextlib.suppress(ValueError):  # not woken: out of the line
+                self._waiting.remove(woken)
+
+
+# Waiting lease calls woken beyond one per newly queued request (`CoordinatorControl.work_queued`).
+EXTRA_WAKE_UPS = 4
 
 
 def _settle(future: asyncio.Future, answer: object) -> None:
@@ -267,7 +283,9 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
             return _json(LeaseReply([], done=False, retry_after_s=0.5))
         if not control.scheduling_gate():  # e.g. `group` waits for every worker: ask again soon
             return _json(LeaseReply([], done=False, retry_after_s=0.05))
-        grants = await control.run(book.lease, body.worker_id, max(0, body.wanted), clock())
+        # An empty queue needs no state-thread call (a hint read here; the state thread decides).
+        grants = await control.run(book.lease, body.worker_id, max(0, body.wanted), clock()) \
+            if len(book.state.queue) else []
         waited_s = 0.0
         if not grants and body.wait_s > 0 and not book.is_complete():
             # Long poll: an idle worker hears of new work at once and costs nothing meanwhile.
@@ -293,9 +311,11 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
             body.worker_id, reports, may_lease=control.accepting and control.scheduling_gate(), wanted=body.wanted),
             clock)
         # Work for lease calls waiting: a request to continue, a rejected chunk to run again.
-        if any(o.rerun or (o.accepted and not o.request_finished and not o.duplicate) for o in outcomes) \
-                or book.is_complete():
+        if book.is_complete():
             control.work_queued()
+        elif requeued := sum(o.rerun or (o.accepted and not o.request_finished and not o.duplicate)
+                             for o in outcomes):
+            control.work_queued(requeued)
         results = [ReportResult(r.chunk_id, o.accepted, o.duplicate, o.reason) for r, o in zip(reports, outcomes)]
         return _json(ReportReply(results, done=book.is_complete(), grants=grants))
 
@@ -306,7 +326,7 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
         released = await control.run(book.release, body.worker_id, body.chunk_id, body.epoch, body.reason, clock(),
                                      failed=body.failed)
         if released:
-            control.work_queued()
+            control.work_queued(1)
         return _json(ReleaseReply(released))
 
     @route("POST", HEARTBEAT.path)

@@ -288,8 +288,8 @@ class Coordinator:
             if not self._owns_run:
                 return CoordinatorResult(RolloutStatus.INTERRUPTED, None,
                                          f"this coordinator lost the run: {self.ownership.lost}")
-            if await run(self.book.expire, self.clock()):
-                self.control.work_queued()
+            if expired := await run(self.book.expire, self.clock()):
+                self.control.work_queued(expired)
             await run(self.book.persist_soft_state)
             await run(self._refresh_drafts)
             if self.pool is not None and await self.pool.check(partial(run, self.book.queued_longest)):

@@ -6,6 +6,7 @@ the caller owns the transaction (Prefect's habit).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -143,26 +144,71 @@ class Writer:
     per transaction: the coordinator's state thread writes every report and lease, and a pool
     checkout, checkin and their events cost 50-70 us of CPU per transaction (an empty relaxed
     transaction: ~35 us on a kept connection, 80-110 us through the pool).
-    Per thread, because the state thread is not the only caller (loading, the final status)."""
+    Per thread, because the state thread is not the only caller (loading, the final status).
+
+    Checkpoints run in the background: SQLite's automatic one runs inside the commit that passes
+    its threshold, and there copied the WAL into the database with two fsyncs while every call
+    waited behind that commit (0.4-0.7 s stalls in `tools/load.py`). The kept connections turn it
+    off, and past `CHECKPOINT_WAL_BYTES` of WAL a thread of its own runs a PASSIVE checkpoint,
+    which never blocks a writer. One that cannot keep up with the writes (the WAL restarts only
+    after a checkpoint caught up with every frame) is bounded: past `INLINE_CHECKPOINT_WAL_BYTES`
+    the writer's own thread checkpoints, between two transactions, as SQLite's own would."""
+
+    CHECKPOINT_WAL_BYTES = 4 << 20  # SQLite's own default: 1000 pages of 4 KiB
+    INLINE_CHECKPOINT_WAL_BYTES = 64 << 20
+    CHECK_EVERY = 32  # commits between looks at the WAL's size
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._local = threading.local()
         self._kept: list[Connection] = []
         self._lock = threading.Lock()
+        database = engine.url.database
+        self._wal = Path(f"{database}-wal") if database and database != ":memory:" else None
+        self._commits = 0
+        self._checkpointer: threading.Thread | None = None
+        self.checkpoints = 0
 
     @contextmanager
     def begin(self, *, durable: bool = True) -> Iterator[Connection]:
         conn = getattr(self._local, "conn", None)
         if conn is None or conn.closed or conn.invalidated:
             conn = self._local.conn = self.engine.connect()
+            if self._wal is not None:
+                conn.connection.driver_connection.execute("PRAGMA wal_autocheckpoint=0")
             with self._lock:
                 self._kept.append(conn)
         with _transaction(conn, durable):
             yield conn
+        self._commits += 1
+        if self._wal is not None and self._commits % self.CHECK_EVERY == 0:
+            self._checkpoint_if_due(conn)
+
+    def _checkpoint_if_due(self, conn: Connection) -> None:
+        try:
+            size = self._wal.stat().st_size
+        except OSError:
+            return
+        running = self._checkpointer is not None and self._checkpointer.is_alive()
+        if size >= self.INLINE_CHECKPOINT_WAL_BYTES and not running:
+            self._checkpoint(conn)
+        elif size >= self.CHECKPOINT_WAL_BYTES and not running:
+            self._checkpointer = threading.Thread(target=self._checkpoint, name="seerd-checkpoint", daemon=True)
+            self._checkpointer.start()
+
+    def _checkpoint(self, conn: Connection | None = None) -> None:
+        """A PASSIVE checkpoint on `conn` (outside a transaction), or on a connection of its own."""
+        try:
+            with contextlib.nullcontext(conn) if conn is not None else self.engine.connect() as on:
+                on.connection.driver_connection.execute("PRAGMA wal_checkpoint(PASSIVE)")
+            self.checkpoints += 1
+        except Exception:  # noqa: BLE001 - the next one retries; a failed copy never risks the data
+            log.exception("WAL checkpoint failed")
 
     def close(self) -> None:
         """Give every kept connection back (from any thread, once their threads are done)."""
+        if self._checkpointer is not None:
+            self._checkpointer.join()
         with self._lock:
             kept, self._kept = self._kept, []
         for conn in kept:
