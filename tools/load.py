@@ -15,7 +15,12 @@ lease's long-poll wait taken out), the coordinator's CPU share, RSS and open fil
 the database's size, and commits per second (durable ones are fsyncs).
 
     .venv/bin/python tools/load.py --workers 512 --requests 100000 [--preset cpu-tiny] [--time-scale 20]
-                                   [--policy seer] [--chunk-tokens N] [--max-num-seqs N] [--json]
+                                   [--policy seer] [--chunk-tokens N] [--max-num-seqs N] [--compare-sim] [--json]
+
+`--compare-sim` also runs `seerd sim` on the same workload and cluster and prints both runs'
+makespan, tail and chunks in modelled engine seconds: the engines are the same model, so what
+differs is the daemon's control plane (its latency counts, scaled by the time scale) and the
+simulator's stand-in for it (`chunk_gap_s`).
 
 `--json` prints one object: {"workers", "requests", "exactly_once", "lease_p99_ms", "report_p99_ms",
 "coordinator_cpu_share", "coordinator_rss_mb", "db_mb", ...}. Results: docs/benchmarks.md.
@@ -40,6 +45,7 @@ sys.path.insert(0, str(REPO / "tools"))
 
 from seerd.sim.presets import get_preset  # noqa: E402
 from seerd.sim.workload import generate  # noqa: E402
+from seerd.tail import tail_start  # noqa: E402
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -179,6 +185,8 @@ def run(args: argparse.Namespace, work: Path) -> dict:
         load = json.loads(db.execute("select data_json from events where kind = 'coordinator_load'").fetchone()[0])
         chunks = db.execute("select count(*) from chunks").fetchone()[0]
         tokens = db.execute("select sum(generated_tokens) from requests").fetchone()[0]
+        first_lease = db.execute("select min(leased_at) from chunks").fetchone()[0]
+        finishes = [t - first_lease for (t,) in db.execute("select finished_at from requests")]
     calls = call_times(run_dir)
     samples = sampler.samples
     generation_s = load["generation_s"]
@@ -198,9 +206,27 @@ def run(args: argparse.Namespace, work: Path) -> dict:
         "max_fds": max((s["fds"] for s in samples), default=None),
         "simulated_workers_cpu_s": sum(sampler.host_cpu_s.values()),
         "series": samples[:: max(1, len(samples) // 20)],
+        # In modelled engine seconds (wall x time scale), to set beside `seerd sim`'s.
+        "model_total_s": max(finishes) * args.time_scale,
+        "model_tail_s": (max(finishes) - tail_start(finishes)) * args.time_scale,
         "settings": {"preset": args.preset, "time_scale": args.time_scale, "policy": args.policy,
                      "seed": args.seed},
     }
+
+
+def simulated(args: argparse.Namespace, requests: int) -> dict:
+    """`seerd sim` on the same workload and cluster: W instances of the preset's engine model,
+    the same policy, chunk and sequences, no KV pool (the simulated workers have none)."""
+    preset = get_preset(args.preset)
+    command = [sys.executable, "-m", "seerd.cli.main", "sim", "--preset", args.preset, "--requests", str(requests),
+               "--instances", str(args.workers), "--max-num-seqs", str(args.max_num_seqs or preset.max_num_seqs),
+               "--chunk-tokens", str(args.chunk_tokens or preset.chunk_tokens), "--policies", args.policy,
+               "--pool-hit-rate", "0", "--seed", str(args.seed), "--json"]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, check=True,
+                          env=dict(os.environ, PYTHONPATH=str(REPO)))
+    figures = json.loads(done.stdout)["policies"][args.policy]
+    return {"total_s": figures["total_time_s"], "tail_s": figures["tail_time_s"], "chunks": figures["chunks"],
+            "chunk_gap_s": json.loads(done.stdout)["cluster"]["chunk_gap_s"]}
 
 
 def print_table(result: dict) -> None:
@@ -219,6 +245,14 @@ def print_table(result: dict) -> None:
           f"{result['simulated_workers_cpu_s']:.1f} s CPU in all")
     print(f"database {result['db_mb']:.1f} MB; commits/s durable {result['durable_commits_per_s']:.0f}, "
           f"relaxed {result['relaxed_commits_per_s']:.0f}; longest commit {result['longest_commit_s']:.2f} s")
+    if "sim" in result:
+        sim = result["sim"]
+        print(f"against `seerd sim` (same workload, {result['workers']} instances, control-plane gap "
+              f"{1e3 * sim['chunk_gap_s']:.0f} ms per chunk), in modelled engine seconds:")
+        print("| | makespan s | tail s | chunks |\n|---|---|---|---|")
+        print(f"| daemon + simulated engines | {result['model_total_s']:.1f} | {result['model_tail_s']:.1f} "
+              f"| {result['chunks']} |")
+        print(f"| seerd sim | {sim['total_s']:.1f} | {sim['tail_s']:.1f} | {sim['chunks']} |")
     print("| t s | CPU s | RSS MB | open files | db MB |\n|---|---|---|---|---|")
     for sample in result["series"]:
         print(f"| {sample['t']:.0f} | {sample['cpu_s']:.1f} | {sample['rss_mb']:.0f} | {sample['fds']} "
@@ -236,11 +270,15 @@ def main() -> int:
     parser.add_argument("--max-num-seqs", type=int, help="default: the preset's")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--work-dir", type=Path, help="keep the run here (default: a temporary directory)")
+    parser.add_argument("--compare-sim", action="store_true",
+                        help="also run `seerd sim` on the same workload and cluster, and set them side by side")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="seerd-load-"))
     work.mkdir(parents=True, exist_ok=True)
     result = run(args, work)
+    if args.compare_sim:
+        result["sim"] = simulated(args, result["requests"])
     if args.json:
         print(json.dumps(result))
     else:
