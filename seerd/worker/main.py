@@ -130,6 +130,15 @@ class Worker:
             if task is not done_wait and task.exception() is not None:
                 raise task.exception()
 
+    async def run_to_end(self) -> None:
+        """`run`, then, stopped, give back the chunks in flight, or, done, say goodbye with the
+        final figures (an engine that died does neither)."""
+        await self.run()
+        if self.stopped_by:
+            await self.release_all(self.stopped_by)
+        elif self.fatal is None:
+            await self.say_goodbye()
+
     async def _lease_loop(self) -> None:
         refused = Backoff(cap_s=10.0)
         while not self.done.is_set():
@@ -351,11 +360,7 @@ async def amain(run_dir: RunDir, rank: int, patience_s: float, address_timeout_s
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, worker.stop, signal.Signals(signum).name)
     try:
-        await worker.run()
-        if worker.stopped_by:
-            await worker.release_all(worker.stopped_by)
-        elif worker.fatal is None:
-            await worker.say_goodbye()
+        await worker.run_to_end()
     except Retired as exc:  # its leases already run elsewhere; its engine may not stop politely
         log.error("exiting: the coordinator took this worker out: %s", exc)
         shutdown_within(engine, ENGINE_SHUTDOWN_S)

@@ -49,11 +49,7 @@ def raise_open_files_limit(needed: int) -> int:
 async def serve(worker: Worker) -> int:
     """One worker's life, as `seerd.worker.main.amain` runs it (its engine is already up)."""
     try:
-        await worker.run()
-        if worker.stopped_by:
-            await worker.release_all(worker.stopped_by)
-        elif worker.fatal is None:
-            await worker.say_goodbye()
+        await worker.run_to_end()
     except Retired as exc:  # alone among its neighbours: the others go on
         log.error("worker %s taken out by the coordinator: %s", worker.worker_id, exc)
         return 4
