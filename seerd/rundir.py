@@ -1,7 +1,9 @@
 """The run directory: database, secret, coordinator address, logs and outputs.
 
 Everything in it is private to the user (directory 0700, secret and database 0600): the secret is
-what the coordinator's API checks, and the database holds every generated token.
+what calls to the coordinator's API are signed with (seerd/signing.py), and the database holds every
+generated token. Every coordinator start writes a fresh secret and a fresh metrics token
+(`rotate_secret`, `rotate_metrics_token`): what leaked from one start is worthless to the next.
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ class RunDir:
     @property
     def secret_path(self) -> Path:
         return self.path / "secret"
+
+    @property
+    def metrics_token_path(self) -> Path:
+        return self.path / "metrics-token"
 
     @property
     def address_path(self) -> Path:
@@ -66,6 +72,18 @@ class RunDir:
             return self.secret_path.read_text().strip()
         except OSError as exc:
             raise RunDirError(f"cannot read the run's secret {self.secret_path}: {exc}") from exc
+
+    def rotate_secret(self) -> str:
+        """A fresh secret for a coordinator start (signed calls, the KV pool's block key)."""
+        secret = secrets.token_urlsafe(SECRET_BYTES)
+        write_private(self.secret_path, secret)
+        return secret
+
+    def rotate_metrics_token(self) -> str:
+        """A fresh read-only token for Prometheus (`GET /metrics` only)."""
+        token = secrets.token_urlsafe(SECRET_BYTES)
+        write_private(self.metrics_token_path, token)
+        return token
 
     def write_address(self, host: str, port: int, pid: int) -> None:
         write_private(self.address_path, json.dumps({"host": host, "port": port, "pid": pid}))

@@ -1,7 +1,9 @@
 """CPU per API call of the coordinator's app on its event-loop thread, without the network: the
 ASGI app of `seerd.coordinator.api.create_app` called in-process with a heartbeat (the cheapest
-handler: the framework, the secret and body-limit middlewares, msgspec, the hop to the state
+handler: the framework, the signature and body-limit middlewares, msgspec, the hop to the state
 thread) and with a report of one 16-token chunk followed by its lease (what a chunk costs).
+Each call is signed as a worker signs it and its answer's signature checked; that client-side
+CPU is measured apart and left out of the figures (it is the worker's, not the coordinator's).
 
 It measures the checkout it is run from (the repository root goes first on the import path), so a
 change is measured by running it in both checkouts, alternated:
@@ -33,6 +35,11 @@ from seerd.io.prompts import PromptRow  # noqa: E402
 from seerd.protocol import HEARTBEAT, LEASE, REPORT, ChunkReport, HeartbeatBody, LeaseBody, ReportBody  # noqa: E402
 from seerd.scheduler import make_policy  # noqa: E402
 
+try:  # signed calls (the security branch on); before it, the bearer secret
+    from seerd.signing import REPLY_HEADER, Signer, call_key  # noqa: E402
+except ImportError:
+    Signer = None
+
 SECRET = "s" * 32
 CHUNK = 16
 
@@ -53,11 +60,21 @@ def make_app(tmp: Path):  # noqa: ANN201
     return create_app(book, SECRET, CoordinatorControl(), time.time), worker, engine
 
 
+SIGNER = Signer(call_key(SECRET, "")) if Signer is not None else None
+CLIENT_CPU = [0.0]  # the client's signing and checking: not the coordinator's
+
+
 async def call(app, path: str, body: msgspec.Struct):  # noqa: ANN001, ANN201
     payload = msgspec.json.encode(body)
+    started = time.thread_time()
+    if SIGNER is not None:
+        authorization, nonce = SIGNER.sign("POST", path, payload)
+    else:
+        authorization = f"Bearer {SECRET}"
+    CLIENT_CPU[0] += time.thread_time() - started
     scope = {"type": "http", "method": "POST", "path": path, "raw_path": path.encode(), "root_path": "",
              "query_string": b"", "scheme": "http", "server": ("127.0.0.1", 80), "client": ("127.0.0.1", 1),
-             "http_version": "1.1", "headers": [(b"authorization", f"Bearer {SECRET}".encode()),
+             "http_version": "1.1", "headers": [(b"authorization", authorization.encode()),
                                                 (b"content-type", b"application/json"),
                                                 (b"content-length", str(len(payload)).encode())]}
     sent: list[dict] = []
@@ -71,7 +88,14 @@ async def call(app, path: str, body: msgspec.Struct):  # noqa: ANN001, ANN201
     await app(scope, receive, send)
     if sent[0]["status"] != 200:
         raise RuntimeError(f"{path}: {sent}")
-    return b"".join(m.get("body", b"") for m in sent[1:])
+    reply = b"".join(m.get("body", b"") for m in sent[1:])
+    if SIGNER is not None:
+        started = time.thread_time()
+        signature = dict(sent[0]["headers"]).get(REPLY_HEADER.encode(), b"").decode()
+        if not SIGNER.verify_reply(nonce, 200, signature, reply):
+            raise RuntimeError(f"{path}: the answer's signature does not check")
+        CLIENT_CPU[0] += time.thread_time() - started
+    return reply
 
 
 async def measure(calls: int, repeats: int) -> dict[str, float]:
@@ -95,10 +119,11 @@ async def measure(calls: int, repeats: int) -> dict[str, float]:
                 await fn()
             samples = []
             for _ in range(repeats):
-                started = time.thread_time()
+                started, client_before = time.thread_time(), CLIENT_CPU[0]
                 for _ in range(calls):
                     await fn()
-                samples.append((time.thread_time() - started) / calls * 1e6)
+                spent = time.thread_time() - started - (CLIENT_CPU[0] - client_before)
+                samples.append(spent / calls * 1e6)
             figures[name] = statistics.median(samples)
         engine.dispose()
         return figures

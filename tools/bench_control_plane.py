@@ -112,9 +112,11 @@ class Stats:
 
 async def simulated_worker(base: str, secret: str, index: int, batch: int, stats: Stats,
                            window: tuple[float, float]) -> None:
+    from seerd.signing import Signer, call_key, httpx_auth
+
     start, end = window
-    async with httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {secret}"},
-                                 timeout=30.0) as http:
+    auth = httpx_auth(Signer(call_key(secret, base.partition("://")[2])))  # signed, as the workers' calls
+    async with httpx.AsyncClient(base_url=base, auth=auth, timeout=30.0) as http:
         worker_id = f"bench-{index}"
         response = await http.post("/v1/register", json={
             "worker_id": worker_id, "rank": index, "address": "127.0.0.1:0", "max_chunks": batch,

@@ -4,7 +4,8 @@
     python tools/bench_http_client.py [--calls 2000] [--rounds 3] [--tokens 128] [--sync]
 
 A uvicorn server in another process (the coordinator's server; a bare ASGI app that answers
-every POST with a small JSON reply, so the server's own cost is out of the client's figures)
+every POST with a small JSON reply, so the server's own cost is out of the client's figures; the
+calls of seerd's own clients go through the coordinator's signature check, as they must)
 and, in this process, one client at a time sending report-sized POSTs (two chunks of `--tokens`
 token ids and logprobs, JSON) one after another on a kept-alive connection. Per client: the
 calling thread's CPU per call (what the worker's event loop spends beside its engine) and wall
@@ -31,18 +32,27 @@ from pathlib import Path
 import msgspec
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # the checkout it is run from, not the one installed in the venv
 SERVER = """
 import sys, uvicorn
+from types import SimpleNamespace
 REPLY = b'{"results": [], "grants": [], "done": false}'
-async def app(scope, receive, send):
-    if scope["type"] != "http":
-        return
+async def bare(scope, receive, send):
     more = True
     while more:
         more = (await receive()).get("more_body", False)
     await send({"type": "http.response.start", "status": 200,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(REPLY)).encode())]})
     await send({"type": "http.response.body", "body": REPLY})
+try:  # seerd's clients sign their calls and check the answers' signatures: answer them as the coordinator
+    from seerd.coordinator.auth import SignedCalls
+    signed = SignedCalls(bare, "secret", SimpleNamespace(busy_s=0.0, calls=0, refused={}),
+                         address=f"127.0.0.1:{sys.argv[1]}")
+except ImportError:  # a checkout before signed calls
+    signed = bare
+async def app(scope, receive, send):
+    if scope["type"] == "http":
+        await (bare if scope["path"] == "/raw" else signed)(scope, receive, send)
 uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
 """
 
@@ -67,7 +77,7 @@ async def with_httpx(base: str, body: bytes, calls: int) -> tuple[float, float]:
 
     async with httpx.AsyncClient(base_url=base, headers={"Content-Type": "application/json"}) as http:
         async def call() -> None:
-            (await http.post("/v1/report", content=body)).content  # noqa: B018
+            (await http.post("/raw", content=body)).content  # noqa: B018
 
         return await timed(call, calls)
 
@@ -77,7 +87,7 @@ async def with_aiohttp(base: str, body: bytes, calls: int) -> tuple[float, float
 
     async with aiohttp.ClientSession(base_url=base, headers={"Content-Type": "application/json"}) as http:
         async def call() -> None:
-            async with http.post("/v1/report", data=body) as response:
+            async with http.post("/raw", data=body) as response:
                 await response.read()
 
         return await timed(call, calls)
@@ -109,7 +119,7 @@ async def with_httpx_sync(base: str, body: bytes, calls: int) -> tuple[float, fl
     import httpx
 
     with httpx.Client(base_url=base, headers={"Content-Type": "application/json"}) as http:
-        return timed_sync(lambda: http.post("/v1/report", content=body).content, calls)
+        return timed_sync(lambda: http.post("/raw", content=body).content, calls)
 
 
 async def with_http_client(base: str, body: bytes, calls: int) -> tuple[float, float]:
@@ -120,7 +130,7 @@ async def with_http_client(base: str, body: bytes, calls: int) -> tuple[float, f
     http = HTTPConnection(address.hostname, address.port, timeout=5)
 
     def call() -> None:
-        http.request("POST", "/v1/report", body=body, headers={"Content-Type": "application/json"})
+        http.request("POST", "/raw", body=body, headers={"Content-Type": "application/json"})
         http.getresponse().read()
 
     try:

@@ -1,8 +1,9 @@
 """The coordinator's HTTP API for workers and monitors.
 
-Every request, on every path, must carry the run's secret (`Authorization: Bearer <secret>`);
-anything else gets 401 before routing (a plain ASGI middleware), and a body larger than the run's
-limit gets 413 before it is read. Handlers hand every call into the
+Every request, on every path, must be signed with a key derived from the run's secret (no secret
+on the wire: `auth.py`, `seerd/signing.py`), or be Prometheus's `GET /metrics` with the metrics
+token; anything else gets 401 before routing (a plain ASGI middleware), and a body larger than
+the run's limit gets 413 before it is read. Handlers hand every call into the
 lease book to one state thread (`CoordinatorControl.run`) and await it: the book has a single
 owner, so its transactions never interleave, and a commit's fsync never blocks the event loop. Bodies and replies are the message types of `seerd.protocol`, decoded, validated
 and encoded with msgspec: token lists are the bulk of the traffic and pydantic's per-element
@@ -14,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import hmac
 import threading
 import time
 from collections.abc import Callable
@@ -30,6 +30,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from seerd.config import EngineConfig
+from seerd.coordinator.auth import BodyDigestMismatch, SignedCalls, body_mismatch
 from seerd.coordinator.book import LeaseBook, ReportCall, RetiredWorker, UnknownWorker
 from seerd.coordinator.drafts import DraftHost, append_items
 from seerd.coordinator.metrics import RolloutCollector, metrics_registry
@@ -74,6 +75,7 @@ class CoordinatorControl:
         self.left: set[str] = set()  # workers that said goodbye (`HeartbeatBody.leaving`) with their final figures
         self.busy_s = 0.0  # wall time inside API calls (overlapping calls count twice)
         self.calls = 0
+        self.refused: dict[str, int] = {}  # calls refused by the signature check (auth.py), by reason
         self._waiting: collections.deque[asyncio.Future] = collections.deque()  # lease calls, longest waiting first
         self._reports: list[tuple[ReportCall, asyncio.Future]] = []  # waiting for the next group commit
         self._reports_lock = threading.Lock()  # the loop appends, the state thread takes
@@ -159,30 +161,6 @@ class ApiError(Exception):
         self.code = code  # a `seerd.protocol` error code the worker acts on
 
 
-class SecretMiddleware:
-    """401 for any request without the run's bearer token; also counts calls and their wall time."""
-
-    def __init__(self, app, secret: str, control: CoordinatorControl) -> None:  # noqa: ANN001
-        self.app = app
-        self.expected = f"Bearer {secret}".encode()
-        self.control = control
-
-    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-        if not hmac.compare_digest(given, self.expected):
-            await _json(ErrorReply("missing or wrong token"), 401)(scope, receive, send)
-            return None
-        started = time.perf_counter()
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            self.control.busy_s += time.perf_counter() - started
-            self.control.calls += 1
-        return None
-
-
 class BodyLimitMiddleware:
     """413 for a body over `limit` bytes, by its Content-Length, before a byte of it is read; a body
     without one (chunked) gets 411: the workers' client always says the length."""
@@ -221,8 +199,10 @@ async def _decode(request: Request, body_type: type):  # noqa: ANN202
 
 def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
                clock: Callable[[], float] = time.time, drafts: DraftHost | None = None, *,
-               max_body_bytes: int | None = None) -> Starlette:
-    """The API; `max_body_bytes` defaults to the `body_limit` of default engines.
+               max_body_bytes: int | None = None, address: str = "",
+               metrics_token: str | None = None) -> Starlette:
+    """The API; `max_body_bytes` defaults to the `body_limit` of default engines. Calls are signed
+    for `address` (the "host:port" clients reach it at); `metrics_token` opens `GET /metrics`.
 
     Plain Starlette routes: each handler takes the request and decodes its body itself, so
     FastAPI's dependency solving and its extra middleware layer (~0.1 ms a call, every report and
@@ -378,8 +358,10 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
                                  coordinator_busy_s=control.busy_s, api_calls=control.calls,
                                  kv_pool=None if pool is None else pool.latest))
 
-    app = Starlette(routes=routes, exception_handlers={ApiError: api_error, UnknownWorker: unknown_worker},
-                    middleware=[Middleware(SecretMiddleware, secret=secret, control=control),  # outermost: 401 first
+    app = Starlette(routes=routes, exception_handlers={ApiError: api_error, UnknownWorker: unknown_worker,
+                                                       BodyDigestMismatch: body_mismatch},
+                    middleware=[Middleware(SignedCalls, secret=secret, control=control, address=address,
+                                           metrics_token=metrics_token),  # outermost: 401 first
                                 Middleware(BodyLimitMiddleware,
                                            limit=max_body_bytes or body_limit(EngineConfig(), book.chunk_tokens))])
     return app

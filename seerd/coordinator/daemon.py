@@ -26,6 +26,7 @@ from seerd.config import RunConfig
 from seerd.coordinator.api import CoordinatorControl, body_limit, create_app
 from seerd.coordinator.book import LeaseBook
 from seerd.coordinator.drafts import REFRESH_S, DraftHost, book_sequences, history_sequences
+from seerd.coordinator.guard import ConnectionGuard, api_server, limits_for, raise_open_files_limit
 from seerd.coordinator.kvpool import PoolHost, model_revision, run_tag
 from seerd.coordinator.model_identity import verify_model
 from seerd.cpu import CpuSnapshot
@@ -125,6 +126,7 @@ class Coordinator:
         self.cpu_started = CpuSnapshot.now()
         self._stop_reason: str | None = None
         self._server: uvicorn.Server | None = None
+        self.guard: ConnectionGuard | None = None  # the API's connection limits and their counters
         self.initial_status = rollout.status
         self.load: dict | None = None
         self.expected_workers = expected_workers or self.config.workers
@@ -227,6 +229,10 @@ class Coordinator:
                 add_event(session, self.rollout_id, now, "rollout_resumed",
                           data={"previous_status": self.initial_status.value, **self.book.counts()})
         self.book.set_rollout_status(RolloutStatus.RUNNING, now)
+        # Fresh credentials for this start, before anything (the KV pool's engines, workers) reads them.
+        secret, metrics_token = self.run_dir.rotate_secret(), self.run_dir.rotate_metrics_token()
+        open_files = raise_open_files_limit(self.expected_workers)
+        guard = ConnectionGuard(limits_for(self.expected_workers, open_files))
 
         # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets that name it, and without
         # it every response waited ~40 ms for the client's delayed ACK (Nagle).
@@ -239,15 +245,14 @@ class Coordinator:
             address = await asyncio.get_running_loop().run_in_executor(None, self.pool.start)
             await self.control.run(self.record_event, "kv_pool_started",
                                    {"master": address.master, "generation": address.generation})
-        app = create_app(self.book, self.run_dir.read_secret(), self.control, self.clock, self.drafts,
-                         max_body_bytes=body_limit(self.config.engine, self.config.chunk_tokens))
+        app = create_app(self.book, secret, self.control, self.clock, self.drafts,
+                         max_body_bytes=body_limit(self.config.engine, self.config.chunk_tokens),
+                         address=f"{host}:{port}", metrics_token=metrics_token)
         app.state.engine_settings = self.engine_settings()
         app.state.kv_pool = self.pool
         self.control.scheduling_gate = self._gate
-        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", loop="none",
-                                http="httptools")
-        self._server = uvicorn.Server(config)
-        self._server.install_signal_handlers = lambda: None  # ours are below, in one place
+        self._server = api_server(app, guard)  # signal handlers are ours, below, in one place
+        self.guard = guard
         loop = asyncio.get_running_loop()
         actions = self._signal_actions()
         previous = {signum: signal.getsignal(signum) for signum in actions}

@@ -29,6 +29,7 @@ from seerd.protocol import (
     DRAFTS_APPEND, DRAFTS_FETCH, DraftAppendBody, DraftAppendItem, DraftAppendResult, DraftChanges, DraftFetchBody,
     Endpoint, decode_reply,
 )
+from seerd.signing import REPLY_HEADER, STALE_TIMESTAMP, Signer, call_key
 
 log = logging.getLogger("seerd.drafts")
 
@@ -56,11 +57,12 @@ class DraftTransportError(RuntimeError):
 
 
 class HttpTransport:
-    """The draft server's two calls over the coordinator's API (bearer secret on every call), on
-    one kept-alive connection of the standard library's `http.client`: the sync thread calls
-    twice per `sync_interval_s` beside a busy engine, and per call it costs a fraction of
-    httpx's CPU (`tools/bench_http_client.py --sync`). Any failure raises; the sync loop then
-    makes a new transport."""
+    """The draft server's two calls over the coordinator's API (signed, and only signed answers
+    believed: `seerd.signing`), on one kept-alive connection of the standard library's
+    `http.client`: the sync thread calls twice per `sync_interval_s` beside a busy engine, and per
+    call it costs a fraction of httpx's CPU (`tools/bench_http_client.py --sync`). Any failure
+    raises; the sync loop then makes a new transport, which reads the run directory again (a
+    restarted coordinator has a new address and secret)."""
 
     def __init__(self, base_url: str, secret: str, timeout_s: float = 2.0) -> None:
         from http.client import HTTPConnection
@@ -68,7 +70,8 @@ class HttpTransport:
 
         address = urlsplit(base_url)
         self._http = HTTPConnection(address.hostname, address.port, timeout=timeout_s)
-        self._headers = {"Authorization": f"Bearer {secret}", "Content-Type": "application/json"}
+        self._signer = Signer(call_key(secret, address.netloc))
+        self._headers = {"Content-Type": "application/json"}
 
     @classmethod
     def from_run_dir(cls, run_dir: str) -> HttpTransport:
@@ -87,12 +90,21 @@ class HttpTransport:
         return self._post(DRAFTS_FETCH, DraftFetchBody(cursors))
 
     def _post(self, endpoint: Endpoint, body: msgspec.Struct):  # noqa: ANN202
-        self._http.request("POST", endpoint.path, body=msgspec.json.encode(body), headers=self._headers)
-        response = self._http.getresponse()
-        content = response.read()
+        content = msgspec.json.encode(body)
+        for _ in range(2):  # a second time only when the coordinator's signed answer corrected our clock
+            authorization, nonce = self._signer.sign("POST", endpoint.path, content)
+            self._http.request("POST", endpoint.path, body=content,
+                               headers={**self._headers, "Authorization": authorization})
+            response = self._http.getresponse()
+            reply = response.read()
+            if not self._signer.verify_reply(nonce, response.status, response.getheader(REPLY_HEADER), reply):
+                raise DraftTransportError(f"POST {endpoint.path} -> {response.status} without the run's "
+                                          f"coordinator's signature")
+            if not (response.status == 401 and STALE_TIMESTAMP.encode() in reply):
+                break
         if response.status >= 400:
-            raise DraftTransportError(f"POST {endpoint.path} -> {response.status}: {content[:200]!r}")
-        return decode_reply(endpoint, content)
+            raise DraftTransportError(f"POST {endpoint.path} -> {response.status}: {reply[:200]!r}")
+        return decode_reply(endpoint, reply)
 
     def close(self) -> None:
         self._http.close()

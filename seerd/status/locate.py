@@ -16,6 +16,7 @@ from pathlib import Path
 
 from seerd.protocol import STATUS, BadReply, StatusReply, decode_reply
 from seerd.rundir import RunDir, RunDirError, write_private
+from seerd.signing import Signer, call_key, httpx_auth
 from seerd.status.snapshot import UnknownRun
 
 COORDINATOR_TIMEOUT_S = 0.5  # a hung coordinator must not hang the status view
@@ -68,7 +69,11 @@ def resolve_run(target: str) -> Path:
 
 
 def ask_coordinator(run_dir: Path) -> StatusReply | None:
-    """The coordinator's status endpoint, or None when it is not running (or does not answer as expected)."""
+    """The coordinator's status endpoint, or None when it is not running (or does not answer as expected).
+
+    The call is signed, never carrying the secret, and only an answer signed by the run's
+    coordinator counts: after a kill -9, `coordinator.json` still names its old port, and whatever
+    listens there now learns nothing usable and cannot pass for the coordinator."""
     import httpx
 
     rundir = RunDir(run_dir)
@@ -79,10 +84,10 @@ def ask_coordinator(run_dir: Path) -> StatusReply | None:
         return None
     try:
         reply = httpx.get(f"http://{host}:{port}{STATUS.path}", timeout=COORDINATOR_TIMEOUT_S,
-                          headers={"Authorization": f"Bearer {secret}"})
+                          auth=httpx_auth(Signer(call_key(secret, f"{host}:{port}"))))
     except httpx.HTTPError:
         return None
-    if reply.status_code != 200:
+    if reply.status_code != 200 or not reply.extensions.get("seerd_verified"):
         return None
     try:
         return decode_reply(STATUS, reply.content)

@@ -1,5 +1,6 @@
-"""The worker's HTTP client for the coordinator: the secret on every call, retries on network errors
-and 5xx answers, replies decoded into their `seerd.protocol` types.
+"""The worker's HTTP client for the coordinator: every call signed and every answer's signature
+checked (`seerd.signing`: the secret never leaves the node), retries on network errors and 5xx
+answers, replies decoded into their `seerd.protocol` types.
 
 On aiohttp, not httpx: a worker's event loop shares two cores with the engines here (and its
 engine's core on any node), and per call aiohttp costs about a third of httpx's CPU
@@ -7,7 +8,11 @@ engine's core on any node), and per call aiohttp costs about a third of httpx's 
 
 What ends a worker is the coordinator gone (no answer at all) for longer than its patience
 (`CoordinatorGone`); an answer, whatever its status, never does: a 5xx is retried, a 4xx is the
-caller's to handle (`NotRegistered`, `CoordinatorRefused`).
+caller's to handle (`NotRegistered`, `CoordinatorRefused`). An answer without the coordinator's
+signature is no answer: whatever listens at the address is not the run's coordinator (or not the
+one whose secret this client holds). While there is no answer, a client made `from_run_dir` reads
+the run directory again: a restarted coordinator has a new address and a new secret, and the
+worker follows it (then registers again, on the new coordinator's 404).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import msgspec
 
 from seerd.protocol import UNKNOWN_WORKER, WORKER_RETIRED, Endpoint, ErrorReply, ReplyT, decode_reply
 from seerd.rundir import RunDir, RunDirError
+from seerd.signing import REPLY_HEADER, STALE_TIMESTAMP, Signer, call_key
 
 log = logging.getLogger("seerd.worker")
 
@@ -94,17 +100,22 @@ class CallTimings:
 
 class CoordinatorClient:
     def __init__(self, base_url: str, secret: str, *, patience_s: float = 60.0,
-                 timings: CallTimings | None = None) -> None:
-        self.base_url = base_url
+                 timings: CallTimings | None = None, run_dir: RunDir | None = None) -> None:
         self.patience_s = patience_s
         self.timings = timings
-        self._headers = {"Authorization": f"Bearer {secret}", "Content-Type": "application/json"}
+        self.run_dir = run_dir  # read again while the coordinator does not answer (`refresh`)
         self._http: aiohttp.ClientSession | None = None  # made in the event loop that uses it
+        self._use(base_url, secret)
+
+    def _use(self, base_url: str, secret: str) -> None:
+        self.base_url = base_url
+        self._secret = secret
+        self._signer = Signer(call_key(secret, base_url.partition("://")[2].rstrip("/")))
 
     def _session(self) -> aiohttp.ClientSession:
         if self._http is None:
             self._http = aiohttp.ClientSession(
-                base_url=self.base_url, headers=self._headers,
+                base_url=self.base_url, headers={"Content-Type": "application/json"},
                 timeout=aiohttp.ClientTimeout(total=CALL_TIMEOUT_S, connect=CONNECT_TIMEOUT_S))
         return self._http
 
@@ -112,16 +123,40 @@ class CoordinatorClient:
     async def from_run_dir(cls, run_dir: RunDir, *, address_timeout_s: float = 120.0,
                            patience_s: float = 60.0, timings: CallTimings | None = None) -> CoordinatorClient:
         host, port = await wait_for_address(run_dir, address_timeout_s)
-        return cls(f"http://{host}:{port}", run_dir.read_secret(), patience_s=patience_s, timings=timings)
+        return cls(f"http://{host}:{port}", run_dir.read_secret(), patience_s=patience_s, timings=timings,
+                   run_dir=run_dir)
+
+    async def refresh(self) -> bool:
+        """Read the coordinator's address and secret again (a restarted coordinator writes new
+        ones); True when they changed and the next call goes to the new coordinator."""
+        if self.run_dir is None:
+            return False
+        try:
+            host, port = self.run_dir.read_address()
+            secret = self.run_dir.read_secret()
+        except RunDirError:
+            return False
+        base_url = f"http://{host}:{port}"
+        if base_url == self.base_url and secret == self._secret:
+            return False
+        log.warning("the run's coordinator is now at %s (it restarted): following it", base_url)
+        await self.close()
+        self._use(base_url, secret)
+        return True
 
     async def close(self) -> None:
         if self._http is not None:
             await self._http.close()
             self._http = None
 
-    async def _send(self, method: str, path: str, content: bytes | None) -> tuple[int, bytes]:
-        async with self._session().request(method, path, data=content) as response:
-            return response.status, await response.read()
+    async def _send(self, method: str, path: str, content: bytes | None) -> tuple[int, bytes, bool]:
+        """One signed call: its status, its body and whether the answer bears the coordinator's signature."""
+        authorization, nonce = self._signer.sign(method, path, content)
+        async with self._session().request(method, path, data=content,
+                                           headers={"Authorization": authorization}) as response:
+            body = await response.read()
+            return response.status, body, self._signer.verify_reply(
+                nonce, response.status, response.headers.get(REPLY_HEADER), body)
 
     async def call(self, endpoint: Endpoint[Any, ReplyT], body: msgspec.Struct | None = None) -> ReplyT:
         """One API call; the reply decoded as the endpoint's type (`BadReply` if it is not one).
@@ -136,37 +171,55 @@ class CoordinatorClient:
         backoff = Backoff()
         unreachable_since: float | None = None
         content = None if body is None else msgspec.json.encode(body)
+        clock_corrected = False
         while True:
             sent_at = time.monotonic()
             try:
-                status, reply = await self._send(endpoint.method, endpoint.path, content)
+                status, reply, signed = await self._send(endpoint.method, endpoint.path, content)
             except TRANSPORT_ERRORS as exc:
-                if unreachable_since is None:
-                    unreachable_since = time.monotonic()
-                if time.monotonic() - unreachable_since > self.patience_s:
-                    raise CoordinatorGone(f"coordinator at {self.base_url} unreachable for "
-                                          f"{self.patience_s:.0f}s: {exc}") from exc
-                await asyncio.sleep(backoff.next())
+                problem: object = exc
+            else:
+                if signed and status == 401 and not clock_corrected and STALE_TIMESTAMP.encode() in reply:
+                    clock_corrected = True  # the signed reply set our clock to the coordinator's: again
+                    continue
+                if signed and status >= 500:  # the coordinator is there but failed the call (a commit, say)
+                    unreachable_since = None
+                    wait = backoff.next()
+                    log.warning("%s %s -> %d (%s); again in %.1fs", endpoint.method, endpoint.path,
+                                status, reply[:200].decode(errors="replace"), wait)
+                    await asyncio.sleep(wait)
+                    continue
+                if signed:
+                    return self._answered(endpoint, status, reply, sent_at)
+                problem = f"an answer ({status}) without the run's coordinator's signature"
+            # No answer from the run's coordinator: it may have restarted elsewhere, with a new secret.
+            if unreachable_since is None:
+                unreachable_since = time.monotonic()
+                if not isinstance(problem, BaseException):
+                    log.warning("%s %s at %s: %s; reading the run directory again", endpoint.method,
+                                endpoint.path, self.base_url, problem)
+            if time.monotonic() - unreachable_since > self.patience_s:
+                raise CoordinatorGone(f"coordinator at {self.base_url} unreachable for "
+                                      f"{self.patience_s:.0f}s: {problem}")
+            if await self.refresh():
+                backoff.reset()
                 continue
-            unreachable_since = None
-            if status >= 500:
-                wait = backoff.next()
-                log.warning("%s %s -> %d (%s); again in %.1fs", endpoint.method, endpoint.path,
-                            status, reply[:200].decode(errors="replace"), wait)
-                await asyncio.sleep(wait)
-                continue
-            if status >= 400:
-                error = _error_reply(reply)
-                if error.code == UNKNOWN_WORKER:
-                    raise NotRegistered(error.detail)
-                if error.code == WORKER_RETIRED:
-                    raise Retired(error.detail)
-                raise CoordinatorRefused(status, f"{endpoint.method} {endpoint.path}: {error.detail}")
-            decoded = decode_reply(endpoint, reply)
-            if self.timings is not None:
-                waited = getattr(decoded, "waited_s", 0.0)
-                self.timings.record(endpoint.path, time.monotonic() - sent_at - waited)
-            return decoded
+            await asyncio.sleep(backoff.next())
+
+    def _answered(self, endpoint: Endpoint[Any, ReplyT], status: int, reply: bytes, sent_at: float) -> ReplyT:
+        """The reply of a signed answer below 500; a 4xx raises."""
+        if status >= 400:
+            error = _error_reply(reply)
+            if error.code == UNKNOWN_WORKER:
+                raise NotRegistered(error.detail)
+            if error.code == WORKER_RETIRED:
+                raise Retired(error.detail)
+            raise CoordinatorRefused(status, f"{endpoint.method} {endpoint.path}: {error.detail}")
+        decoded = decode_reply(endpoint, reply)
+        if self.timings is not None:
+            waited = getattr(decoded, "waited_s", 0.0)
+            self.timings.record(endpoint.path, time.monotonic() - sent_at - waited)
+        return decoded
 
     async def call_until_answered(self, endpoint: Endpoint[Any, ReplyT], body: msgspec.Struct | None = None) -> ReplyT:
         """`call`, with a 4xx logged and the call sent again after a backoff: for the calls a

@@ -66,8 +66,12 @@ def scrape(run_dir: Path) -> dict:
     rundir = RunDir(run_dir)
     host, port = rundir.read_address()
     url = f"http://{host}:{port}/metrics"
-    assert httpx.get(url, timeout=5).status_code == 401  # the run's token, as everywhere else
-    reply = httpx.get(url, headers={"Authorization": f"Bearer {rundir.read_secret()}"}, timeout=5)
+    assert httpx.get(url, timeout=5).status_code == 401  # a credential, as everywhere else
+    secret = {"Authorization": f"Bearer {rundir.read_secret()}"}  # never sent, and no good if it were
+    assert httpx.get(url, headers=secret, timeout=5).status_code == 401
+    # What Prometheus sends: its static bearer token, read from `credentials_file: RUN_DIR/metrics-token`.
+    token = {"Authorization": f"Bearer {rundir.metrics_token_path.read_text()}"}
+    reply = httpx.get(url, headers=token, timeout=5)
     assert reply.status_code == 200
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(reply.text) for s in family.samples}

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,30 +23,57 @@ from seerd.db.migrate import upgrade
 from seerd.io.prompts import PromptRow
 from seerd.protocol import parse_engine_id
 from seerd.scheduler import make_policy
+from seerd.signing import Signer, call_key, httpx_auth
 from seerd.worker.engine import ChunkResult, StepClock, Stream, run_whole
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-@contextlib.asynccontextmanager
-async def served(app) -> AsyncIterator[str]:  # noqa: ANN001
-    """`app` served by uvicorn on a free loopback port, as the coordinator serves its API: its
-    base URL, for a real client over a real socket."""
-    import uvicorn
+def loopback_socket() -> tuple[socket.socket, str]:
+    """A socket bound to a free loopback port, and its "host:port": the API signs for the address
+    its clients reach it at (`create_app(..., address=...)`), so tests bind before they build it."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.bind(("127.0.0.1", 0))
+    host, port = sock.getsockname()[:2]
+    return sock, f"{host}:{port}"
 
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
-    serving = asyncio.create_task(server.serve())
+
+def signed_auth(secret: str, address: str = "", signer: Signer | None = None):  # noqa: ANN201
+    """An httpx auth that signs calls to an API created with `secret` and `address` ("" in process),
+    or with `signer`, for httpx clients and Starlette's TestClient (on httpx2 when installed)."""
+    signer = signer or Signer(call_key(secret, address))
+    try:
+        import httpx2
+    except ImportError:
+        return httpx_auth(signer)
+    return httpx_auth(signer, httpx2.Auth)
+
+
+@contextlib.asynccontextmanager
+async def served(app, sock: socket.socket | None = None, guard=None) -> AsyncIterator[str]:  # noqa: ANN001
+    """`app` served on `sock` (else a free loopback port) by the coordinator's own server
+    (`guard.api_server`: httptools behind the connection guard): its base URL, for a real client
+    over a real socket."""
+    from seerd.coordinator.guard import ConnectionGuard, api_server
+
+    if sock is None:
+        sock, _ = loopback_socket()
+    server = api_server(app, guard or ConnectionGuard())
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:
         if serving.done():
             serving.result()  # it failed to start: raise why
             raise RuntimeError("uvicorn stopped before it started")
         await asyncio.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
+    host, port = sock.getsockname()[:2]
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://{host}:{port}"
     finally:
         server.should_exit = True
         await serving
+        sock.close()
+
+
 # A process that owns RUN_DIR (pretending to live on HOST when given) until it is killed.
 HOLD = """
 import socket, sys, time

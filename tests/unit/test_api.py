@@ -1,4 +1,4 @@
-"""The coordinator's HTTP API: the secret on every endpoint, and the lease/report round trip."""
+"""The coordinator's HTTP API: a signature on every endpoint, and the lease/report round trip."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from seerd.protocol import (
     RegisterReply, ReportBody, ReportReply, ReportResult,
 )
 from seerd.worker.client import CoordinatorClient, NotRegistered
-from tests.unit.helpers import FakeClock, make_book, rows, served
+from tests.unit.helpers import FakeClock, loopback_socket, make_book, rows, served, signed_auth
 
 SECRET = "s3cret-token"
 REGISTER = {"worker_id": "w", "rank": 0, "address": "x", "max_chunks": 1, "kv_capacity_tokens": 100}
@@ -40,31 +40,38 @@ def client(tmp_path):
     app = create_app(book, SECRET, CoordinatorControl(), clock)
     app.state.engine_settings = EngineSettings("m", {}, 0)
     with TestClient(app) as test_client:
+        test_client.auth = signed_auth(SECRET)
         test_client.clock = clock
         test_client.book = book
         yield test_client
 
 
 @pytest.mark.parametrize("method,path,body", ENDPOINTS)
-@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": SECRET},
-                                     {"Authorization": f"Basic {SECRET}"}])
-def test_missing_or_wrong_token_is_401_everywhere(client, method, path, body, headers):
-    response = client.request(method, path, json=body, headers=headers)
+@pytest.mark.parametrize("auth", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": SECRET},
+                                  {"Authorization": f"Bearer {SECRET}"}, {"Authorization": f"Basic {SECRET}"},
+                                  signed_auth("another secret"), signed_auth(SECRET, "127.0.0.1:8000")])
+def test_an_unsigned_or_wrongly_signed_call_is_401_everywhere(client, method, path, body, auth):
+    """The secret itself opens nothing (it is never sent); a signature with another key, or for
+    another address, neither."""
+    if isinstance(auth, dict):
+        response = client.request(method, path, json=body, headers=auth, auth=None)
+    else:
+        response = client.request(method, path, json=body, auth=auth)
     assert response.status_code == 401
+    assert response.headers["connection"] == "close"
     assert client.book.workers == {}  # nothing happened
 
 
 def test_round_trip_with_the_token(client):
-    auth = {"Authorization": f"Bearer {SECRET}"}
-    reg = client.post("/v1/register", json=REGISTER, headers=auth).json()
-    lease = client.post("/v1/lease", json={"worker_id": reg["worker_id"], "wanted": 4}, headers=auth).json()
+    reg = client.post("/v1/register", json=REGISTER).json()
+    lease = client.post("/v1/lease", json={"worker_id": reg["worker_id"], "wanted": 4}).json()
     (grant,) = lease["chunks"]
     report = {"chunk_id": grant["chunk_id"], "epoch": grant["epoch"], "token_ids": [5] * 16,
               "logprobs": [-0.1] * 16, "finish_reason": "length"}
     body = {"worker_id": reg["worker_id"], "reports": [report, report]}
-    results = client.post("/v1/report", json=body, headers=auth).json()["results"]
+    results = client.post("/v1/report", json=body).json()["results"]
     assert [(r["accepted"], r["duplicate"]) for r in results] == [(True, False), (True, True)]
-    status = client.get("/v1/status", headers=auth).json()
+    status = client.get("/v1/status").json()
     assert status["output_tokens"] == 16 and status["requests_done"] == 0
 
 
@@ -72,12 +79,11 @@ def test_metrics_follow_the_book(client):
     """/metrics (Prometheus text) agrees with the book: queue, leases, tokens, per-worker gauges."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    auth = {"Authorization": f"Bearer {SECRET}"}
-    reg = client.post("/v1/register", json=REGISTER, headers=auth).json()
+    reg = client.post("/v1/register", json=REGISTER).json()
     worker = reg["worker_id"]
 
     def scrape() -> dict:
-        response = client.get("/metrics", headers=auth)
+        response = client.get("/metrics")
         assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
         return {(s.name, tuple(sorted(s.labels.items()))): s.value
                 for family in text_string_to_metric_families(response.text) for s in family.samples}
@@ -85,9 +91,9 @@ def test_metrics_follow_the_book(client):
     before = scrape()
     assert before[("seerd_queue_depth", (("kind", "probe"),))] == 1  # one group of one: its probe
     assert before[("seerd_leases_in_flight", ())] == 0
-    (grant,) = client.post("/v1/lease", json={"worker_id": worker, "wanted": 1}, headers=auth).json()["chunks"]
+    (grant,) = client.post("/v1/lease", json={"worker_id": worker, "wanted": 1}).json()["chunks"]
     client.post("/v1/heartbeat", json={"worker_id": worker, "running": [grant["chunk_id"]],
-                                       "stats": {"tokens_per_s_recent": 42.0, "kv_usage": 0.5}}, headers=auth)
+                                       "stats": {"tokens_per_s_recent": 42.0, "kv_usage": 0.5}})
     during = scrape()
     assert during[("seerd_leases_in_flight", ())] == 1
     assert during[("seerd_requests", (("state", "running"),))] == 1
@@ -97,7 +103,7 @@ def test_metrics_follow_the_book(client):
     assert during[("seerd_output_tokens_per_second", ())] == 42.0
     report = {"chunk_id": grant["chunk_id"], "epoch": grant["epoch"], "token_ids": [5] * 3, "logprobs": [-0.1] * 3,
               "finish_reason": "stop"}
-    client.post("/v1/report", json={"worker_id": worker, "reports": [report]}, headers=auth)
+    client.post("/v1/report", json={"worker_id": worker, "reports": [report]})
     after = scrape()
     assert after[("seerd_output_tokens_total", ())] == 3
     assert after[("seerd_requests", (("state", "finished"),))] == 1
@@ -105,16 +111,13 @@ def test_metrics_follow_the_book(client):
 
 
 def test_unknown_worker_gets_404_with_its_code_and_a_bad_report_is_rejected_alone(client):
-    auth = {"Authorization": f"Bearer {SECRET}"}
-    response = client.post("/v1/lease", json={"worker_id": "ghost", "wanted": 1}, headers=auth)
+    response = client.post("/v1/lease", json={"worker_id": "ghost", "wanted": 1})
     assert response.status_code == 404 and response.json()["code"] == protocol.UNKNOWN_WORKER
-    reg = client.post("/v1/register", json=REGISTER, headers=auth).json()
-    (grant,) = client.post("/v1/lease", json={"worker_id": reg["worker_id"], "wanted": 1},
-                           headers=auth).json()["chunks"]
+    reg = client.post("/v1/register", json=REGISTER).json()
+    (grant,) = client.post("/v1/lease", json={"worker_id": reg["worker_id"], "wanted": 1}).json()["chunks"]
     too_long = {"chunk_id": grant["chunk_id"], "epoch": grant["epoch"], "token_ids": [1] * 999,
                 "logprobs": [0.0] * 999, "finish_reason": "length"}
-    response = client.post("/v1/report", json={"worker_id": reg["worker_id"], "reports": [too_long]},
-                           headers=auth)
+    response = client.post("/v1/report", json={"worker_id": reg["worker_id"], "reports": [too_long]})
     assert response.status_code == 200
     (result,) = response.json()["results"]
     assert not result["accepted"] and "budget" in result["reason"]
@@ -126,11 +129,11 @@ def test_long_poll_lease_wakes_when_a_chunk_is_requeued(tmp_path):
     clock = FakeClock()
     book = make_book(tmp_path, prompt_rows=rows(groups=1, n=1, max_tokens=40), now=clock())
     app = create_app(book, SECRET, CoordinatorControl(), clock)
-    auth = {"Authorization": f"Bearer {SECRET}"}
 
     async def scenario():
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://coordinator", headers=auth) as http:
+        async with httpx.AsyncClient(transport=transport, base_url="http://coordinator",
+                                     auth=signed_auth(SECRET)) as http:
             ids = []
             for rank in (0, 1):
                 body = {**REGISTER, "worker_id": f"w{rank}", "rank": rank}
@@ -154,11 +157,12 @@ def test_long_poll_lease_wakes_when_a_chunk_is_requeued(tmp_path):
 def test_the_worker_client_gets_typed_replies(tmp_path):
     clock = FakeClock()
     book = make_book(tmp_path, prompt_rows=rows(groups=1, n=1, max_tokens=20), now=clock())
-    app = create_app(book, SECRET, CoordinatorControl(), clock)
+    sock, address = loopback_socket()
+    app = create_app(book, SECRET, CoordinatorControl(), clock, address=address)
     app.state.engine_settings = EngineSettings("m", {"max_num_seqs": 2}, 0)
 
     async def scenario() -> None:
-        async with served(app) as url:
+        async with served(app, sock) as url:
             await calls(CoordinatorClient(url, SECRET, patience_s=1.0))
 
     async def calls(client: CoordinatorClient) -> None:
@@ -183,14 +187,19 @@ def test_the_worker_client_gets_typed_replies(tmp_path):
 
 
 def test_the_worker_client_says_when_a_reply_is_not_its_type():
+    from seerd.coordinator.auth import SignedCalls
+
     async def not_a_lease_reply(scope, receive, send) -> None:  # noqa: ANN001
         body = b'{"chunks": [{"chunk_id": 1}], "done": false}'
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
 
+    sock, address = loopback_socket()  # signed as the coordinator signs: believed, then decoded
+    app = SignedCalls(not_a_lease_reply, SECRET, CoordinatorControl(), address=address)
+
     async def scenario() -> None:
-        async with served(not_a_lease_reply) as url:
+        async with served(app, sock) as url:
             client = CoordinatorClient(url, SECRET)
             with pytest.raises(BadReply, match="POST /v1/lease: the reply is not a LeaseReply"):
                 await client.call(protocol.LEASE, LeaseBody("w", 1))
@@ -199,14 +208,14 @@ def test_the_worker_client_says_when_a_reply_is_not_its_type():
     asyncio.run(scenario())
 
 
-def drafts_app(tmp_path):  # noqa: ANN201
+def drafts_app(tmp_path, address: str = ""):  # noqa: ANN201
     """An API with a grouped draft server over a book of 2 groups x 2: (app, book, draft host)."""
     from seerd.coordinator.drafts import DraftHost
 
     clock = FakeClock()
     book = make_book(tmp_path, prompt_rows=rows(groups=2, n=2, max_tokens=20), now=clock())
     host = DraftHost()
-    app = create_app(book, SECRET, CoordinatorControl(), clock, host)
+    app = create_app(book, SECRET, CoordinatorControl(), clock, host, address=address)
     host.register(list(book.state.groups))
     return app, book, host
 
@@ -215,6 +224,7 @@ def drafts_app(tmp_path):  # noqa: ANN201
 def drafts_client(tmp_path):
     app, book, host = drafts_app(tmp_path)
     with TestClient(app) as test_client:
+        test_client.auth = signed_auth(SECRET)
         test_client.book = book
         yield test_client
     host.close()
@@ -224,44 +234,41 @@ def drafts_client(tmp_path):
                                        ("/v1/drafts/stats", None)])
 def test_draft_server_endpoints_need_the_token(drafts_client, path, body):
     method = "GET" if body is None else "POST"
-    assert drafts_client.request(method, path, json=body).status_code == 401
-    assert drafts_client.request(method, path, json=body, headers={"Authorization": "Bearer no"}).status_code == 401
+    assert drafts_client.request(method, path, json=body, auth=None).status_code == 401
+    assert drafts_client.request(method, path, json=body, auth=signed_auth("no")).status_code == 401
 
 
 def test_draft_server_append_and_fetch_over_http(drafts_client):
-    auth = {"Authorization": f"Bearer {SECRET}"}
     group = min(drafts_client.book.state.groups)
     items = [{"group": group, "request": 7, "prev_count": 0, "tokens": [1, 2, 3]},
              {"group": group, "request": 7, "prev_count": 0, "tokens": [1, 2, 3]},  # a retry: no-op
              {"group": 999, "request": 1, "prev_count": 0, "tokens": [4]}]
-    results = drafts_client.post("/v1/drafts/append", json={"items": items}, headers=auth).json()["results"]
+    results = drafts_client.post("/v1/drafts/append", json={"items": items}).json()["results"]
     assert [r["ok"] for r in results] == [True, True, False]
     assert results[1]["count"] == 3 and "999" in results[2]["error"]
     fetched = drafts_client.post("/v1/drafts/fetch", json={"cursors": {str(group): {"7": [results[0]["gen"], 1]},
-                                                                      "999": {}}}, headers=auth).json()
+                                                                      "999": {}}}).json()
     assert fetched["changes"] == {str(group): {"7": [results[0]["gen"], 1, [2, 3]]}}
     assert fetched["unknown"] == [999]
-    bad = drafts_client.post("/v1/drafts/append", json={"items": [{"group": "x"}]}, headers=auth)
+    bad = drafts_client.post("/v1/drafts/append", json={"items": [{"group": "x"}]})
     assert bad.status_code == 422
-    bad = drafts_client.post("/v1/drafts/fetch", json={"cursors": {"g": {"1": [0, 0]}}}, headers=auth)
+    bad = drafts_client.post("/v1/drafts/fetch", json={"cursors": {"g": {"1": [0, 0]}}})
     assert bad.status_code == 422
-    bad = drafts_client.post("/v1/drafts/fetch", json={"cursors": {str(group): {"7": [-1, 0]}}}, headers=auth)
+    bad = drafts_client.post("/v1/drafts/fetch", json={"cursors": {str(group): {"7": [-1, 0]}}})
     assert bad.status_code == 422 and "ints >= 0" in bad.json()["detail"]
 
 
 def test_draft_endpoints_say_when_the_run_has_no_draft_server(client):
-    auth = {"Authorization": f"Bearer {SECRET}"}
-    response = client.post("/v1/drafts/fetch", json={"cursors": {}}, headers=auth)
+    response = client.post("/v1/drafts/fetch", json={"cursors": {}})
     assert response.status_code == 404 and "--spec" in response.json()["detail"]
 
 
 def test_registration_carries_the_engines_kv_block_and_refuses_an_impossible_one(client):
-    auth = {"Authorization": f"Bearer {SECRET}"}
-    bad = client.post("/v1/register", json={**REGISTER, "kv_block_tokens": 101}, headers=auth)  # > capacity 100
+    bad = client.post("/v1/register", json={**REGISTER, "kv_block_tokens": 101})  # > capacity 100
     assert bad.status_code == 422 and "kv_block_tokens" in bad.json()["detail"]
-    reg = client.post("/v1/register", json={**REGISTER, "kv_block_tokens": 16}, headers=auth).json()
+    reg = client.post("/v1/register", json={**REGISTER, "kv_block_tokens": 16}).json()
     assert client.book.state.workers[reg["worker_id"]].kv_block_tokens == 16
-    (grant,) = client.post("/v1/lease", json={"worker_id": reg["worker_id"], "wanted": 1}, headers=auth).json()["chunks"]
+    (grant,) = client.post("/v1/lease", json={"worker_id": reg["worker_id"], "wanted": 1}).json()["chunks"]
     # The chunk reserves its context + budget rounded up to whole blocks of 16.
     assert client.book.state.workers[reg["worker_id"]].kv_reserved % 16 == 0
 
@@ -270,7 +277,8 @@ def test_the_draft_sync_threads_transport_appends_and_fetches_over_a_real_socket
     from seerd.drafts.client import DraftTransportError, HttpTransport
     from seerd.protocol import DraftAppendItem
 
-    app, book, host = drafts_app(tmp_path)
+    sock, address = loopback_socket()
+    app, book, host = drafts_app(tmp_path, address)
     group = min(book.state.groups)
 
     def sync_thread_calls(url: str) -> tuple:  # blocking, as on the worker's draft sync thread
@@ -278,14 +286,14 @@ def test_the_draft_sync_threads_transport_appends_and_fetches_over_a_real_socket
         appended = transport.append([DraftAppendItem(group, 7, 0, [1, 2, 3])])
         fetched = transport.fetch({group: {7: (appended[0].gen, 1)}})
         stranger = HttpTransport(url, "not the secret")
-        with pytest.raises(DraftTransportError, match="401"):
+        with pytest.raises(DraftTransportError, match="401 without the run's coordinator's signature"):
             stranger.append([DraftAppendItem(group, 7, 3, [4])])
         for t in (transport, stranger):
             t.close()
         return appended, fetched
 
     async def scenario() -> tuple:
-        async with served(app) as url:
+        async with served(app, sock) as url:
             return await asyncio.to_thread(sync_thread_calls, url)
 
     appended, fetched = asyncio.run(scenario())

@@ -15,10 +15,9 @@ from seerd.coordinator.api import CoordinatorControl, body_limit, create_app
 from seerd.coordinator.reports import LOGPROB_ROUNDING, report_problem
 from seerd.db import Chunk, ChunkStatus, Event, Request, RequestStatus
 from seerd.protocol import ChunkReport
-from tests.unit.helpers import VOCAB_SIZE, FakeClock, make_book, rows
+from tests.unit.helpers import VOCAB_SIZE, FakeClock, make_book, rows, signed_auth
 
 SECRET = "s3cret-token"
-AUTH = {"Authorization": f"Bearer {SECRET}"}
 
 
 def report(token_ids: list[int], logprobs: list[float], finish_reason: str = "length") -> ChunkReport:
@@ -94,43 +93,44 @@ def api(tmp_path):
     book = make_book(tmp_path, chunk_tokens=4, prompt_rows=rows(groups=1, n=2, max_tokens=8), now=clock())
     app = create_app(book, SECRET, CoordinatorControl(), clock, max_body_bytes=4096)
     with TestClient(app) as client:
+        client.auth = signed_auth(SECRET)
         worker = client.post("/v1/register", json={"worker_id": "w", "rank": 0, "address": "x", "max_chunks": 2,
-                                                   "kv_capacity_tokens": 10_000}, headers=AUTH).json()["worker_id"]
+                                                   "kv_capacity_tokens": 10_000}).json()["worker_id"]
         client.worker = worker
         client.book = book
         yield client
 
 
 def test_the_api_answers_per_chunk_even_for_a_report_that_does_not_decode(api):
-    good, bad = api.post("/v1/lease", json={"worker_id": api.worker, "wanted": 2}, headers=AUTH).json()["chunks"]
+    good, bad = api.post("/v1/lease", json={"worker_id": api.worker, "wanted": 2}).json()["chunks"]
     # What a worker's msgspec sends for an infinite logprob: JSON has no infinity, so null.
     body = msgspec.json.encode({"worker_id": api.worker, "reports": [
         ChunkReport(good["chunk_id"], good["epoch"], [3] * 4, [-0.1] * 4, "length"),
         ChunkReport(bad["chunk_id"], bad["epoch"], [3] * 4, [-0.1, float("inf"), -0.1, -0.1], "length")]})
     assert b"null" in body
-    response = api.post("/v1/report", content=body, headers=AUTH)
+    response = api.post("/v1/report", content=body)
     assert response.status_code == 200
     first, second = response.json()["results"]
     assert first["accepted"] and not second["accepted"]
     assert second["chunk_id"] == bad["chunk_id"] and "logprobs" in second["reason"]
     assert bad["request_id"] in {g["request_id"] for g in api.post(
-        "/v1/lease", json={"worker_id": api.worker, "wanted": 2}, headers=AUTH).json()["chunks"]}
-    nameless = api.post("/v1/report", json={"worker_id": api.worker, "reports": [{"token_ids": []}]}, headers=AUTH)
+        "/v1/lease", json={"worker_id": api.worker, "wanted": 2}).json()["chunks"]}
+    nameless = api.post("/v1/report", json={"worker_id": api.worker, "reports": [{"token_ids": []}]})
     assert nameless.status_code == 422 and "chunk_id" in nameless.json()["detail"]  # not a batch of reports
 
 
 def test_a_body_over_the_limit_is_refused_before_it_is_read(api):
     big = {"worker_id": api.worker, "reports": [], "padding": "x" * 5000}
-    response = api.post("/v1/report", json=big, headers=AUTH)
+    response = api.post("/v1/report", json=big)
     assert response.status_code == 413 and "limit is 4096" in response.json()["detail"]
-    assert api.post("/v1/report", json={"worker_id": api.worker, "reports": []}, headers=AUTH).status_code == 200
-    assert api.post("/v1/report", json=big).status_code == 401  # the secret is checked first
+    assert api.post("/v1/report", json={"worker_id": api.worker, "reports": []}).status_code == 200
+    assert api.post("/v1/report", json=big, auth=None).status_code == 401  # the signature is checked first
 
     def chunked():  # no Content-Length: the body would have to be read to know its size
         yield b'{"worker_id": "w", '
         yield b'"reports": []}'
 
-    response = api.post("/v1/report", content=chunked(), headers=AUTH)
+    response = api.post("/v1/report", content=chunked())
     assert response.status_code == 411
 
 
@@ -145,9 +145,8 @@ def test_the_default_body_limit_holds_the_largest_report_twice():
 
 def test_a_worker_retired_while_its_call_waited_gets_the_404_it_acts_on(api, monkeypatch):
     """The API checks the worker, then the book's call (on the state thread) finds it retired."""
-    (grant,) = api.post("/v1/lease", json={"worker_id": api.worker, "wanted": 1}, headers=AUTH).json()["chunks"]
+    (grant,) = api.post("/v1/lease", json={"worker_id": api.worker, "wanted": 1}).json()["chunks"]
     api.book.retire_workers()
     monkeypatch.setattr(api.book, "known_worker", lambda _worker_id: True)  # checked before the retirement
-    response = api.post("/v1/heartbeat", json={"worker_id": api.worker, "running": [grant["chunk_id"]]},
-                        headers=AUTH)
+    response = api.post("/v1/heartbeat", json={"worker_id": api.worker, "running": [grant["chunk_id"]]})
     assert response.status_code == 404 and response.json()["code"] == "unknown_worker"

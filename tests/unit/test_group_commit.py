@@ -13,7 +13,7 @@ from seerd.coordinator.book import ReportCall, UnknownWorker
 from seerd.db.base import CommitTimes
 from seerd.protocol import ChunkReport, EngineSettings, LeaseBody, RegisterBody, ReportBody
 from seerd.worker.client import CoordinatorClient
-from tests.unit.helpers import FakeClock, make_book, rows, served
+from tests.unit.helpers import FakeClock, loopback_socket, make_book, rows, served
 
 SECRET = "s3cret-token"
 WORKERS = 5
@@ -23,11 +23,12 @@ def test_report_calls_queued_while_the_state_thread_is_busy_share_one_durable_co
     clock = FakeClock()
     book = make_book(tmp_path, policy="divided", prompt_rows=rows(groups=WORKERS, n=2, max_tokens=20), now=clock())
     control = CoordinatorControl()
-    app = create_app(book, SECRET, control, clock)
+    sock, address = loopback_socket()
+    app = create_app(book, SECRET, control, clock, address=address)
     app.state.engine_settings = EngineSettings("m", {}, 0)
 
     async def scenario() -> list:
-        async with served(app) as url:
+        async with served(app, sock) as url:
             clients = [CoordinatorClient(url, SECRET, patience_s=5.0) for _ in range(WORKERS)]
             grants = []
             for rank, client in enumerate(clients):

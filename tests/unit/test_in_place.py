@@ -18,7 +18,7 @@ from seerd import protocol
 from seerd.protocol import ChunkReport
 from seerd.worker.client import CoordinatorClient
 from seerd.worker.main import Worker
-from tests.unit.helpers import ScriptedEngine, make_book, rows, scripted_tokens, served
+from tests.unit.helpers import ScriptedEngine, loopback_socket, make_book, rows, scripted_tokens, served
 from tests.unit.test_worker_answers import SECRET
 
 
@@ -132,10 +132,11 @@ def test_a_worker_continues_requests_in_place_and_each_token_lands_once(tmp_path
 
 def run_worker(book, engine: ScriptedEngine) -> Worker:  # noqa: ANN001
     """A worker with `engine` against the real API over `book`, on a loopback socket, to the end."""
-    app = create_app(book, SECRET, CoordinatorControl(), time.time)
+    sock, address = loopback_socket()
+    app = create_app(book, SECRET, CoordinatorControl(), time.time, address=address)
 
     async def scenario() -> Worker:
-        async with served(app) as url:
+        async with served(app, sock) as url:
             worker = Worker(CountingClient(url, SECRET), engine, rank=0)
             try:
                 await asyncio.wait_for(worker.run(), timeout=60)

@@ -19,7 +19,7 @@ from seerd.protocol import ChunkReport, EngineProgress, HeartbeatBody
 from seerd.status.snapshot import read_snapshot
 from seerd.worker.client import CoordinatorClient, Retired
 from seerd.worker.engine import StepClock
-from tests.unit.helpers import make_book, rows, served
+from tests.unit.helpers import loopback_socket, make_book, rows, served
 from tests.unit.test_leases import full_report, register
 from tests.unit.test_worker_answers import SECRET
 
@@ -182,10 +182,11 @@ def test_the_api_tells_a_taken_out_worker_to_exit(tmp_path):
     grants = book.lease(w, wanted=1, now=1000.0)
     beat(book, w, grants, 1001.0, steps=1)
     book.expire(1001.0 + TTL + 1.0)
-    app = create_app(book, SECRET, CoordinatorControl(), clock=lambda: 1013.0)
+    sock, address = loopback_socket()
+    app = create_app(book, SECRET, CoordinatorControl(), clock=lambda: 1013.0, address=address)
 
     async def scenario() -> None:
-        async with served(app) as url:
+        async with served(app, sock) as url:
             await calls(CoordinatorClient(url, SECRET))
 
     async def calls(client: CoordinatorClient) -> None:

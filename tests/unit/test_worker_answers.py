@@ -17,19 +17,23 @@ from seerd.io.codec import unpack_ints
 from seerd.protocol import ErrorReply, LeaseBody, RegisterBody
 from seerd.worker.client import CoordinatorClient, CoordinatorGone, CoordinatorRefused, NotRegistered
 from seerd.worker.main import Worker
-from tests.unit.helpers import ScriptedEngine, make_book, rows, scripted_tokens, served
+from seerd.signing import REPLY_HEADER, Mac, body_digest, call_key, parse_authorization, reply_mac
+from tests.unit.helpers import ScriptedEngine, loopback_socket, make_book, rows, scripted_tokens, served
 
 SECRET = "s3cret-token"
 
 
 class Faults:
     """The real app behind a wrapper that answers planned calls itself: `before` the app sees them,
-    or `after` it handled them (the answer lost on the way back)."""
+    or `after` it handled them (the answer lost on the way back). Its answers are signed as the
+    coordinator signs them (for `address`): they are the coordinator's, only troubled."""
 
-    def __init__(self, app, plan: dict[str, list[tuple[int, str, str]]]) -> None:  # noqa: ANN001
+    def __init__(self, app, plan: dict[str, list[tuple[int, str, str]]],  # noqa: ANN001
+                 address: str) -> None:
         self.app = app
         self.plan = plan  # path -> [(status, error code, "before" | "after")], in the order they strike
         self.struck: list[tuple[str, int, str]] = []
+        self.mac = Mac(call_key(SECRET, address))
 
     async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001
         faults = self.plan.get(scope.get("path"), [])
@@ -43,8 +47,12 @@ class Faults:
             await self.app(scope, receive, lost)
         self.struck.append((scope["path"], status, when))
         body = msgspec.json.encode(ErrorReply(f"injected {status}", code))
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        nonce = parse_authorization(dict(scope["headers"])[b"authorization"].decode()).nonce
+        timestamp = f"{time.time():.3f}"
+        signature = f"{timestamp} {reply_mac(self.mac, nonce, status, timestamp, body_digest(body))}"
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (REPLY_HEADER.encode(), signature.encode())]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
         return None
 
@@ -57,17 +65,18 @@ def test_a_worker_finishes_the_rollout_through_5xx_4xx_and_a_coordinator_that_fo
     book = make_book(tmp_path, chunk_tokens=4, lease_ttl_s=1.0, prompt_rows=rows(groups=3, n=2, max_tokens=16),
                      now=time.time())
     control = CoordinatorControl()
-    app = Faults(create_app(book, SECRET, control, time.time), {
+    sock, address = loopback_socket()
+    app = Faults(create_app(book, SECRET, control, time.time, address=address), {
         protocol.REGISTER.path: [(503, "", "before")],
         protocol.LEASE.path: [(422, "", "before")],
         # A failed commit (the book never saw it), then a commit whose answer was lost: the
         # worker sends the same report again, and it counts once.
         protocol.REPORT.path: [(500, "", "before"), (500, "", "after")],
         protocol.HEARTBEAT.path: [(400, "", "before"), (404, protocol.UNKNOWN_WORKER, "before")],
-    })
+    }, address)
 
     async def scenario() -> Worker:
-        async with served(app) as url:
+        async with served(app, sock) as url:
             return await run_worker(url)
 
     async def run_worker(url: str) -> Worker:
@@ -102,13 +111,14 @@ def test_a_worker_finishes_the_rollout_through_5xx_4xx_and_a_coordinator_that_fo
 
 def test_the_client_retries_5xx_and_raises_a_4xx_to_its_caller(tmp_path):
     book = make_book(tmp_path, prompt_rows=rows(groups=1, n=1))
-    app = Faults(create_app(book, SECRET, CoordinatorControl()), {
+    sock, address = loopback_socket()
+    app = Faults(create_app(book, SECRET, CoordinatorControl(), address=address), {
         protocol.REGISTER.path: [(500, "", "before"), (502, "", "before"), (413, "", "before")],
         protocol.LEASE.path: [(404, "", "before")],  # a 404 without the code: not "register again"
-    })
+    }, address)
 
     async def scenario() -> None:
-        async with served(app) as url:
+        async with served(app, sock) as url:
             await calls(CoordinatorClient(url, SECRET))
 
     async def calls(client: CoordinatorClient) -> None:
