@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from seerd.kvpool.holder import HolderProcess  # noqa: E402
 from seerd.kvpool.service import PoolService  # noqa: E402
+from seerd.rundir import RunDir  # noqa: E402
 
 
 class Engine:
@@ -87,6 +88,7 @@ def context(kind: str, rep: int, length: int) -> list[int]:
 
 
 def ttft(args: argparse.Namespace, work: Path) -> None:
+    RunDir(work).rotate_secret()  # as a coordinator does before it starts its pool: engines key blocks by it
     service = PoolService(work, "127.0.0.1", log_dir=work)
     service.start()
     holder = HolderProcess(work, 2 << 30, log_path=work / "holder.log")

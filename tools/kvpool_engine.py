@@ -34,6 +34,9 @@ def main() -> None:
             if "keys_of" in chunk:  # the pool keys this engine's connector gives a token sequence
                 print(json.dumps({"keys": pool_keys(driver, chunk)}), flush=True)
                 continue
+            if "exposure" in chunk:  # what of this engine its store client lets peers reach
+                print(json.dumps(exposure()), flush=True)
+                continue
             started = time.perf_counter()
             result = await driver.run(chunk["id"], chunk["prompt"], chunk["max_tokens"],
                                       {"temperature": 0.0, "ignore_eos": True})
@@ -42,6 +45,18 @@ def main() -> None:
         driver.shutdown()
 
     asyncio.run(serve())
+
+
+def exposure() -> dict:
+    """The worker-side connector's store client's segment name, its staging rows and the KV
+    cache's layers, as (address, bytes)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    connector = get_kv_transfer_group()
+    connector._client.usable()
+    return {"segment": connector._client._store.get_hostname(),
+            "staging": [connector._staging.ctypes.data, connector._staging.nbytes],
+            "kv_cache": [[layer.ctypes.data, layer.nbytes] for layer in connector._layers]}
 
 
 def pool_keys(driver, ask: dict) -> list[str]:  # noqa: ANN001

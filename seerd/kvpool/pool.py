@@ -4,6 +4,11 @@ It contributes no memory to the pool (the node's holder does: an engine may exit
 follows the pool's address file (`kvpool.json` in the run directory) so that a restarted master is
 picked up, and degrades to "no pool" on any error: every caller then treats the pool as empty and
 vLLM recomputes. Counters feed the worker's heartbeat (`seerd status`).
+
+At each (re)connection it reads the run's secret (`RUN_DIR/secret`, which every coordinator start
+writes anew before it starts a pool) and derives the key that authenticates blocks
+(`seerd.signing.block_key`): read from the file, never passed through vLLM's configuration, which
+vLLM logs.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from pathlib import Path
 from seerd.kvpool.address import POOL_FILE, PoolAddress, PoolAddressError, read_pool_address
 from seerd.kvpool.holder import local_address_towards
 from seerd.kvpool.store import PoolUnavailable, close_quietly, open_store
+from seerd.rundir import RunDir, RunDirError
+from seerd.signing import block_key
 
 log = logging.getLogger("vllm.seerd.kvpool")
 
@@ -33,7 +40,8 @@ class PoolStats:
     hit_blocks: int = 0  # of those, found in the pool
     blocks_loaded: int = 0
     bytes_loaded: int = 0
-    load_failures: int = 0  # blocks that failed their size or checksum check, or did not arrive
+    load_failures: int = 0  # blocks that failed a check (size, header, MAC) or did not arrive: recomputed
+    blocks_rejected: int = 0  # of those, blocks whose MAC did not match: forged or corrupted in the pool
     load_s: float = 0.0
     blocks_saved: int = 0
     bytes_saved: int = 0
@@ -60,6 +68,7 @@ class PoolClient:
         self._address_mtime = 0.0
         self._failures = 0
         self.disabled: str | None = None
+        self.block_key: bytes | None = None  # authenticates blocks (connector.py); set at each connection
 
     # ---------------------------------------------------------------- connection
 
@@ -98,6 +107,8 @@ class PoolClient:
             if address is None:
                 return
             self._address_mtime = os.stat(self.run_dir / POOL_FILE).st_mtime
+            # The secret of the coordinator that started this pool generation (it wrote it first).
+            key = block_key(RunDir(self.run_dir).read_secret())
             # None: this node's address on the route to the master (what peers reach us at).
             local_host = self.local_host or local_address_towards(address)
             store = open_store(address, local_host=local_host, segment_bytes=0,
@@ -106,10 +117,10 @@ class PoolClient:
                 code = store.register_buffer(buffer.ctypes.data, buffer.nbytes)
                 if code != 0:
                     raise PoolUnavailable(f"register_buffer failed with {code}", code)
-        except (PoolUnavailable, PoolAddressError, OSError, ValueError) as exc:
+        except (PoolUnavailable, PoolAddressError, RunDirError, OSError, ValueError) as exc:
             log.warning("KV pool unavailable (chunks recompute their context): %s", exc)
             return
-        self._store, self._address, self._failures = store, address, 0
+        self._store, self._address, self._failures, self.block_key = store, address, 0, key
         self.stats.generation = address.generation
         self.stats.reconnects += 1
         log.info("KV pool connected: master %s, generation %d", address.master, address.generation)

@@ -161,10 +161,19 @@ def workers_table(s: dict) -> Table:
             p = w.get("kv_pool")
             row += ["-", "-", "-"] if not p else [
                 "-" if p["hit_rate"] is None else f"{100 * p['hit_rate']:.0f}%",
-                f"{p['blocks_loaded']:,}/{p['blocks_saved']:,}" + (f" ({p['load_failures']} bad)" if p["load_failures"] else ""),
+                f"{p['blocks_loaded']:,}/{p['blocks_saved']:,}" + _bad_blocks(p),
                 size(p["bytes_loaded"] + p["bytes_saved"])]
         table.add_row(*row, style=style)
     return table
+
+
+def _bad_blocks(pool: dict) -> str:
+    """Loaded blocks that failed a check, and of those the ones whose MAC failed (forged, or
+    corrupted in the pool): recomputed, never used."""
+    if not pool["load_failures"]:
+        return ""
+    rejected = pool.get("blocks_rejected", 0)
+    return f" ({pool['load_failures']} bad" + (f", {rejected} failed MAC)" if rejected else ")")
 
 
 def render(s: dict) -> RenderableType:

@@ -162,6 +162,7 @@ def _pool_part(pool: dict) -> dict:
     asked, hits = int(pool.get("lookup_blocks", 0)), int(pool.get("hit_blocks", 0))
     return {"hit_rate": hits / asked if asked else None, "blocks_loaded": int(pool.get("blocks_loaded", 0)),
             "blocks_saved": int(pool.get("blocks_saved", 0)), "load_failures": int(pool.get("load_failures", 0)),
+            "blocks_rejected": int(pool.get("blocks_rejected", 0)),  # failed their MAC: forged or corrupted
             "bytes_loaded": int(pool.get("bytes_loaded", 0)), "bytes_saved": int(pool.get("bytes_saved", 0)),
             "load_s": float(pool.get("load_s", 0.0)), "save_s": float(pool.get("save_s", 0.0)),
             "connected": bool(pool.get("reconnects", 0)) and int(pool.get("generation", 0)) > 0}

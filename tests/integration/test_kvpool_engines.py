@@ -15,14 +15,16 @@ from pathlib import Path
 
 import pytest
 
-from seerd.kvpool.connector import HEADER, HEADER_BYTES
+from seerd.kvpool.connector import FIELDS, HEADER, HEADER_BYTES
+from seerd.rundir import RunDir
+from seerd.signing import block_key
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mooncake]
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "tools" / "motif_model" / "weights"
 BLOCK = 128  # vLLM-CPU's default block size
-GROUPS = (5, 6, 7, 8, 9)
+GROUPS = (5, 6, 7, 8, 9, 10)
 
 
 def prompt(group: int) -> list[int]:
@@ -79,6 +81,7 @@ def pool(tmp_path_factory):
     from seerd.kvpool.service import PoolService
 
     run_dir = tmp_path_factory.mktemp("kvpool-run")
+    RunDir(run_dir).rotate_secret()  # what a coordinator does before it starts its pool: engines key blocks by it
     service = PoolService(run_dir, "127.0.0.1", log_dir=run_dir)
     service.start()
     holder = subprocess.Popen([sys.executable, "-m", "seerd.kvpool.holder", "--run-dir", str(run_dir),
@@ -138,45 +141,60 @@ def _store(run_dir: Path):  # noqa: ANN202
     return open_store(read_pool_address(run_dir), local_host="127.0.0.1", segment_bytes=0, buffer_bytes=64 << 20)
 
 
-def _rewrite_block(store, key: str, *, flip_payload: bool, fix_crc: bool, truncate: bool = False) -> None:  # noqa: ANN001
-    import zlib
+def _rewrite_block(store, key: str, *, flip_payload: bool, mac_key: bytes | None = None,  # noqa: ANN001
+                   truncate: bool = False) -> None:
+    """Change a stored block as someone who can reach the pool can: its payload, and (with
+    `mac_key`) a MAC made for the change with that key, as the connector makes one."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from seerd.kvpool.connector import SeerdPoolConnector
 
     blob = bytearray(store.get(key))
     assert len(blob) > HEADER_BYTES, f"{key} is not in the pool"
     if flip_payload:  # a large change in one layer's K rows: the attention really reads it
         for i in range(HEADER_BYTES, min(len(blob), HEADER_BYTES + 4096), 4):
             blob[i:i + 4] = struct.pack("<f", 3.0 * (1 if (i // 4) % 2 else -1))
-    if fix_crc:
-        magic, version, layers, reserved, _, size, digest = HEADER.unpack_from(blob)
-        crc = zlib.crc32(bytes(blob[HEADER_BYTES:]))
-        blob[:HEADER.size] = HEADER.pack(magic, version, layers, reserved, crc, size, digest)
+    if mac_key is not None:
+        layers, size = HEADER.unpack_from(blob)[2], HEADER.unpack_from(blob)[4]
+        payload = np.frombuffer(bytes(blob[HEADER_BYTES:]), dtype=np.uint8).reshape(layers, 1, size // layers)
+        fields = bytes(blob[:FIELDS.size])
+        mac = SeerdPoolConnector._block_mac(SimpleNamespace(_layers=list(payload)), mac_key, key, fields, 0)
+        blob[:HEADER.size] = fields + mac
     if truncate:
         blob = blob[: len(blob) // 2]
     assert store.upsert(key, bytes(blob)) == 0
 
 
-@pytest.mark.parametrize("damage", ["flipped", "truncated"])
-def test_a_corrupted_block_is_detected_and_recomputed(pool, engines, reference, damage):
+@pytest.mark.parametrize("damage,group", [("flipped", 6), ("truncated", 7), ("forged", 10)])
+def test_a_corrupted_or_forged_block_is_never_used_and_is_recomputed(pool, engines, reference, damage, group):
+    """Flipped bytes, half a block, and a forgery: changed bytes with a MAC under a key of the
+    forger's own (it cannot know the run's secret) all fail the checks: a miss, recomputed; the
+    output is the reference's."""
     run_dir, _ = pool
     first, second = engines
-    group = 6 if damage == "flipped" else 7
     one = first.chunk(f"c10e0g{group}r1p300", prompt(group), 160)
     context = prompt(group) + one["tokens"]
     keys = first.keys(context, group, 1, 300)
     store = _store(run_dir)
     try:
-        _rewrite_block(store, keys[1], flip_payload=damage == "flipped", fix_crc=False, truncate=damage == "truncated")
+        _rewrite_block(store, keys[1], flip_payload=damage != "truncated", truncate=damage == "truncated",
+                       mac_key=block_key("a guess at the run's secret") if damage == "forged" else None)
     finally:
         store.close()
-    failures_before = second.chunk("c0e0g0r0p4", [3, 4, 5, 6], 1)["stats"]["load_failures"]
+    before = second.chunk("c0e0g0r0p4", [3, 4, 5, 6], 1)["stats"]
     two = second.chunk(f"c11e0g{group}r1p300", context, 160)
-    assert two["stats"]["load_failures"] > failures_before
-    assert one["tokens"] + two["tokens"] == reference[group][:320]  # recomputed from the bad block on
+    assert two["stats"]["load_failures"] > before["load_failures"]
+    rejected = two["stats"]["blocks_rejected"] - before["blocks_rejected"]
+    assert rejected == (0 if damage == "truncated" else 1)  # a short block fails on its size first
+    assert one["tokens"] + two["tokens"] == reference[group][:320]
 
 
 def test_loaded_kv_is_really_used(pool, engines, reference):
-    """A block altered with a valid checksum passes the checks, and the output changes: the
-    second engine computed with the pool's KV, not its own."""
+    """Blocks altered with a valid MAC (made with the run's own key: only the run's processes
+    can) pass the checks, and the output changes: the second engine computed with the pool's KV,
+    not its own."""
     run_dir, _ = pool
     first, second = engines
     one = first.chunk("c20e0g8r1p300", prompt(8), 160)
@@ -185,12 +203,50 @@ def test_loaded_kv_is_really_used(pool, engines, reference):
     store = _store(run_dir)
     try:
         for key in keys:
-            _rewrite_block(store, key, flip_payload=True, fix_crc=True)
+            _rewrite_block(store, key, flip_payload=True, mac_key=block_key(RunDir(run_dir).read_secret()))
     finally:
         store.close()
     two = second.chunk("c21e0g8r1p300", context, 160)
     assert two["cached"] == 384
     assert two["tokens"] != reference[8][160:320]
+
+
+def _read_remote(port: int, address: int, size: int = 16) -> bytes:
+    """What a peer gets for a read of `size` bytes at `address` from a store client's TCP data port:
+    Mooncake's request header (size, address, opcode READ), unauthenticated."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+        conn.sendall(struct.pack("<QQB7x", size, address, 0))
+        data = b""
+        while len(data) < size and (chunk := conn.recv(size - len(data))):
+            data += chunk
+    return data
+
+
+def test_a_peer_reaches_the_staging_rows_and_never_the_kv_cache(pool, engines):
+    """Mooncake's transport serves any registered buffer to whoever names it; the engine registers
+    its staging rows only. A peer that reads the (unauthenticated) metadata server and sends a raw
+    request gets staging bytes, and nothing of the KV cache."""
+    import urllib.parse
+    import urllib.request
+
+    from seerd.kvpool.address import read_pool_address
+
+    run_dir, _ = pool
+    first, _ = engines
+    seen = first.ask({"exposure": True})
+    url = read_pool_address(run_dir).metadata_url + "?key=" + urllib.parse.quote(f"mooncake/ram/{seen['segment']}")
+    with urllib.request.urlopen(url, timeout=10) as answer:
+        segment = json.loads(answer.read())
+    registered = [(buffer["addr"], buffer["length"]) for buffer in segment["buffers"]]
+    staging, port = tuple(seen["staging"]), segment["tcp_data_port"]
+    assert staging in registered
+    for address, size in seen["kv_cache"]:
+        assert not any(start < address + size and address < start + length for start, length in registered)
+    assert len(_read_remote(port, staging[0])) == 16  # a registered buffer: served to anyone
+    for address, _ in seen["kv_cache"]:
+        assert _read_remote(port, address) == b""  # refused: not registered
 
 
 def test_another_dtype_or_run_never_matches(pool, engines):

@@ -344,6 +344,10 @@ def test_kv_pool_figures_show_per_worker_and_for_the_pool(monkeypatch):
     assert worker_line.split()[-3:] == ["-", "-", "-"]  # no pool figures from that worker yet
     snapshot["coordinator"]["kv_pool"]["evicted_keys"] = 6
     assert "trimmed 3 queued (21.0 MB)   evicted 6 blocks   restarted 1x" in str(pool_line(snapshot))
+    snapshot["workers"][0]["kv_pool"] = {**part, "load_failures": 3, "blocks_rejected": 2}
+    buffer = StringIO()
+    Console(file=buffer, width=160).print(render(snapshot))
+    assert "30/55 (3 bad, 2 failed MAC)" in buffer.getvalue()
 
 
 def test_the_snapshot_reader_imports_neither_the_scheduler_nor_the_coordinator():
