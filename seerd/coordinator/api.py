@@ -33,7 +33,7 @@ from seerd.config import EngineConfig
 from seerd.coordinator.auth import BodyDigestMismatch, SignedCalls, body_mismatch
 from seerd.coordinator.book import LeaseBook, ReportCall, RetiredWorker, UnknownWorker
 from seerd.coordinator.drafts import DraftHost, append_items
-from seerd.coordinator.metrics import RolloutCollector, metrics_registry
+from seerd.coordinator.metrics import RefusalCollector, RolloutCollector, metrics_registry
 from seerd.coordinator.reports import ReportOutcome
 from seerd.drafts.server import DraftError
 from seerd.protocol import (
@@ -342,7 +342,9 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
         host = draft_host()
         return _json(DraftStats(**await host.run(host.server.stats)))
 
-    registry = metrics_registry(RolloutCollector(book, control.worker_stats, lambda: control.accepting, clock))
+    rollout = RolloutCollector(book, control.worker_stats, lambda: control.accepting, clock)
+    refusals = RefusalCollector(control.refused, lambda: getattr(app.state, "guard", None))
+    registry = metrics_registry(rollout, refusals)
 
     @route("GET", "/metrics")
     async def metrics(_request: Request) -> Response:

@@ -250,6 +250,7 @@ class Coordinator:
                          address=f"{host}:{port}", metrics_token=metrics_token)
         app.state.engine_settings = self.engine_settings()
         app.state.kv_pool = self.pool
+        app.state.guard = guard  # its counters on /metrics
         self.control.scheduling_gate = self._gate
         self._server = api_server(app, guard)  # signal handlers are ours, below, in one place
         self.guard = guard

@@ -2,13 +2,15 @@
 
 Read from the lease book at scrape time (a collector, not counters kept beside the book: the book
 stays the one owner of its state), on the state thread like every other call into the book. The
-endpoint sits behind the run's bearer token like the rest of the API; Prometheus sends it with
-`authorization: {credentials_file: RUN_DIR/secret}` (docs/status.md).
+endpoint takes a signed call like the rest of the API, or the read-only metrics token, which is
+what Prometheus sends: `authorization: {credentials_file: RUN_DIR/metrics-token}` (docs/status.md).
+`RefusalCollector` counts what the coordinator turned away (docs/security.md): strangers show here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import asdict
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -90,7 +92,35 @@ class RolloutCollector:
                                 value=total_rate)
 
 
-def metrics_registry(collector: RolloutCollector) -> CollectorRegistry:
+class RefusalCollector:
+    """Calls refused by the signature check, by reason (auth.py), and connections the guard closed
+    (guard.py), by reason, with the unproven connections open now."""
+
+    def __init__(self, refused: dict[str, int], guard: Callable[[], object | None]) -> None:
+        self.refused = refused
+        self.guard = guard  # the daemon's ConnectionGuard, once its server runs
+
+    def collect(self) -> Iterator[Metric]:
+        refused = CounterMetricFamily("seerd_api_refused", "Calls refused with 401, by reason.",
+                                      labels=["reason"])
+        for reason, count in sorted(dict(self.refused).items()):
+            refused.add_metric([reason], count)
+        yield refused
+        guard = self.guard()
+        if guard is None:
+            return
+        closed = CounterMetricFamily("seerd_api_connections_closed",
+                                     "Connections closed by the API's limits, by reason.", labels=["reason"])
+        for reason, count in asdict(guard.counters).items():
+            closed.add_metric([reason], count)
+        yield closed
+        yield GaugeMetricFamily("seerd_api_unproven_connections",
+                                "Open connections that have not made a signed call yet.",
+                                value=len(guard.unproven))
+
+
+def metrics_registry(*collectors: object) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(collector)
+    for collector in collectors:
+        registry.register(collector)
     return registry

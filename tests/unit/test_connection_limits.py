@@ -16,7 +16,9 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from seerd import protocol
 from seerd.coordinator.api import CoordinatorControl, create_app
@@ -28,7 +30,9 @@ from seerd.protocol import EngineSettings, HeartbeatBody, LeaseBody, RegisterBod
 from seerd.signing import Signer, call_key
 from seerd.worker.client import CoordinatorClient
 from seerd.worker.main import Worker
-from tests.unit.helpers import REPO, FakeClock, ScriptedEngine, loopback_socket, make_book, rows, served
+from tests.unit.helpers import (
+    REPO, FakeClock, ScriptedEngine, loopback_socket, make_book, rows, served, signed_auth,
+)
 from tests.unit.test_export_live import GROUPS, N, build_run
 
 SECRET = "s3cret-token"
@@ -41,7 +45,8 @@ def api(tmp_path: Path, limits: ConnectionLimits):  # noqa: ANN201
     book = make_book(tmp_path, prompt_rows=rows(groups=2, n=2, max_tokens=40), now=FakeClock()())
     app = create_app(book, SECRET, CoordinatorControl(), time.time, address=address, max_body_bytes=4096)
     app.state.engine_settings = EngineSettings("m", {}, 0)
-    return app, ConnectionGuard(limits), sock, address
+    app.state.guard = ConnectionGuard(limits)  # as the daemon does: its counters on /metrics
+    return app, app.state.guard, sock, address
 
 
 def connect(address: str) -> socket.socket:
@@ -175,13 +180,18 @@ def test_hundreds_of_idle_strangers_never_keep_a_registered_worker_from_being_se
                        await client.call(protocol.STATUS)]
             await client.close()
             still_open = len(guard.unproven)
+            async with httpx.AsyncClient(auth=signed_auth(SECRET, address)) as http:
+                scraped = (await http.get(f"{url}/metrics")).text
             for conn in idle:
                 conn.close()
-            return [registered, *replies, still_open]
+            return [registered, *replies, still_open, scraped]
 
-    registered, lease, heartbeat, status, still_open = run(scenario)
+    registered, lease, heartbeat, status, still_open, scraped = run(scenario)
     assert lease.chunks and not heartbeat.done and status.workers_alive == 1
     assert still_open <= 50 and guard.counters.evicted >= 350
+    closed = {s.labels["reason"]: s.value for family in text_string_to_metric_families(scraped)
+              for s in family.samples if s.name == "seerd_api_connections_closed_total"}
+    assert closed["evicted"] == guard.counters.evicted and closed["head_timeouts"] == 0
 
 
 COORDINATOR = """

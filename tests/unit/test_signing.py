@@ -146,6 +146,18 @@ def test_a_call_from_a_clock_an_hour_off_is_refused_then_signed_again_with_the_c
     assert abs(late.offset_s - 3600) < 60
 
 
+def test_refused_calls_are_counted_on_metrics(api):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for _ in range(2):
+        api.get("/v1/status", auth=None)
+    api.get("/v1/status", auth=signed_auth("a stranger's secret"))
+    scraped = api.get("/metrics", headers={"Authorization": f"Bearer {METRICS_TOKEN}"}).text
+    refused = {s.labels["reason"]: s.value for family in text_string_to_metric_families(scraped)
+               for s in family.samples if s.name == "seerd_api_refused_total"}
+    assert refused == {"unsigned": 2, "bad_signature": 1}
+
+
 def test_prometheus_token_opens_metrics_and_nothing_else(api):
     bearer = {"Authorization": f"Bearer {METRICS_TOKEN}"}
     assert api.get("/metrics", headers=bearer).status_code == 200
