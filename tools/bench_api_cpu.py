@@ -8,7 +8,12 @@ CPU is measured apart and left out of the figures (it is the worker's, not the c
 It measures the checkout it is run from (the repository root goes first on the import path), so a
 change is measured by running it in both checkouts, alternated:
 
-    .venv/bin/python tools/bench_api_cpu.py [--calls 1000] [--repeats 5]
+    .venv/bin/python tools/bench_api_cpu.py [--calls 1000] [--repeats 5] [--signature-share]
+
+`--signature-share`: in one process, rounds alternate between calls through the whole app and the
+same calls past its signature middleware (the stack below it, unsigned): their difference is what
+the signature check and the answer's signature cost the coordinator, free of the drift between
+processes that this 2-core machine shows.
 """
 
 from __future__ import annotations
@@ -62,15 +67,17 @@ def make_app(tmp: Path):  # noqa: ANN201
 
 SIGNER = Signer(call_key(SECRET, "")) if Signer is not None else None
 CLIENT_CPU = [0.0]  # the client's signing and checking: not the coordinator's
+UNSIGNED = [False]  # calls past the signature middleware (--signature-share)
 
 
 async def call(app, path: str, body: msgspec.Struct):  # noqa: ANN001, ANN201
     payload = msgspec.json.encode(body)
     started = time.thread_time()
-    if SIGNER is not None:
-        authorization, nonce = SIGNER.sign("POST", path, payload)
-    else:
+    signing = SIGNER is not None and not UNSIGNED[0]
+    if not signing:
         authorization = f"Bearer {SECRET}"
+    else:
+        authorization, nonce = SIGNER.sign("POST", path, payload)
     CLIENT_CPU[0] += time.thread_time() - started
     scope = {"type": "http", "method": "POST", "path": path, "raw_path": path.encode(), "root_path": "",
              "query_string": b"", "scheme": "http", "server": ("127.0.0.1", 80), "client": ("127.0.0.1", 1),
@@ -89,7 +96,7 @@ async def call(app, path: str, body: msgspec.Struct):  # noqa: ANN001, ANN201
     if sent[0]["status"] != 200:
         raise RuntimeError(f"{path}: {sent}")
     reply = b"".join(m.get("body", b"") for m in sent[1:])
-    if SIGNER is not None:
+    if signing:
         started = time.thread_time()
         signature = dict(sent[0]["headers"]).get(REPLY_HEADER.encode(), b"").decode()
         if not SIGNER.verify_reply(nonce, 200, signature, reply):
@@ -98,10 +105,12 @@ async def call(app, path: str, body: msgspec.Struct):  # noqa: ANN001, ANN201
     return reply
 
 
-async def measure(calls: int, repeats: int) -> dict[str, float]:
+async def measure(calls: int, repeats: int, signature_share: bool = False) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
-        app, worker, engine = make_app(Path(tmp))
+        whole, worker, engine = make_app(Path(tmp))
+        app = whole
         (grant,) = msgspec.json.decode(await call(app, LEASE.path, LeaseBody(worker, 1)), type=LEASE.reply).chunks
+        below_signature = whole.middleware_stack.app.app  # ServerErrorMiddleware -> SignedCalls -> the rest
 
         async def heartbeat() -> None:
             await call(app, HEARTBEAT.path, HeartbeatBody(worker, [grant.chunk_id]))
@@ -113,18 +122,26 @@ async def measure(calls: int, repeats: int) -> dict[str, float]:
             await call(app, REPORT.path, ReportBody(worker, [report]))
             (grant,) = msgspec.json.decode(await call(app, LEASE.path, LeaseBody(worker, 1)), type=LEASE.reply).chunks
 
+        async def rounds(fn) -> list[float]:  # noqa: ANN001
+            started, client_before = time.thread_time(), CLIENT_CPU[0]
+            for _ in range(calls):
+                await fn()
+            return (time.thread_time() - started - (CLIENT_CPU[0] - client_before)) / calls * 1e6
+
         figures = {}
         for name, fn in (("heartbeat", heartbeat), ("report + lease", report_and_lease)):
             for _ in range(calls // 5):  # warm-up
                 await fn()
-            samples = []
+            signed, unsigned = [], []
             for _ in range(repeats):
-                started, client_before = time.thread_time(), CLIENT_CPU[0]
-                for _ in range(calls):
-                    await fn()
-                spent = time.thread_time() - started - (CLIENT_CPU[0] - client_before)
-                samples.append(spent / calls * 1e6)
-            figures[name] = statistics.median(samples)
+                signed.append(await rounds(fn))
+                if signature_share:
+                    app, UNSIGNED[0] = below_signature, True
+                    unsigned.append(await rounds(fn))
+                    app, UNSIGNED[0] = whole, False
+            figures[name] = statistics.median(signed)
+            if signature_share:
+                figures[f"{name}, past the signature"] = statistics.median(unsigned)
         engine.dispose()
         return figures
 
@@ -133,10 +150,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=1000)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--signature-share", action="store_true",
+                        help="alternate rounds through the signature middleware and past it")
     args = parser.parse_args()
-    figures = asyncio.run(measure(args.calls, args.repeats))
+    figures = asyncio.run(measure(args.calls, args.repeats, args.signature_share))
     for name, us in figures.items():
-        print(f"{name:<16} {us:7.0f} us CPU per call on the event-loop thread (median of {args.repeats})")
+        print(f"{name:<36} {us:7.0f} us CPU per call on the event-loop thread (median of {args.repeats})")
 
 
 if __name__ == "__main__":

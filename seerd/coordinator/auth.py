@@ -143,25 +143,27 @@ class SignedCalls:
     def _signing(self, send, nonce: str):  # noqa: ANN001, ANN202
         """`send` with the answer signed: the start message is held until the body is known."""
         held: list[dict] = []
-        body: list[bytes] = []
+        parts: list[bytes] = []
 
         async def signed(message: dict) -> None:
-            if message["type"] == "http.response.start":
+            kind = message["type"]
+            if kind == "http.response.start":
                 held.append(message)
-                return
-            if message["type"] != "http.response.body" or not held:
-                return await send(message)
-            body.append(message.get("body", b""))
-            if message.get("more_body", False):
                 return None
+            if kind != "http.response.body" or not held:
+                return await send(message)
+            if message.get("more_body", False):
+                parts.append(message.get("body", b""))
+                return None
+            if parts:  # a streamed answer, sent whole
+                message = {"type": kind, "body": b"".join([*parts, message.get("body", b"")])}
             start = held.pop()
-            content = b"".join(body)
             timestamp = f"{self.wall_clock():.3f}"
             mac = reply_mac(self.mac, nonce, start["status"], timestamp,
-                            hashlib.sha256(content).hexdigest())
-            headers = [*start.get("headers", []), (_REPLY_HEADER, f"{timestamp} {mac}".encode())]
-            await send({**start, "headers": headers})
-            return await send({"type": "http.response.body", "body": content})
+                            hashlib.sha256(message.get("body", b"")).hexdigest())
+            start["headers"] = [*start.get("headers", ()), (_REPLY_HEADER, f"{timestamp} {mac}".encode())]
+            await send(start)
+            return await send(message)
 
         return signed
 
