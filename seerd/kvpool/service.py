@@ -33,9 +33,11 @@ Network exposure (what `ss -ltnp` showed with host 127.0.0.1): the master's RPC 
 and the metadata server bind `host` only. What cannot be bound: every store client (holders,
 engines) listens on all interfaces, with a transfer-engine handshake port (0.0.0.0:random) and
 a TCP data port ([::]:random, dual stack); `MC_TCP_BIND_ADDRESS` does not change that. None of
-Mooncake's ports authenticates anything, and the TCP data port reads and writes the memory
-addresses a peer names. Binding to the node's address keeps the service off other networks,
-nothing more: run pools only on a trusted cluster network.
+Mooncake's ports authenticates anything, and the TCP data port reads and writes any registered
+buffer a peer names (0.3.13.post1 refuses other addresses): the holders' segments, and the
+engines' staging areas (connector.py registers no KV cache). Binding to the node's address keeps
+the service off other networks, nothing more; blocks are authenticated by their MAC
+(connector.py), and what stays exposed is in docs/security.md.
 
 Children run in their own session with a parent-death signal: call `start()` and `check()` from
 a long-lived thread (the signal fires when the thread that forked them exits).
