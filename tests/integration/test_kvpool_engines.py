@@ -81,7 +81,7 @@ def pool(tmp_path_factory):
     from seerd.kvpool.service import PoolService
 
     run_dir = tmp_path_factory.mktemp("kvpool-run")
-    RunDir(run_dir).rotate_secret()  # what a coordinator does before it starts its pool: engines key blocks by it
+    RunDir(run_dir).rotate_secret()  # as a coordinator does before its pool starts: engines key blocks by it
     service = PoolService(run_dir, "127.0.0.1", log_dir=run_dir)
     service.start()
     holder = subprocess.Popen([sys.executable, "-m", "seerd.kvpool.holder", "--run-dir", str(run_dir),
@@ -236,7 +236,8 @@ def test_a_peer_reaches_the_staging_rows_and_never_the_kv_cache(pool, engines):
     run_dir, _ = pool
     first, _ = engines
     seen = first.ask({"exposure": True})
-    url = read_pool_address(run_dir).metadata_url + "?key=" + urllib.parse.quote(f"mooncake/ram/{seen['segment']}")
+    key = urllib.parse.quote(f"mooncake/ram/{seen['segment']}")
+    url = f"{read_pool_address(run_dir).metadata_url}?key={key}"
     with urllib.request.urlopen(url, timeout=10) as answer:
         segment = json.loads(answer.read())
     registered = [(buffer["addr"], buffer["length"]) for buffer in segment["buffers"]]
