@@ -163,7 +163,8 @@ class ApiError(Exception):
 
 class BodyLimitMiddleware:
     """413 for a body over `limit` bytes, by its Content-Length, before a byte of it is read; a body
-    without one (chunked) gets 411: the workers' client always says the length."""
+    without one (chunked) gets 411: the workers' client always says the length. Either closes the
+    connection: the body it announced is never read."""
 
     def __init__(self, app, limit: int) -> None:  # noqa: ANN001
         self.app = app
@@ -174,18 +175,19 @@ class BodyLimitMiddleware:
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         if headers.get(b"transfer-encoding", b"").lower() == b"chunked":
-            await _json(ErrorReply("a body needs a Content-Length"), 411)(scope, receive, send)
+            await _json(ErrorReply("a body needs a Content-Length"), 411, close=True)(scope, receive, send)
             return None
         length = headers.get(b"content-length", b"0")
         if not length.isdigit() or int(length) > self.limit:
             await _json(ErrorReply(f"a body of {length.decode(errors='replace')} bytes; the limit is "
-                                   f"{self.limit}"), 413)(scope, receive, send)
+                                   f"{self.limit}"), 413, close=True)(scope, receive, send)
             return None
         return await self.app(scope, receive, send)
 
 
-def _json(payload: msgspec.Struct, status: int = 200) -> Response:
-    return Response(msgspec.json.encode(payload), status, media_type="application/json")
+def _json(payload: msgspec.Struct, status: int = 200, *, close: bool = False) -> Response:
+    return Response(msgspec.json.encode(payload), status, media_type="application/json",
+                    headers={"connection": "close"} if close else None)
 
 
 async def _decode(request: Request, body_type: type):  # noqa: ANN202

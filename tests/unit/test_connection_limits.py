@@ -156,6 +156,7 @@ def test_bodies_too_large_unsized_or_too_slow_are_refused_or_cut_off(tmp_path):
     too_large, chunked, slow, unsigned = run(scenario)
     assert too_large.startswith(b"HTTP/1.1 413 ") and b"the limit is 4096" in too_large
     assert chunked.startswith(b"HTTP/1.1 411 ")
+    assert b"connection: close" in too_large.lower() and b"connection: close" in chunked.lower()
     assert slow == b"" and guard.counters.body_timeouts == 1
     assert unsigned.startswith(b"HTTP/1.1 401 ") and b"connection: close" in unsigned.lower()
 
