@@ -24,18 +24,16 @@ from __future__ import annotations
 import json
 from array import array
 from collections.abc import Callable, Collection, Iterable, Sequence
-from typing import NamedTuple
 
 from sqlalchemy import Connection, Engine, bindparam, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from seerd.coordinator.liveness import WorkerLiveness, chunk_done, chunk_failed, refuted_reason
 from seerd.coordinator.records import (
-    Failure, GroupInputs, LeaseTerms, RequestProgress, Requeue, WaitingRequest, chunk_seed,
+    Failure, GroupInputs, LeaseTerms, ReportCall, RequestProgress, Requeue, RetiredWorker, UnknownWorker,
+    WaitingRequest, chunk_seed,
 )
-from seerd.coordinator.reports import (
-    AcceptedReport, ReportOutcome, judge, judge_unleased, report_problem, write_results,
-)
+from seerd.coordinator.reports import ReportOutcome, judge_unleased, sort_reports, write_results
 from seerd.coordinator.saved import read_saved_rollout
 from seerd.coordinator.statements import (
     BIND_GROUP, CHUNKS, DONE_TOKENS, FIRST_START, GROUP_FORECAST, INSERT_EVENT, REQUESTS, ROLLOUTS, WORKER_FIGURES,
@@ -51,34 +49,13 @@ from seerd.db.transitions import (
 )
 from seerd.io.codec import unpack_ints
 from seerd.protocol import ChunkGrant, ChunkReport, EngineProgress, UnreadableReport
-from seerd.scheduler.state import ChunkResult, SchedulerState
+from seerd.scheduler.state import SchedulerState
 from seerd.scheduler.views import Plan, Policy
 
 # Failed chunks of one request before the request ends failed (a poison request: every engine
 # refuses it, or its output is never right). The retries go to other workers' engines where there are.
 MAX_FAILED_ATTEMPTS = 3
 
-
-
-class UnknownWorker(LookupError):
-    """The worker is not registered with this coordinator (it must register again)."""
-
-
-class RetiredWorker(UnknownWorker):
-    """The coordinator took the worker out (`coordinator.liveness`): it must exit, not register again."""
-
-    def __init__(self, worker_id: str, reason: str) -> None:
-        super().__init__(worker_id)
-        self.reason = reason
-
-
-class ReportCall(NamedTuple):
-    """One worker's report call, as `report_calls` takes a batch of them."""
-
-    worker_id: str
-    reports: Sequence[ChunkReport | UnreadableReport]
-    may_lease: bool = True
-    wanted: int = 0
 
 
 class LeaseBook:
@@ -373,34 +350,15 @@ class LeaseBook:
         same transaction its lease ends, with an event saying why, and its chunk runs again; the
         rest of the batch is committed."""
         answers: list[list[ReportOutcome | None] | UnknownWorker] = []
-        accepted: list[AcceptedReport] = []
-        results: list[ChunkResult] = []
-        rejected: list[tuple[int, int, str]] = []  # (call, position, problem)
-        seen: set[int] = set()
-        for c, (worker_id, reports) in enumerate(calls):
+        for worker_id, reports in calls:
             try:
                 self._worker(worker_id)
+                answers.append([None] * len(reports))
             except UnknownWorker as exc:
                 answers.append(exc)
-                continue
-            answers.append([None] * len(reports))
-            for i, report in enumerate(reports):
-                lease, terms = self.state.leases.get(report.chunk_id), self.terms.get(report.chunk_id)
-                if (lease is None or terms.epoch != report.epoch or lease.worker_id != worker_id
-                        or report.chunk_id in seen):
-                    continue  # judged below, against the database
-                seen.add(report.chunk_id)
-                request = self.state.requests[lease.request_id]
-                target = self.worker_only_targets.get(request.id)
-                problem = (report.problem if isinstance(report, UnreadableReport) else
-                           report_problem(report, lease.max_tokens, request.generated, target, self.vocab_size))
-                if problem is not None:
-                    rejected.append((c, i, problem))
-                    continue
-                verdict = judge(report, lease.max_tokens, request.generated, request.max_tokens, target)
-                num_chunks = self.progress[request.id].num_chunks + 1
-                accepted.append(AcceptedReport(i, report, verdict.finish_reason, num_chunks, worker_id, c))
-                results.append(ChunkResult(report.chunk_id, len(report.token_ids), verdict.finished))
+        known = [(c, *call) for c, call in enumerate(calls) if not isinstance(answers[c], UnknownWorker)]
+        accepted, results, rejected = sort_reports(known, self.state, self.terms, self.progress,
+                                                   self.worker_only_targets, self.vocab_size)
         prepared = self.state.prepare_results(results, now)
         failures = []
         if results or rejected:

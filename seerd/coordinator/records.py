@@ -6,8 +6,32 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
+
+from seerd.protocol import ChunkReport, UnreadableReport
+
+
+class UnknownWorker(LookupError):
+    """The worker is not registered with this coordinator (it must register again)."""
+
+
+class RetiredWorker(UnknownWorker):
+    """The coordinator took the worker out (`coordinator.liveness`): it must exit, not register again."""
+
+    def __init__(self, worker_id: str, reason: str) -> None:
+        super().__init__(worker_id)
+        self.reason = reason
+
+
+class ReportCall(NamedTuple):
+    """One worker's report call, as `LeaseBook.report_calls` takes a batch of them."""
+
+    worker_id: str
+    reports: Sequence[ChunkReport | UnreadableReport]
+    may_lease: bool = True
+    wanted: int = 0
 
 
 @dataclass(frozen=True)

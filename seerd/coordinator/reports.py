@@ -10,22 +10,22 @@ from __future__ import annotations
 
 import math
 from array import array
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 from sqlalchemy import Connection, select
 
-from seerd.db import ChunkStatus, RequestStatus
+from seerd.coordinator.records import LeaseTerms, RequestProgress
 from seerd.coordinator.statements import (
     CHUNK_DONE_VALUES, CHUNKS, GROUP_COUNTS, INSERT_EVENT, REQUEST_COUNT_VALUES, REQUEST_FINISH_REASON, REQUESTS,
 )
-from seerd.db import driver
+from seerd.db import ChunkStatus, RequestStatus, driver
 from seerd.db.event import event_row
 from seerd.db.transitions import ROW_EPOCH, ROW_ID, change_status
 from seerd.io.codec import pack_floats, pack_ints
 from seerd.protocol import ChunkReport, UnreadableReport
-from seerd.scheduler.state import ResultsUpdate
+from seerd.scheduler.state import ChunkResult, ResultsUpdate, SchedulerState
 
 
 # "length_target": the worker ended the response at its target length (benchmark rows).
@@ -110,6 +110,37 @@ def judge(report: Report, budget: int, generated: int, max_tokens: int, target: 
                 or n_tokens < budget or at_target)
     reason = "length_target" if at_target and report.finish_reason == "length" else report.finish_reason
     return Verdict(finished, reason)
+
+
+def sort_reports(calls: Sequence[tuple[int, str, Sequence[ChunkReport | UnreadableReport]]], state: SchedulerState,
+                 terms: Mapping[int, LeaseTerms], progress: Mapping[int, RequestProgress],
+                 targets: Mapping[int, int], vocab_size: int
+                 ) -> tuple[list[AcceptedReport], list[ChunkResult], list[tuple[int, int, str]]]:
+    """The reports of known workers' calls ((call index, worker, reports)) sorted against their
+    leases: accepted ones with their results, and rejected ones as (call, position, problem). A
+    report of no live lease of its worker's at its epoch (or a second one of a chunk in the batch)
+    is in neither: it is judged against the database (`judge_unleased`)."""
+    accepted, results, rejected = [], [], []
+    seen: set[int] = set()
+    for c, worker_id, reports in calls:
+        for i, report in enumerate(reports):
+            lease, lease_terms = state.leases.get(report.chunk_id), terms.get(report.chunk_id)
+            if (lease is None or lease_terms.epoch != report.epoch or lease.worker_id != worker_id
+                    or report.chunk_id in seen):
+                continue
+            seen.add(report.chunk_id)
+            request = state.requests[lease.request_id]
+            target = targets.get(request.id)
+            problem = (report.problem if isinstance(report, UnreadableReport) else
+                       report_problem(report, lease.max_tokens, request.generated, target, vocab_size))
+            if problem is not None:
+                rejected.append((c, i, problem))
+                continue
+            verdict = judge(report, lease.max_tokens, request.generated, request.max_tokens, target)
+            num_chunks = progress[request.id].num_chunks + 1
+            accepted.append(AcceptedReport(i, report, verdict.finish_reason, num_chunks, worker_id, c))
+            results.append(ChunkResult(report.chunk_id, len(report.token_ids), verdict.finished))
+    return accepted, results, rejected
 
 
 def write_results(conn: Connection, rollout_id: int, prepared: ResultsUpdate,
