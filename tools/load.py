@@ -145,12 +145,36 @@ def percentiles(seconds: list[float]) -> dict[str, float | None]:
             "max_ms": 1e3 * ordered[-1], "calls": len(ordered)}
 
 
-def call_times(run_dir: Path) -> dict[str, list[float]]:
-    merged: dict[str, list[float]] = {}
+def call_times(run_dir: Path) -> dict[str, list[tuple[float, float]]]:
+    """Every answered call the simulated workers timed: endpoint -> [(sent at, seconds)]."""
+    merged: dict[str, list[tuple[float, float]]] = {}
     for path in (run_dir / "logs").glob("sim-calls-*.json"):
-        for endpoint, seconds in json.loads(path.read_text()).items():
-            merged.setdefault(endpoint, []).extend(seconds)
+        for endpoint, calls in json.loads(path.read_text()).items():
+            merged.setdefault(endpoint, []).extend((sent_at, seconds) for sent_at, seconds in calls)
     return merged
+
+
+def latency_figures(calls: dict[str, list[tuple[float, float]]], window_s: float = 5.0) -> dict:
+    """Percentiles per endpoint over the whole run and after start-up (once the last worker's
+    registration was answered: before it, 512 workers register and take their first leases at
+    once), and the slowest call of every `window_s` window (to line tails up with events)."""
+    registered = [sent + took for sent, took in calls.get("/v1/register", [])]
+    started_up = max(registered, default=0.0)
+    every = [call for endpoint_calls in calls.values() for call in endpoint_calls]
+    first = min((sent for sent, _ in every), default=0.0)
+    worst: dict[int, tuple[float, str]] = {}
+    for endpoint, endpoint_calls in calls.items():
+        for sent, took in endpoint_calls:
+            window = int((sent - first) // window_s)
+            worst[window] = max(worst.get(window, (0.0, "")), (took, endpoint))
+    return {
+        "calls": {endpoint: percentiles([took for _, took in c]) for endpoint, c in sorted(calls.items())},
+        "calls_after_startup": {endpoint: percentiles([took for sent, took in c if sent > started_up])
+                                for endpoint, c in sorted(calls.items()) if endpoint != "/v1/register"},
+        "startup_s": started_up - first,
+        "slowest_by_window": [{"t": window * window_s, "ms": 1e3 * took, "endpoint": endpoint}
+                              for window, (took, endpoint) in sorted(worst.items())],
+    }
 
 
 def run(args: argparse.Namespace, work: Path) -> dict:
@@ -187,17 +211,17 @@ def run(args: argparse.Namespace, work: Path) -> dict:
         tokens = db.execute("select sum(generated_tokens) from requests").fetchone()[0]
         first_lease = db.execute("select min(leased_at) from chunks").fetchone()[0]
         finishes = [t - first_lease for (t,) in db.execute("select finished_at from requests")]
-    calls = call_times(run_dir)
+    latency = latency_figures(call_times(run_dir))
     samples = sampler.samples
     generation_s = load["generation_s"]
     return {
         "workers": args.workers, "requests": len(targets), "exactly_once": not problems, "problems": problems,
-        "lease_p99_ms": percentiles(calls.get("/v1/lease", []))["p99_ms"],
-        "report_p99_ms": percentiles(calls.get("/v1/report", []))["p99_ms"],
+        "lease_p99_ms": latency["calls"].get("/v1/lease", percentiles([]))["p99_ms"],
+        "report_p99_ms": latency["calls"].get("/v1/report", percentiles([]))["p99_ms"],
         "coordinator_cpu_share": load["cpu_share"],
         "coordinator_rss_mb": max((s["rss_mb"] for s in samples), default=None),
         "db_mb": (run_dir / "state.db").stat().st_size / 2**20,
-        "calls": {endpoint: percentiles(seconds) for endpoint, seconds in sorted(calls.items())},
+        **latency,
         "chunks": chunks, "output_tokens": tokens, "generation_s": generation_s, "wall_s": wall_s,
         "coordinator_cpu_s": load["generation_cpu_s"], "cpu_ms_per_chunk": 1e3 * load["generation_cpu_s"] / chunks,
         "durable_commits_per_s": load.get("durable_commits", 0) / generation_s,
@@ -229,16 +253,23 @@ def simulated(args: argparse.Namespace, requests: int) -> dict:
             "chunk_gap_s": json.loads(done.stdout)["cluster"]["chunk_gap_s"]}
 
 
+def print_latencies(calls: dict, title: str) -> None:
+    print(f"{title}:\n| call | calls | p50 ms | p99 ms | max ms |\n|---|---|---|---|---|")
+    for endpoint, figures in calls.items():
+        if figures["calls"]:
+            print(f"| {endpoint} | {figures['calls']} | {figures['p50_ms']:.1f} | {figures['p99_ms']:.1f} "
+                  f"| {figures['max_ms']:.1f} |")
+
+
 def print_table(result: dict) -> None:
     print(f"{result['workers']} workers, {result['requests']} requests ({result['output_tokens']} tokens, "
           f"{result['chunks']} chunks), preset {result['settings']['preset']}, time scale "
           f"{result['settings']['time_scale']}, policy {result['settings']['policy']}")
     print(f"exactly once: {result['exactly_once']}" + "".join(f"\n  {p}" for p in result["problems"]))
     print(f"generation {result['generation_s']:.1f} s (wall {result['wall_s']:.1f} s with start-up)")
-    print("| call | calls | p50 ms | p99 ms | max ms |\n|---|---|---|---|---|")
-    for endpoint, figures in result["calls"].items():
-        print(f"| {endpoint} | {figures['calls']} | {figures['p50_ms']:.1f} | {figures['p99_ms']:.1f} "
-              f"| {figures['max_ms']:.1f} |")
+    print_latencies(result["calls"], "every call")
+    print_latencies(result["calls_after_startup"], f"after start-up (the last registration, at "
+                                                   f"{result['startup_s']:.1f} s)")
     print(f"coordinator: {100 * result['coordinator_cpu_share']:.0f}% of a core over generation, "
           f"{result['cpu_ms_per_chunk']:.2f} ms CPU per chunk, peak RSS {result['coordinator_rss_mb']:.0f} MB, "
           f"peak open files {result['max_fds']}; the simulated workers' processes "
@@ -253,6 +284,8 @@ def print_table(result: dict) -> None:
         print(f"| daemon + simulated engines | {result['model_total_s']:.1f} | {result['model_tail_s']:.1f} "
               f"| {result['chunks']} |")
         print(f"| seerd sim | {sim['total_s']:.1f} | {sim['tail_s']:.1f} | {sim['chunks']} |")
+    print("slowest call per 5 s: " + ", ".join(f"{w['t']:.0f}s {w['ms']:.0f}ms {w['endpoint'].rpartition('/')[2]}"
+                                                for w in result["slowest_by_window"]))
     print("| t s | CPU s | RSS MB | open files | db MB |\n|---|---|---|---|---|")
     for sample in result["series"]:
         print(f"| {sample['t']:.0f} | {sample['cpu_s']:.1f} | {sample['rss_mb']:.0f} | {sample['fds']} "

@@ -87,15 +87,16 @@ TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)  # no an
 
 
 class CallTimings:
-    """Seconds each answered call took, by endpoint path, as a worker sees them (what
-    `tools/load.py` reports as the coordinator's latency); a lease's long-poll wait for work
+    """Each answered call, by endpoint path, as a worker sees it: when it was sent (wall clock,
+    to line calls up with the coordinator's events) and the seconds it took (what `tools/load.py`
+    reports as the coordinator's latency); a lease's long-poll wait for work
     (`LeaseReply.waited_s`) is taken out. Kept only where asked for (simulated workers)."""
 
     def __init__(self) -> None:
-        self.seconds: dict[str, list[float]] = {}
+        self.calls: dict[str, list[tuple[float, float]]] = {}  # path -> [(sent at, seconds)]
 
-    def record(self, path: str, seconds: float) -> None:
-        self.seconds.setdefault(path, []).append(seconds)
+    def record(self, path: str, sent_at: float, seconds: float) -> None:
+        self.calls.setdefault(path, []).append((sent_at, seconds))
 
 
 class CoordinatorClient:
@@ -218,7 +219,8 @@ class CoordinatorClient:
         decoded = decode_reply(endpoint, reply)
         if self.timings is not None:
             waited = getattr(decoded, "waited_s", 0.0)
-            self.timings.record(endpoint.path, time.monotonic() - sent_at - waited)
+            took = time.monotonic() - sent_at
+            self.timings.record(endpoint.path, time.time() - took, took - waited)
         return decoded
 
     async def call_until_answered(self, endpoint: Endpoint[Any, ReplyT], body: msgspec.Struct | None = None) -> ReplyT:

@@ -7,7 +7,7 @@ is the simulator's model of one (`seerd.worker.sim_engine.SimEngine`). The local
 one such process per `SIM_WORKERS_PER_PROCESS` workers (seerd/launch/local.py).
 
 At its end the process writes what its workers measured of the coordinator, the seconds of each
-answered call by endpoint (`CallTimings`), to `logs/sim-calls-R.json` (`tools/load.py` reads them).
+answered call by endpoint with the time it was sent (`CallTimings`), to `logs/sim-calls-R.json` (`tools/load.py` reads them).
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ async def host(run_dir: RunDir, first_rank: int, count: int, patience_s: float, 
     try:
         codes = await asyncio.gather(*(serve(worker) for worker in workers))
     finally:
-        write_private(run_dir.logs / f"sim-calls-{first_rank}.json", json.dumps(timings.seconds))
+        write_private(run_dir.logs / f"sim-calls-{first_rank}.json", json.dumps(timings.calls))
     log.info("%d simulated workers done: %d chunks", count, sum(w.stats.chunks_done for w in workers))
     return max(codes)
 

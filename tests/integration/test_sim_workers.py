@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import stat
+import time
 
 from tests.integration.harness import assert_complete_output, db_rows, run_seerd
 from tests.integration.test_target_lengths import assert_lengths_are_the_targets, write_target_prompts
@@ -17,6 +18,7 @@ def test_simulated_workers_complete_every_response_at_its_target_length(tiny_mod
     targets = [[(g * 37 + r * 101) % 300 + 1 for r in range(4)] for g in range(24)]
     prompts = write_target_prompts(tmp_path / "prompts.jsonl", targets, max_tokens=300)
     run_dir = tmp_path / "run"
+    started = time.time()
     result = run_seerd("run", "--input", str(prompts), "--model", str(tiny_model_dir), "--run-dir", str(run_dir),
                        "--engine-api", "sim", "--time-scale", "20", "--workers", "8", "--max-num-seqs", "8",
                        "--chunk-tokens", "64", "--no-progress")
@@ -33,7 +35,10 @@ def test_simulated_workers_complete_every_response_at_its_target_length(tiny_mod
     assert stat.S_IMODE(calls_file.stat().st_mode) == 0o600
     calls = json.loads(calls_file.read_text())
     assert len(calls["/v1/register"]) == 8 and len(calls["/v1/report"]) > 0
-    assert all(seconds >= 0 for seconds in calls["/v1/lease"])
+    assert all(seconds >= 0 for _, seconds in calls["/v1/lease"])
+    # Each call with the wall time it was sent, within the run.
+    sent = [sent_at for endpoint_calls in calls.values() for sent_at, _ in endpoint_calls]
+    assert started <= min(sent) <= max(sent) <= time.time()
 
 
 def test_simulated_engines_refuse_drafting_and_the_pool_before_anything_starts(tiny_model_dir, tmp_path):
