@@ -26,11 +26,20 @@ LONG_POLL_MAX_S = 5.0  # the coordinator holds an empty lease call at most this 
 LEASE_LONG_POLL_S = 5.0
 
 
-def heartbeat_interval(lease_ttl_s: float) -> float:
-    """What the coordinator tells a worker at registration (and `seerd status` uses to call a
-    worker silent): four heartbeats per lease TTL keep leases alive; at least one per 2 s keeps
-    `seerd status` current (each costs the coordinator one small write)."""
-    return max(0.2, min(2.0, lease_ttl_s / 4))
+# What the coordinator budgets for the heartbeats of all its workers together. Past it, each
+# worker's interval grows with their count: at 512 workers and one heartbeat each per 2 s,
+# heartbeats were 47-60% of the coordinator's calls (tools/load.py).
+HEARTBEATS_PER_S = 64.0
+
+
+def heartbeat_interval(lease_ttl_s: float, workers: int = 1) -> float:
+    """What the coordinator tells a worker at registration and in each heartbeat's reply (and
+    `seerd status`, with the same count of live workers, uses to call a worker silent): one per
+    2 s keeps `seerd status` current while `workers` heartbeats stay within `HEARTBEATS_PER_S`;
+    beyond, `workers / HEARTBEATS_PER_S`; never more than a quarter of the lease TTL, so that
+    four heartbeats keep a lease alive (and at least 0.2 s)."""
+    quarter_ttl = lease_ttl_s / 4
+    return max(0.2, min(quarter_ttl, max(2.0, workers / HEARTBEATS_PER_S)))
 
 
 # ----------------------------------------------------------------------------- workers
@@ -223,6 +232,7 @@ class HeartbeatBody(msgspec.Struct):
 class HeartbeatReply(msgspec.Struct):
     abort: list[int]  # chunk ids whose leases are gone: stop running them
     done: bool
+    interval_s: float | None = None  # the next heartbeat in this long (it grows with the worker count)
 
 
 class StatusReply(msgspec.Struct):

@@ -219,6 +219,11 @@ class LeaseBook:
         worker = self.workers.get(worker_id)
         return worker is not None and worker.status != WorkerStatus.GONE
 
+    @property
+    def live_count(self) -> int:
+        """Live workers now: what their heartbeat interval follows (`protocol.heartbeat_interval`)."""
+        return self.state.live_count
+
     def live_workers(self) -> list[WorkerLiveness]:
         return [w for w in self.workers.values() if w.status == WorkerStatus.ALIVE]
 

@@ -173,9 +173,10 @@ class GuardedProtocol(HttpToolsProtocol):
 
 def api_server(app, guard: ConnectionGuard) -> uvicorn.Server:  # noqa: ANN001
     """The coordinator's uvicorn server: httptools behind the guard, no logs of each call, our own
-    signal handlers (the daemon installs them in one place)."""
+    signal handlers (the daemon installs them in one place), no proxy-header rewriting (workers
+    call it directly; the middleware cost every call CPU for nothing)."""
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", loop="none",
-                            http=guard.protocol())
+                            http=guard.protocol(), proxy_headers=False)
     server = uvicorn.Server(config)
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
     return server

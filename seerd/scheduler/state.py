@@ -134,6 +134,7 @@ class SchedulerState:
         self.groups: dict[int, GroupRecord] = {}
         self.requests: dict[int, RequestRecord] = {}
         self.workers: dict[str, WorkerRecord] = {}
+        self.live_count = 0  # workers offered to policies (read by the API, without the state thread)
         self.leases: dict[int, LeaseRecord] = {}
         self.queue = RequestQueue()
         self.growth = growth if growth is not None else GrowthTable()  # seer's forecast ratios
@@ -193,6 +194,7 @@ class SchedulerState:
             raise ValueError(f"worker {worker_id} is already known")
         worker = self.workers[worker_id] = WorkerRecord(worker_id, rank, max_chunks, kv_capacity_tokens,
                                                         max(1, kv_block_tokens))
+        self.live_count += 1
         self._changed()
         return worker
 
@@ -201,6 +203,7 @@ class SchedulerState:
         worker = self.workers[worker_id]
         if worker.live != live:
             worker.live = live
+            self.live_count += 1 if live else -1
             self._changed()
 
     # ------------------------------------------------------------- the policy's side

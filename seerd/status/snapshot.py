@@ -118,10 +118,13 @@ def _read(conn: Connection, run_dir: Path, tail_rows: int, now: float) -> dict:
 
 
 def _workers(conn: Connection, rid: int, clock: float, lease_ttl_s: float) -> list[dict]:
-    stale_after = STALE_HEARTBEATS * heartbeat_interval(lease_ttl_s)
+    rows = read.worker_loads(conn, rid)
+    # The interval the coordinator gives its workers follows how many are alive.
+    alive_count = sum(row.status == WorkerStatus.ALIVE for row in rows)
+    stale_after = STALE_HEARTBEATS * heartbeat_interval(lease_ttl_s, alive_count)
     workers = []
     taken_out = read.taken_out_workers(conn, rid)
-    for row in read.worker_loads(conn, rid):
+    for row in rows:
         stats = json.loads(row.stats_json) if row.stats_json else {}
         age = max(0.0, clock - row.last_heartbeat)
         spec = stats.get("spec")

@@ -307,6 +307,8 @@ class Worker:
             except CoordinatorRefused as exc:  # the next one may pass; leases not extended meanwhile expire
                 log.error("heartbeat refused (%s)", exc)
                 continue
+            if reply.interval_s is not None:
+                self.heartbeat_interval_s = reply.interval_s
             for chunk_id in reply.abort:
                 await self._abort(chunk_id)
             if reply.done:

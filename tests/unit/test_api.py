@@ -174,7 +174,7 @@ def test_the_worker_client_gets_typed_replies(tmp_path):
         (grant,) = lease.chunks
         assert isinstance(grant, ChunkGrant) and not lease.done and grant.request_id in book.state.requests
         heartbeat = await client.call(protocol.HEARTBEAT, HeartbeatBody(reg.worker_id, [grant.chunk_id]))
-        assert heartbeat == HeartbeatReply([], done=False)
+        assert heartbeat == HeartbeatReply([], done=False, interval_s=protocol.heartbeat_interval(book.lease_ttl_s, 1))
         report = ChunkReport(grant.chunk_id, grant.epoch, [5] * 3, [-0.1] * 3, "stop")
         reply = await client.call(protocol.REPORT, ReportBody(reg.worker_id, [report]))
         assert reply == ReportReply([ReportResult(grant.chunk_id, True, False, "")], done=True)

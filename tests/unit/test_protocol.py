@@ -139,3 +139,17 @@ def test_the_protocol_imports_nothing_else_of_seerd_and_nothing_heavy():
             "if m.split('.')[0] in ('seerd', 'fastapi', 'starlette', 'httpx', 'sqlalchemy', 'numpy', 'torch', 'vllm')))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert loaded.strip() == "['seerd', 'seerd.protocol']"
+
+
+def test_the_heartbeat_interval_grows_with_the_workers_past_the_budget_and_stays_within_a_quarter_ttl():
+    from seerd.protocol import HEARTBEATS_PER_S, heartbeat_interval
+
+    assert heartbeat_interval(30.0, 1) == 2.0  # status stays current while heartbeats are few
+    assert heartbeat_interval(30.0, int(2 * HEARTBEATS_PER_S)) == 2.0
+    at_384 = heartbeat_interval(30.0, 384)
+    assert at_384 == 384 / HEARTBEATS_PER_S and 384 / at_384 <= HEARTBEATS_PER_S
+    assert heartbeat_interval(30.0, 100_000) == 7.5  # four heartbeats per lease TTL, whatever the count
+    assert heartbeat_interval(4.0, 512) == 1.0
+    assert heartbeat_interval(0.4, 1) == 0.2
+    intervals = [heartbeat_interval(30.0, w) for w in range(1, 2000, 7)]
+    assert intervals == sorted(intervals)
