@@ -33,16 +33,15 @@ LOCAL_FUSE_SUBTYPES = frozenset({
 })
 LOCAL_BLOCK_FUSE = frozenset({"fuseblk"})  # a FUSE driver of a local block device (ntfs-3g, exfat)
 
-# Mount options under which SQLite's fcntl locks never reach the server: each host locks alone.
-_LOCAL_LOCK_OPTIONS = {
-    "nolock": "NFS `nolock`: fcntl locks stay on each client",
-    "local_lock=all": "NFS `local_lock=all`: fcntl locks stay on each client",
-    "local_lock=posix": "NFS `local_lock=posix`: fcntl locks stay on each client",
-    "localflock": "Lustre `localflock`: fcntl locks are per node",
-    "nobrl": "CIFS `nobrl`: byte-range locks are not sent to the server",
-}
-_NO_LOCK_OPTIONS = {
-    "noflock": "Lustre `noflock`: fcntl locks are refused (SQLite cannot lock the database at all)",
+# Mount options that change what SQLite's fcntl locks do across hosts, and what they do.
+_LOCKS_STAY_LOCAL = "fcntl locks stay on each host, never reaching the server"
+_LOCK_OPTIONS = {
+    "nolock": _LOCKS_STAY_LOCAL,  # NFS (v2/v3; it implies local_lock=all)
+    "local_lock=all": _LOCKS_STAY_LOCAL,  # NFS
+    "local_lock=posix": _LOCKS_STAY_LOCAL,  # NFS
+    "localflock": _LOCKS_STAY_LOCAL,  # Lustre
+    "nobrl": _LOCKS_STAY_LOCAL,  # CIFS: byte-range locks are not sent to the server
+    "noflock": "fcntl locks are refused (SQLite cannot lock the database at all)",  # Lustre
 }
 
 
@@ -63,10 +62,13 @@ class Filesystem:
 
     @property
     def lock_caveat(self) -> str | None:
-        """What a mount option does to SQLite's locks across hosts, if anything."""
-        notes = [note for option, note in {**_LOCAL_LOCK_OPTIONS, **_NO_LOCK_OPTIONS}.items()
-                 if option in self.options]
-        return "; ".join(notes) or None
+        """What the mount's options do to SQLite's locks across hosts ("`nolock`, `local_lock=all`:
+        fcntl locks stay on each host, ..."), or None when they leave them alone."""
+        by_effect: dict[str, list[str]] = {}
+        for option, effect in _LOCK_OPTIONS.items():
+            if option in self.options:
+                by_effect.setdefault(effect, []).append(f"`{option}`")
+        return "; ".join(f"{', '.join(options)}: {effect}" for effect, options in by_effect.items()) or None
 
     def describe(self) -> str:
         if self.kind == "unknown":

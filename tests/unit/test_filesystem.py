@@ -88,12 +88,14 @@ def test_escaped_spaces_in_mount_points_and_sources_are_read_as_spaces(tmp_path)
 
 def test_mount_options_that_keep_locks_on_one_host_are_named(tmp_path):
     info = mountinfo(tmp_path, CLUSTER_NODE)
-    assert "nolock" in filesystem_of("/mnt/old runs/x", info).lock_caveat
-    assert "local_lock=all" in filesystem_of("/mnt/old runs/x", info).lock_caveat
-    assert "localflock" in filesystem_of("/lustre/fast/x", info).lock_caveat
-    assert "nobrl" in filesystem_of("/mnt/share/x", info).lock_caveat
+    stays = "fcntl locks stay on each host, never reaching the server"
+    assert filesystem_of("/mnt/old runs/x", info).lock_caveat == f"`nolock`, `local_lock=all`: {stays}"
+    assert filesystem_of("/lustre/fast/x", info).lock_caveat == f"`localflock`: {stays}"
+    assert filesystem_of("/mnt/share/x", info).lock_caveat == f"`nobrl`: {stays}"
     assert filesystem_of("/home/alice/x", info).lock_caveat is None  # local_lock=none: locks reach the server
     assert filesystem_of("/scratch/x", info).lock_caveat is None  # Lustre with flock
+    noflock = "26 1 0:49 / / rw - lustre mds@tcp:/fs rw,noflock\n"
+    assert "refused" in filesystem_of("/x", mountinfo(tmp_path, noflock)).lock_caveat
 
 
 def test_a_container_root_is_local_and_its_nfs_bind_mount_is_network(tmp_path):
