@@ -330,6 +330,11 @@ REPORT = Endpoint("POST", f"{API_PREFIX}/report", ReportBody, ReportReply)
 RELEASE = Endpoint("POST", f"{API_PREFIX}/release", ReleaseBody, ReleaseReply)
 HEARTBEAT = Endpoint("POST", f"{API_PREFIX}/heartbeat", HeartbeatBody, HeartbeatReply)
 STATUS = Endpoint[None, StatusReply]("GET", f"{API_PREFIX}/status", None, StatusReply)
+# `seerd status`'s whole snapshot (seerd.status.snapshot, a plain dict), read by the coordinator on its
+# own host: how another host reads a run whose database is on a network filesystem (seerd.db.sharing).
+STATUS_SNAPSHOT = Endpoint[None, dict]("GET", f"{API_PREFIX}/status/snapshot", None, dict)
+SNAPSHOT_TAIL_ROWS = "tail_rows"  # its query parameter: running requests listed, 0..MAX_SNAPSHOT_TAIL_ROWS
+MAX_SNAPSHOT_TAIL_ROWS = 10_000
 DRAFTS_APPEND = Endpoint("POST", f"{API_PREFIX}/drafts/append", DraftAppendBody, DraftAppendReply)
 DRAFTS_FETCH = Endpoint("POST", f"{API_PREFIX}/drafts/fetch", DraftFetchBody, DraftChanges)
 DRAFTS_STATS = Endpoint[None, DraftStats]("GET", f"{API_PREFIX}/drafts/stats", None, DraftStats)
