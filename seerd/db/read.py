@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sqlite3
 import urllib.parse
 from collections.abc import Iterable, Iterator
@@ -138,6 +139,31 @@ def reading(db_path: Path, *, busy_timeout_ms: int = BUSY_TIMEOUT_MS, ownership:
             yield conn
     except DBAPIError as exc:
         raise UnreadableDatabase(f"cannot read {db_path}: {exc.orig}") from exc
+
+
+def copy_database(db_path: Path, target: Path, *, mountinfo: Path | None = None) -> None:
+    """Copy the database as committed now into the new file `target` (mode 0600; its directory made
+    when missing): SQLite's online
+    backup from one read transaction, in one step, so the copy is one instant of the run, the
+    `-wal`'s committed frames included (a `cp` of a live database misses them or tears pages). The
+    copy is in rollback-journal mode, one self-contained file. Opened as any reader opens the
+    database (`open_read_only`: refused from another host's network mount while the run goes)."""
+    engine = open_read_only(db_path, mountinfo=mountinfo)
+    target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.close(os.open(target, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    try:
+        copy = sqlite3.connect(target)
+        try:
+            with engine.connect() as conn:
+                conn.connection.driver_connection.backup(copy)
+            copy.execute("PRAGMA journal_mode=DELETE")
+        finally:
+            copy.close()
+    except BaseException as exc:
+        target.unlink(missing_ok=True)
+        if isinstance(exc, (sqlite3.Error, DBAPIError)):
+            raise UnreadableDatabase(f"cannot copy {db_path}: {getattr(exc, 'orig', None) or exc}") from exc
+        raise
 
 
 # ------------------------------------------------------------------ schema

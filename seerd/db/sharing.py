@@ -91,9 +91,10 @@ def coordinator_warning(db_path: Path, *, mountinfo: Path | None = None) -> str 
     text = (f"the run's database {db_path} is on a network filesystem ({filesystem.describe()}). SQLite's "
             f"WAL index ({Path(db_path).name}-shm) is shared memory that only processes on this host ({host}) "
             f"see coherently: while this coordinator runs, only processes on {host} may open the database. From "
-            f"other hosts, `seerd status` reads through this coordinator's API, and `seerd export` and `report` "
-            f"refuse until the run stops (run them on {host}). Never copy the database while the run goes (a "
-            f"copy misses what is still in its -wal): `seerd export` on {host} writes the outputs consistently")
+            f"other hosts, `seerd status` reads through this coordinator's API, and `seerd export`, `report` "
+            f"and `db snapshot` refuse until the run stops (run them on {host}). Never copy the database while "
+            f"the run goes (a copy misses what is still in its -wal): `seerd db snapshot` or `seerd export` on "
+            f"{host} take consistent copies (docs/shared-filesystems.md)")
     caveat = filesystem.lock_caveat
     if caveat:
         text += (f". The mount's options matter: {caveat}. SQLite's own locks do not keep a second "

@@ -1,6 +1,7 @@
 """A run directory on a network filesystem (seerd/db/sharing.py): no process opens the database from
 another host while the run's coordinator writes it there; `seerd status` reads through the
-coordinator's API instead; the coordinator says at start what is safe.
+coordinator's API instead; the coordinator says at start what is safe; `seerd db snapshot` copies a
+live run consistently.
 
 No NFS server can run here, so the network verdict is faked: the tests hand seerd a mountinfo in
 which the run directory is an NFS export (`faked_nfs_mount`), and "another host" is an owner record
@@ -15,6 +16,7 @@ import json
 import logging
 import os
 import socket
+import sqlite3
 import time
 from pathlib import Path
 
@@ -91,12 +93,13 @@ def test_no_host_but_the_coordinators_opens_the_database_faked_nfs_mount(tmp_pat
     monkeypatch.setattr(seerd.db.filesystem, "MOUNTINFO", mountinfo)
     runner = CliRunner()
     for command, exit_code in ((["export", str(run)], 2), (["report", str(run)], 2),
+                               (["db", "snapshot", str(run), str(tmp_path / "copy")], 2),
                                (["status", str(run), "--json"], 3)):
         result = runner.invoke(cli, command)
         assert result.exit_code == exit_code, (command, result.output)
         assert f"live on another host" in result.output and OTHER_HOST in result.output, (command, result.output)
     assert "its API did not serve the status: no usable coordinator address" in result.output
-    assert not (run / "rollouts.parquet").exists()
+    assert not (tmp_path / "copy").exists() and not (run / "rollouts.parquet").exists()
     assert database_files(run) == before  # nothing opened it: not even the WAL index changed
     book.close()
 
@@ -154,7 +157,8 @@ def test_the_coordinator_says_once_at_start_what_is_safe_faked_nfs_mount(tmp_pat
     assert len(warnings) == 1
     host = socket.gethostname()
     for said in ("nfs4 nas01:/export/runs", f"only processes on this host ({host})",
-                 "`seerd status` reads through this coordinator's API", "Never copy the database"):
+                 "`seerd status` reads through this coordinator's API", "Never copy the database",
+                 "`seerd db snapshot`"):
         assert said in warnings[0]
     assert "ownership" not in warnings[0]  # locks reach the server (local_lock=none)
     nolock = faked_nfs_mount(tmp_path, rundir.path, "rw,vers=3,hard,nolock,proto=tcp,local_lock=all")
@@ -205,3 +209,24 @@ def test_status_from_another_host_reads_through_the_coordinators_api_faked_nfs_m
     assert snapshot["coordinator"]["reachable"] is True
     assert once.exit_code == 0 and "read through its API" in once.output, once.output
     assert f"live on another host" in direct and OTHER_HOST in direct  # never opened directly from here
+
+
+def test_db_snapshot_copies_a_live_run_consistently_for_any_host(tmp_path):
+    run = tmp_path / "run"
+    book = a_run_in_progress(run)  # its last commits are still in the -wal
+    assert (run / "state.db-wal").stat().st_size > 0
+    copy = tmp_path / "elsewhere" / "copy"
+    runner = CliRunner()
+    result = runner.invoke(cli, ["db", "snapshot", str(run), str(copy)])
+    assert result.exit_code == 0, result.output
+    assert oct((copy / "state.db").stat().st_mode & 0o777) == "0o600"
+    assert not (copy / "state.db-wal").exists()  # one self-contained file
+    with sqlite3.connect(f"file:{copy / 'state.db'}?immutable=1", uri=True) as conn:
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "delete"
+        assert conn.execute("SELECT count(*) FROM chunks WHERE status = 'done'").fetchone()[0] == 1
+    status = runner.invoke(cli, ["status", str(copy), "--json"])
+    assert status.exit_code == 0, status.output
+    assert json.loads(status.output)["output_tokens_committed"] == 8
+    again = runner.invoke(cli, ["db", "snapshot", str(run), str(copy)])
+    assert again.exit_code == 2 and "exists; choose a new DEST_DIR" in again.output
+    book.close()
