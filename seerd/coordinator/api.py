@@ -41,8 +41,8 @@ from seerd.protocol import (
     CONFIG, DRAFTS_APPEND, DRAFTS_FETCH, DRAFTS_STATS, HEARTBEAT, LEASE, LONG_POLL_MAX_S, MAX_SNAPSHOT_TAIL_ROWS,
     REGISTER, RELEASE, REPORT, SNAPSHOT_TAIL_ROWS, STATUS, STATUS_SNAPSHOT, UNKNOWN_WORKER, WORKER_RETIRED,
     ChunkGrant, DraftAppendReply, DraftStats, ErrorReply, HeartbeatReply, LeaseReply,
-    RegisterReply, ReleaseReply, ReportBatch, ReportReply, ReportResult, StatusReply, decode_report,
-    heartbeat_interval,
+    RegisterReply, ReleaseReply, ReportBatch, ReportReply, ReportResult, StatusReply, StatusSnapshot,
+    decode_report, heartbeat_interval,
 )
 
 # The JSON of one reported token at most: an int32 id (11 characters with its sign) and a float64
@@ -389,7 +389,7 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
             taken = await control.read(snapshot, int(tail_rows), answer)
         except UnreadableDatabase as exc:  # locked past the reader's timeout, say
             raise ApiError(503, str(exc)) from None
-        return Response(msgspec.json.encode(taken), media_type="application/json")
+        return _json(StatusSnapshot(taken))
 
     app = Starlette(routes=routes, exception_handlers={ApiError: api_error, UnknownWorker: unknown_worker,
                                                        BodyDigestMismatch: body_mismatch},

@@ -142,7 +142,7 @@ def snapshot_from_coordinator(run_dir: Path, tail_rows: int) -> tuple[dict | Non
     if reply.status_code != 200:
         return None, f"{host}:{port} answered {reply.status_code}: {reply.text[:300]}"
     try:
-        return decode_reply(STATUS_SNAPSHOT, reply.content), ""
+        return decode_reply(STATUS_SNAPSHOT, reply.content).snapshot, ""
     except BadReply as exc:
         return None, str(exc)
 
