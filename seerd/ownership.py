@@ -281,10 +281,12 @@ def remote_owner(run_path: Path, *, now: float | None = None) -> RemoteOwner | N
     than STALE_AFTER_S + CLOCK_SKEW_S by our clock (`now`). So a remote owner counts for up to that
     long after it died; one whose heartbeat cannot be read counts until its record goes. None when
     nobody owns the directory, the owner is on this host, or its record is not one a coordinator
-    wrote (none can be running on it: its heartbeat thread would have stopped it)."""
+    wrote (none can be running on it: its heartbeat thread would have stopped it), or one that
+    cannot be read at all (nothing tells then; this errs towards "nobody", as an unknown filesystem
+    counts as local in seerd.db.sharing)."""
     try:
         owner = read_owner(run_path)
-    except OwnershipError:
+    except (OwnershipError, OSError):
         return None
     if owner is None or owner.on_this_host():
         return None

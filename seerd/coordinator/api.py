@@ -382,7 +382,7 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
         if snapshot is None:
             raise ApiError(404, "this coordinator serves no status snapshot")
         tail_rows = request.query_params.get(SNAPSHOT_TAIL_ROWS, "15")
-        if not tail_rows.isdigit() or int(tail_rows) > MAX_SNAPSHOT_TAIL_ROWS:
+        if not (tail_rows.isascii() and tail_rows.isdigit()) or int(tail_rows) > MAX_SNAPSHOT_TAIL_ROWS:
             raise ApiError(422, f"{SNAPSHOT_TAIL_ROWS} must be an integer in 0..{MAX_SNAPSHOT_TAIL_ROWS}")
         answer = await status_reply()
         try:
