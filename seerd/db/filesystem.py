@@ -86,8 +86,8 @@ class Mount:
 
 
 def filesystem_of(path: Path | str, mountinfo: Path | None = None) -> Filesystem:
-    """The filesystem holding `path` (the nearest existing directory if it does not exist yet).
-    Never raises: an unreadable or unparsable mountinfo gives kind "unknown"."""
+    """The filesystem holding `path`, resolved (symlinks followed as far as it exists). Never
+    raises: an unreadable mountinfo, or one with no mount holding the path, gives kind "unknown"."""
     source = MOUNTINFO if mountinfo is None else Path(mountinfo)
     try:
         mounts = parse_mountinfo(source.read_text(errors="replace"))

@@ -142,12 +142,12 @@ def reading(db_path: Path, *, busy_timeout_ms: int = BUSY_TIMEOUT_MS, ownership:
 
 
 def copy_database(db_path: Path, target: Path, *, mountinfo: Path | None = None) -> None:
-    """Copy the database as committed now into the new file `target` (mode 0600; its directory made
-    when missing): SQLite's online
-    backup from one read transaction, in one step, so the copy is one instant of the run, the
-    `-wal`'s committed frames included (a `cp` of a live database misses them or tears pages). The
-    copy is in rollback-journal mode, one self-contained file. Opened as any reader opens the
-    database (`open_read_only`: refused from another host's network mount while the run goes)."""
+    """Copy the database as committed now into the new file `target` (mode 0600; its directory
+    made when missing): SQLite's online backup in one step, under one read lock, so the copy is one
+    instant of the run, the `-wal`'s committed frames included (a `cp` of a live database misses
+    them or tears pages). The copy is in rollback-journal mode, one self-contained file. Opened as
+    any reader opens the database (`open_read_only`: refused from another host's network mount
+    while the run goes)."""
     engine = open_read_only(db_path, mountinfo=mountinfo)
     target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.close(os.open(target, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))

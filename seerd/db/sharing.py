@@ -22,8 +22,8 @@ So, for a database on a network filesystem (`seerd.db.filesystem`):
 On a local filesystem nothing changes: another host cannot see the run directory at all.
 
 This is a guard against the common mistake, not a lock: a coordinator that starts on another host
-just after the check is not seen by a reader already past it (its first frame or export then reads
-during the coordinator's start, before it writes anything but its status).
+just after the check is not seen by a reader already past it, whose one read (a frame, an export)
+then overlaps the coordinator's first writes.
 """
 
 from __future__ import annotations
