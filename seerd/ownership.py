@@ -44,7 +44,9 @@ the default, up to `acdirmax`) may see an old `owner.json` for a while: a new ow
 refused (safe), a taken-over one learns of it late. A filesystem without hard links (some FUSE
 mounts) cannot hold the lock: the command says so. A live coordinator that hangs keeps its run until
 someone stops it (its heartbeat thread goes on). Removing `owner.json` by hand makes the live owner
-stop as if taken over. Readers (`seerd status`, `export`, `report`) and workers take no ownership.
+stop as if taken over. Readers (`seerd status`, `export`, `report`) and workers take no ownership;
+on a network filesystem a reader asks `remote_owner` whether a live coordinator on another host
+writes the run, and then does not open its database (seerd.db.sharing).
 """
 
 from __future__ import annotations
@@ -107,6 +109,10 @@ class OwnerRecord:
         since = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(self.since))
         return f"pid {self.pid} on {self.host}{job} since {since} (`{self.command}`)"
 
+    def on_this_host(self) -> bool:
+        """True when the record's process runs (ran) on this host: same host name and boot."""
+        return (self.host, self.boot_id) == (socket.gethostname(), _boot_id())
+
     def same_processes_as(self, other: OwnerRecord) -> bool:
         """True when this record's pid is a pid of `other`'s host, as seen from there."""
         return (self.host, self.boot_id, self.pid_namespace) == (other.host, other.boot_id, other.pid_namespace)
@@ -114,22 +120,23 @@ class OwnerRecord:
 
 def this_process(clock: Callable[[], float] = time.time) -> OwnerRecord:
     """A record for this process, with a new token."""
-    def read(path: str) -> str:
-        try:
-            return Path(path).read_text().strip()
-        except OSError:
-            return ""
-
     try:
         namespace = os.readlink("/proc/self/ns/pid")
     except OSError:
         namespace = ""
     program = "seerd" if sys.argv[0].endswith(("seerd", "seerd/cli/main.py")) else Path(sys.argv[0]).name
     command = " ".join([program, *sys.argv[1:]])
-    return OwnerRecord(token=secrets.token_hex(8), host=socket.gethostname(),
-                       boot_id=read("/proc/sys/kernel/random/boot_id"), pid_namespace=namespace, pid=os.getpid(),
-                       pid_started=process_start(os.getpid()), slurm_job_id=os.environ.get("SLURM_JOB_ID"),
-                       since=clock(), command=command[:160])
+    return OwnerRecord(token=secrets.token_hex(8), host=socket.gethostname(), boot_id=_boot_id(),
+                       pid_namespace=namespace, pid=os.getpid(), pid_started=process_start(os.getpid()),
+                       slurm_job_id=os.environ.get("SLURM_JOB_ID"), since=clock(), command=command[:160])
+
+
+def _boot_id() -> str:
+    """This kernel's boot: two hosts (or two boots of one) never share it; "" without /proc."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
 
 
 def process_start(pid: int) -> int | None:
@@ -252,6 +259,42 @@ def take_ownership(run_path: Path, *, stale_after_s: float = STALE_AFTER_S, hear
 def read_owner(run_path: Path) -> OwnerRecord | None:
     """The record in `run_path/owner.json`, or None when nobody owns the directory."""
     return _read_record(Path(run_path) / OWNER_FILE)
+
+
+@dataclass(frozen=True)
+class RemoteOwner:
+    """A run directory's owner on another host that may be alive."""
+
+    owner: OwnerRecord
+    heartbeat_age_s: float | None  # by our clock; None when its heartbeat cannot be read
+
+    @property
+    def stale_in_s(self) -> float | None:
+        """How long until its heartbeat is old enough to call it dead without watching it."""
+        return None if self.heartbeat_age_s is None else max(0.0, STALE_AFTER_S + CLOCK_SKEW_S
+                                                                - self.heartbeat_age_s)
+
+
+def remote_owner(run_path: Path, *, now: float | None = None) -> RemoteOwner | None:
+    """The owner of `run_path` when it is on another host and may be alive, judged at one look
+    (readers cannot wait a heartbeat, as `take_ownership` does): alive unless its heartbeat is older
+    than STALE_AFTER_S + CLOCK_SKEW_S by our clock (`now`). So a remote owner counts for up to that
+    long after it died; one whose heartbeat cannot be read counts until its record goes. None when
+    nobody owns the directory, the owner is on this host, or its record is not one a coordinator
+    wrote (none can be running on it: its heartbeat thread would have stopped it), or one that
+    cannot be read at all (nothing tells then; this errs towards "nobody", as an unknown filesystem
+    counts as local in seerd.db.sharing)."""
+    try:
+        owner = read_owner(run_path)
+    except (OwnershipError, OSError):
+        return None
+    if owner is None or owner.on_this_host():
+        return None
+    beat = _read_beat(Path(run_path), owner.token)
+    if beat is None:
+        return RemoteOwner(owner, None)
+    age = max(0.0, (time.time() if now is None else now) - beat[1])
+    return None if age > STALE_AFTER_S + CLOCK_SKEW_S else RemoteOwner(owner, age)
 
 
 class _HeartbeatWatch:

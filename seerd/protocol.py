@@ -252,6 +252,13 @@ class StatusReply(msgspec.Struct):
     kv_pool: dict | None = None  # the pool's latest figures, when the run has one
 
 
+class StatusSnapshot(msgspec.Struct):
+    """`seerd status`'s whole snapshot (seerd.status.snapshot: a plain dict, docs/status.md), read by
+    the coordinator on its own host for a host that may not open the database (seerd.db.sharing)."""
+
+    snapshot: dict
+
+
 # ErrorReply codes a worker acts on.
 UNKNOWN_WORKER = "unknown_worker"  # 404: the coordinator does not know the worker (it restarted): register again
 # 410: the coordinator took the worker out (its engine stopped making progress, or failed chunks
@@ -340,6 +347,9 @@ REPORT = Endpoint("POST", f"{API_PREFIX}/report", ReportBody, ReportReply)
 RELEASE = Endpoint("POST", f"{API_PREFIX}/release", ReleaseBody, ReleaseReply)
 HEARTBEAT = Endpoint("POST", f"{API_PREFIX}/heartbeat", HeartbeatBody, HeartbeatReply)
 STATUS = Endpoint[None, StatusReply]("GET", f"{API_PREFIX}/status", None, StatusReply)
+STATUS_SNAPSHOT = Endpoint[None, StatusSnapshot]("GET", f"{API_PREFIX}/status/snapshot", None, StatusSnapshot)
+SNAPSHOT_TAIL_ROWS = "tail_rows"  # its query parameter: running requests listed, 0..MAX_SNAPSHOT_TAIL_ROWS
+MAX_SNAPSHOT_TAIL_ROWS = 10_000
 DRAFTS_APPEND = Endpoint("POST", f"{API_PREFIX}/drafts/append", DraftAppendBody, DraftAppendReply)
 DRAFTS_FETCH = Endpoint("POST", f"{API_PREFIX}/drafts/fetch", DraftFetchBody, DraftChanges)
 DRAFTS_STATS = Endpoint[None, DraftStats]("GET", f"{API_PREFIX}/drafts/stats", None, DraftStats)

@@ -141,7 +141,7 @@ def report(run_dir: Path, out_dir: Path | None) -> None:
 
 @cli.group()
 def db() -> None:
-    """The run database's schema."""
+    """The run database: its schema, and a consistent copy of it."""
 
 
 @db.command("upgrade")
@@ -159,6 +159,32 @@ def db_upgrade(run_dir: Path) -> None:
         finally:
             engine.dispose()
     ui.info(f"{rundir.db_path}: {done.before or 'empty'} -> {done.after} (head {', '.join(head_revisions())})")
+
+
+@db.command("snapshot")
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.argument("dest_dir", type=click.Path(path_type=Path, file_okay=False))
+def db_snapshot(run_dir: Path, dest_dir: Path) -> None:
+    """Copy RUN_DIR's database, consistent as of now, to DEST_DIR/state.db (a new file), live run or not.
+
+    Read it anywhere: `seerd status DEST_DIR`, `seerd report DEST_DIR`, `seerd export DEST_DIR`. Never
+    copy a live run's database with cp: the copy would miss what is still in its -wal."""
+    from seerd.db.read import copy_database
+
+    rundir = _existing_run(run_dir)
+    target = RunDir(dest_dir)
+    try:
+        copy_database(rundir.db_path, target.db_path)
+    except FileExistsError:
+        ui.error(f"{target.db_path} exists; choose a new DEST_DIR")
+        raise SystemExit(EXIT_BAD_INPUT) from None
+    except OSError as exc:
+        ui.error(f"cannot write {target.db_path}: {exc.strerror or exc}")
+        raise SystemExit(EXIT_BAD_INPUT) from None
+    except UnreadableDatabase as exc:
+        ui.error(str(exc))
+        raise SystemExit(EXIT_BAD_INPUT) from None
+    ui.info(f"copied {rundir.db_path} to {target.db_path}")
 
 
 def _read_rollout(rundir: RunDir) -> Rollout:

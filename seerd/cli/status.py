@@ -11,14 +11,12 @@ import click
 from seerd.cli import ui
 from seerd.cli.launching import EXIT_BAD_INPUT
 from seerd.db.read import UnreadableDatabase
-from seerd.status.locate import ask_coordinator, resolve_run
-from seerd.status.snapshot import UnknownRun, read_snapshot
+from seerd.status.locate import resolve_run, take_snapshot
+from seerd.status.snapshot import UnknownRun
 
-EXIT_UNREADABLE = 3  # the database exists but could not be read (locked past the timeout, corrupt)
-
-
-def take_snapshot(run_dir: Path, tail_rows: int) -> dict:
-    return read_snapshot(run_dir, tail_rows=tail_rows, coordinator=ask_coordinator(run_dir))
+# The database exists but could not be read (locked past the timeout, corrupt; or on a network
+# filesystem, written from another host by a coordinator whose API does not answer).
+EXIT_UNREADABLE = 3
 
 
 @click.command()

@@ -35,13 +35,14 @@ from seerd.coordinator.book import LeaseBook, ReportCall, RetiredWorker, Unknown
 from seerd.coordinator.drafts import DraftHost, append_items
 from seerd.coordinator.metrics import RefusalCollector, RolloutCollector, metrics_registry
 from seerd.coordinator.reports import ReportOutcome
+from seerd.db.read import UnreadableDatabase
 from seerd.drafts.server import DraftError
 from seerd.protocol import (
-    CONFIG, DRAFTS_APPEND, DRAFTS_FETCH, DRAFTS_STATS, HEARTBEAT, LEASE, LONG_POLL_MAX_S, REGISTER, RELEASE,
-    REPORT, STATUS, UNKNOWN_WORKER, WORKER_RETIRED, ChunkGrant, DraftAppendReply, DraftStats, ErrorReply,
-    HeartbeatReply, LeaseReply,
-    RegisterReply, ReleaseReply, ReportBatch, ReportReply, ReportResult, StatusReply, decode_report,
-    heartbeat_interval,
+    CONFIG, DRAFTS_APPEND, DRAFTS_FETCH, DRAFTS_STATS, HEARTBEAT, LEASE, LONG_POLL_MAX_S, MAX_SNAPSHOT_TAIL_ROWS,
+    REGISTER, RELEASE, REPORT, SNAPSHOT_TAIL_ROWS, STATUS, STATUS_SNAPSHOT, UNKNOWN_WORKER, WORKER_RETIRED,
+    ChunkGrant, DraftAppendReply, DraftStats, ErrorReply, HeartbeatReply, LeaseReply,
+    RegisterReply, ReleaseReply, ReportBatch, ReportReply, ReportResult, StatusReply, StatusSnapshot,
+    decode_report, heartbeat_interval,
 )
 
 # The JSON of one reported token at most: an int32 id (11 characters with its sign) and a float64
@@ -68,6 +69,9 @@ class CoordinatorControl:
 
     def __init__(self) -> None:
         self._state_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="seerd-state")
+        # Status snapshots read for other hosts (`seerd status` of a run on a network filesystem):
+        # never on the state thread, and one at a time however many watch.
+        self._reader_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="seerd-reader")
         self.accepting = True  # false while draining (shutdown, preemption)
         self.scheduling_gate: Callable[[], bool] = lambda: True  # e.g. wait for every worker
         self.worker_stats: dict[str, dict] = {}
@@ -116,6 +120,10 @@ class CoordinatorControl:
                 answers.append((future, (exc, True)))
         loop.call_soon_threadsafe(_settle_all, answers)
 
+    async def read(self, fn, *args):  # noqa: ANN001, ANN002, ANN201
+        """Run the database reader `fn` on the reader thread and wait for it."""
+        return await asyncio.get_running_loop().run_in_executor(self._reader_thread, partial(fn, *args))
+
     async def report(self, book: LeaseBook, call: ReportCall, clock: Callable[[], float]
                      ) -> tuple[list[ReportOutcome], list[ChunkGrant]]:
         """One worker's report call, committed with every other that queues while the state
@@ -149,6 +157,7 @@ class CoordinatorControl:
         loop.call_soon_threadsafe(_settle_all, [(future, answer) for (_, future), answer in zip(batch, answers)])
 
     def close(self) -> None:
+        self._reader_thread.shutdown(wait=True)
         self._state_thread.shutdown(wait=True)
 
     def work_queued(self, requests: int | None = None) -> None:
@@ -235,9 +244,12 @@ async def _decode(request: Request, body_type: type):  # noqa: ANN202
 def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
                clock: Callable[[], float] = time.time, drafts: DraftHost | None = None, *,
                max_body_bytes: int | None = None, address: str = "",
-               metrics_token: str | None = None) -> Starlette:
+               metrics_token: str | None = None,
+               snapshot: Callable[[int, StatusReply], dict] | None = None) -> Starlette:
     """The API; `max_body_bytes` defaults to the `body_limit` of default engines. Calls are signed
     for `address` (the "host:port" clients reach it at); `metrics_token` opens `GET /metrics`.
+    `snapshot(tail_rows, status)` reads `seerd status`'s snapshot of the run on this host (the
+    daemon's; without it, `STATUS_SNAPSHOT` answers 404).
 
     Plain Starlette routes: each handler takes the request and decodes its body itself, so
     FastAPI's dependency solving and its extra middleware layer (~0.1 ms a call, every report and
@@ -387,14 +399,31 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
         # Collected on the state thread: the book is read by its owner only.
         return Response(await control.run(generate_latest, registry), media_type=CONTENT_TYPE_LATEST)
 
-    @route("GET", STATUS.path)
-    async def status(_request: Request) -> Response:
+    async def status_reply() -> StatusReply:
         counts = await control.run(book.counts)
         pool = getattr(app.state, "kv_pool", None)
-        return _json(StatusReply(rollout_id=book.rollout_id, policy=book.policy.name, **counts,
-                                 complete=book.is_complete(), accepting=control.accepting,
-                                 coordinator_busy_s=control.busy_s, api_calls=control.calls,
-                                 kv_pool=None if pool is None else pool.latest))
+        return StatusReply(rollout_id=book.rollout_id, policy=book.policy.name, **counts,
+                           complete=book.is_complete(), accepting=control.accepting,
+                           coordinator_busy_s=control.busy_s, api_calls=control.calls,
+                           kv_pool=None if pool is None else pool.latest)
+
+    @route("GET", STATUS.path)
+    async def status(_request: Request) -> Response:
+        return _json(await status_reply())
+
+    @route("GET", STATUS_SNAPSHOT.path)
+    async def status_snapshot(request: Request) -> Response:
+        if snapshot is None:
+            raise ApiError(404, "this coordinator serves no status snapshot")
+        tail_rows = request.query_params.get(SNAPSHOT_TAIL_ROWS, "15")
+        if not (tail_rows.isascii() and tail_rows.isdigit()) or int(tail_rows) > MAX_SNAPSHOT_TAIL_ROWS:
+            raise ApiError(422, f"{SNAPSHOT_TAIL_ROWS} must be an integer in 0..{MAX_SNAPSHOT_TAIL_ROWS}")
+        answer = await status_reply()
+        try:
+            taken = await control.read(snapshot, int(tail_rows), answer)
+        except UnreadableDatabase as exc:  # locked past the reader's timeout, say
+            raise ApiError(503, str(exc)) from None
+        return _json(StatusSnapshot(taken))
 
     app = Starlette(routes=routes, exception_handlers={ApiError: api_error, UnknownWorker: unknown_worker,
                                                        BodyDigestMismatch: body_mismatch},

@@ -35,13 +35,15 @@ from seerd.db import Rollout, RolloutStatus, WorkerStatus, add_event, make_engin
 from seerd.db.base import CommitTimes
 from seerd.db.migrate import upgrade_run_database
 from seerd.db.read import UnreadableDatabase
+from seerd.db.sharing import warn_if_shared
 from seerd.io.export import ExportResult, export_run
 from seerd.io.prompts import load_model_limits
 from seerd.ownership import Ownership
-from seerd.protocol import EngineSettings
+from seerd.protocol import EngineSettings, StatusReply
 from seerd.rundir import RunDir
 from seerd.scheduler import make_policy
 from seerd.scheduler.registry import policy_traits
+from seerd.status.snapshot import read_snapshot
 
 log = logging.getLogger("seerd.coordinator")
 
@@ -73,7 +75,9 @@ class CoordinatorResult:
 
 
 def open_database(run_dir: RunDir, *, synchronous: str = "FULL") -> Engine:
-    """The run's database for writing, its schema brought to head (copied aside first when it moves)."""
+    """The run's database for writing, its schema brought to head (copied aside first when it moves).
+    On a network filesystem, says once what that allows (seerd.db.sharing)."""
+    warn_if_shared(run_dir.db_path)
     engine = make_engine(run_dir.db_path, synchronous=synchronous)
     upgrade_run_database(engine, run_dir.db_path)
     return engine
@@ -214,7 +218,7 @@ class Coordinator:
         if history:
             try:
                 seeded = history_sequences(RunDir(Path(history)).db_path, self.run_dir.db_path,
-                                           list(self.book.state.unfinished_groups))
+                                           list(self.book.state.unfinished_groups), ownership=self.ownership)
             except UnreadableDatabase as exc:  # drafting from history is an accelerator: say so, go on
                 log.warning("--spec-history %s unreadable, drafting without it: %s", history, exc)
                 seeded = {}
@@ -222,6 +226,11 @@ class Coordinator:
             await self.control.run(self.record_event, "spec_history_seeded",
                                    {"run_dir": history, "groups": len(seeded),
                                     "responses": sum(len(v) for v in seeded.values())})
+
+    def status_snapshot(self, tail_rows: int, status: StatusReply) -> dict:
+        """`seerd status`'s snapshot, read here for a host that may not open the database itself
+        (seerd.db.sharing); on the API's reader thread, never the state thread."""
+        return read_snapshot(self.run_dir.path, tail_rows=tail_rows, coordinator=status, ownership=self.ownership)
 
     def _refresh_drafts(self) -> None:
         if self.drafts is not None and self.clock() - self._drafts_refreshed_at >= REFRESH_S:
@@ -258,7 +267,7 @@ class Coordinator:
                                    {"master": address.master, "generation": address.generation})
         app = create_app(self.book, secret, self.control, self.clock, self.drafts,
                          max_body_bytes=body_limit(self.config.engine, self.config.chunk_tokens),
-                         address=f"{host}:{port}", metrics_token=metrics_token)
+                         address=f"{host}:{port}", metrics_token=metrics_token, snapshot=self.status_snapshot)
         app.state.engine_settings = self.engine_settings()
         app.state.kv_pool = self.pool
         app.state.guard = guard  # its counters on /metrics

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from seerd.db import read
 from seerd.drafts.server import DraftError, DraftServer
+from seerd.ownership import Ownership
 from seerd.protocol import DraftAppendItem, DraftAppendResult
 
 log = logging.getLogger("seerd.coordinator")
@@ -91,16 +92,18 @@ def book_sequences(book) -> dict[int, dict[int, list[int]]]:  # noqa: ANN001
                 for gid in book.state.unfinished_groups}
 
 
-def history_sequences(history_db: Path, this_db: Path, groups: Sequence[int]) -> dict[int, dict[int, list[int]]]:
+def history_sequences(history_db: Path, this_db: Path, groups: Sequence[int], *,
+                      ownership: Ownership | None = None) -> dict[int, dict[int, list[int]]]:
     """Responses of an earlier rollout of the same prompts (matched by prompt hash), as extra
     sequences of this run's groups, keyed by negative request ids so they never meet real ones.
+    `ownership`: the coordinator's, of this run (its own database is never a remote coordinator's).
 
     Raises seerd.db.read.UnreadableDatabase."""
     from seerd.io.codec import unpack_ints
 
     wanted = set(groups)
     by_hash = defaultdict(list)
-    with read.reading(this_db) as conn:
+    with read.reading(this_db, ownership=ownership) as conn:
         for gid, prompt_hash in read.prompt_hashes(conn):
             if gid in wanted:
                 by_hash[prompt_hash].append(gid)

@@ -27,7 +27,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from seerd.db import Group, PromptLengthHistory, Request, RequestStatus, Rollout, RolloutStatus, add_event
-from seerd.db import make_engine
+from seerd.db.read import UnreadableDatabase, open_read_only
 from seerd.rundir import RunDir
 
 # Older lengths say less about the current policy's outputs; keep a few iterations, not all.
@@ -57,7 +57,10 @@ def read_prior(run_dir: Path, prompt_hashes: set[str]) -> PriorLengths:
     rundir = RunDir(Path(run_dir).resolve())
     if not rundir.exists():
         raise PriorRunError(f"--prior {run_dir}: no run there (no {rundir.db_path.name})")
-    engine = make_engine(rundir.db_path, read_only=True)
+    try:  # through the readers' opener: it refuses a run whose live coordinator is on another host
+        engine = open_read_only(rundir.db_path)
+    except UnreadableDatabase as exc:
+        raise PriorRunError(f"--prior {run_dir}: {exc}") from None
     try:
         with engine.connect() as conn:
             rollout = conn.execute(select(Rollout.id, Rollout.status, Rollout.model_path)
@@ -88,8 +91,6 @@ def read_prior(run_dir: Path, prompt_hashes: set[str]) -> PriorLengths:
                         lengths[prompt_hash].append((age + 1, length))
     except SQLAlchemyError as exc:
         raise PriorRunError(f"--prior {run_dir}: cannot read {rundir.db_path}: {exc}") from exc
-    finally:
-        engine.dispose()
     return PriorLengths(str(rundir.path), rollout.model_path, dict(lengths))
 
 

@@ -64,45 +64,38 @@ class Base(DeclarativeBase):
 DURABLE_SYNCHRONOUS = "durable_synchronous"  # the engine's configured setting, in each connection's info
 
 
-def _apply_pragmas(dbapi_connection, record, *, synchronous: str, read_only: bool) -> None:  # noqa: ANN001
+def _apply_pragmas(dbapi_connection, record, *, synchronous: str) -> None:  # noqa: ANN001
     record.info[DURABLE_SYNCHRONOUS] = synchronous
     cursor = dbapi_connection.cursor()
     cursor.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
     cursor.execute("PRAGMA foreign_keys=ON")
-    if not read_only:
-        cursor.execute("PRAGMA journal_mode=WAL")
-        # FULL: every acknowledged commit survives power loss, not only a killed process.
-        cursor.execute(f"PRAGMA synchronous={synchronous}")
+    cursor.execute("PRAGMA journal_mode=WAL")
+    # FULL: every acknowledged commit survives power loss, not only a killed process.
+    cursor.execute(f"PRAGMA synchronous={synchronous}")
     cursor.close()
 
 
-def make_engine(db_path: Path, *, read_only: bool = False, synchronous: str = "FULL") -> Engine:
-    """An engine on `db_path` with WAL, a busy timeout and foreign keys on.
-
-    Read-only engines (status readers) open the file with `mode=ro` so they can never take the
-    write lock away from the coordinator.
-    """
+def make_engine(db_path: Path, *, synchronous: str = "FULL") -> Engine:
+    """A writer's engine on `db_path` with WAL, a busy timeout and foreign keys on. Only the run's
+    owner opens one (seerd.ownership); readers open the database with `seerd.db.read.open_read_only`,
+    which never takes the write lock and refuses a run whose coordinator is on another host."""
     if synchronous not in {"OFF", "NORMAL", "FULL", "EXTRA"}:
         raise ValueError(f"unknown SQLite synchronous mode {synchronous!r}")
-    if read_only:
-        url = f"sqlite:///file:{db_path}?mode=ro&uri=true"
-    else:
-        _create_private(db_path)
-        url = f"sqlite:///{db_path}"
-    engine = create_engine(url, connect_args={"check_same_thread": False})
+    _create_private(db_path)
+    engine = create_engine(f"sqlite:///{db_path}", connect_args={"check_same_thread": False})
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection, record):  # noqa: ANN001
         # pysqlite's own transaction handling would defer BEGIN; we issue it ourselves below.
         dbapi_connection.isolation_level = None
-        _apply_pragmas(dbapi_connection, record, synchronous=synchronous, read_only=read_only)
+        _apply_pragmas(dbapi_connection, record, synchronous=synchronous)
 
     @event.listens_for(engine, "begin")
     def _on_begin(connection):  # noqa: ANN001
         # BEGIN IMMEDIATE takes the write lock up front (huey's habit): a writer never fails
         # half-way through a transaction because a reader upgraded first. On the driver itself:
         # through `exec_driver_sql` it cost ~40 us of CPU more, on every transaction.
-        connection.connection.driver_connection.execute("BEGIN" if read_only else "BEGIN IMMEDIATE")
+        connection.connection.driver_connection.execute("BEGIN IMMEDIATE")
 
     return engine
 

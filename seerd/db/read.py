@@ -15,6 +15,9 @@ a database in WAL mode needs the `-wal` and `-shm` files beside it (the WAL inde
     outside the main file, so we then open it `immutable=1` (no locks, no `-shm`). Never with a
     non-empty `-wal`: `immutable` ignores the WAL and would silently miss committed rows.
 
+On a network filesystem, the opener refuses while the run's coordinator lives on another host
+(`DatabaseInUseElsewhere`: SQLite's WAL index is not shared between hosts, `seerd.db.sharing`).
+
 The queries take a connection of `open_read_only`'s engine and never commit: the caller runs
 them in one read transaction (`reading`), so a run that is still going is seen at one instant.
 Statuses are the enums of `seerd.db.status`, never spelled here as strings. A column a reader
@@ -26,12 +29,13 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sqlite3
 import urllib.parse
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from sqlalchemy import Connection, Engine, Row, case, create_engine, event, func, null, select
 from sqlalchemy.exc import DBAPIError
@@ -44,12 +48,24 @@ from seerd.db.event import Event
 from seerd.db.group import Group
 from seerd.db.request import Request
 from seerd.db.rollout import Rollout
+from seerd.db.sharing import CoordinatorElsewhere, coordinator_elsewhere
 from seerd.db.status import ChunkStatus, RequestStatus
 from seerd.db.worker import Worker
+
+if TYPE_CHECKING:
+    from seerd.ownership import Ownership
 
 
 class UnreadableDatabase(RuntimeError):
     """The database cannot be read (missing, not SQLite, a WAL we may not use, locked too long)."""
+
+
+class DatabaseInUseElsewhere(UnreadableDatabase):
+    """On a network filesystem, with the run's coordinator live on another host: not opened."""
+
+    def __init__(self, found: CoordinatorElsewhere, more: str = "") -> None:
+        super().__init__(found.explain() + more)
+        self.found = found
 
 
 # ------------------------------------------------------------------ opening
@@ -84,11 +100,17 @@ def _probe(engine: Engine) -> None:
         conn.exec_driver_sql("SELECT count(*) FROM sqlite_master").scalar()
 
 
-def open_read_only(db_path: Path, *, busy_timeout_ms: int = BUSY_TIMEOUT_MS) -> Engine:
+def open_read_only(db_path: Path, *, busy_timeout_ms: int = BUSY_TIMEOUT_MS, ownership: Ownership | None = None,
+                   mountinfo: Path | None = None) -> Engine:
     """An engine that can only read `db_path` (see the module docstring for the WAL cases). It
-    holds no connection between uses, so it needs no disposing."""
+    holds no connection between uses, so it needs no disposing. DatabaseInUseElsewhere when its
+    run's coordinator is live on another host and the database on a network filesystem; the
+    coordinator reading its own database passes its `ownership`. `mountinfo`: see
+    `seerd.db.sharing.coordinator_elsewhere`."""
     if not db_path.is_file():
         raise UnreadableDatabase(f"no database at {db_path}")
+    if (found := coordinator_elsewhere(db_path, ownership=ownership, mountinfo=mountinfo)) is not None:
+        raise DatabaseInUseElsewhere(found)
     engine = _engine(_uri(db_path, "mode=ro"), busy_timeout_ms)
     try:
         _probe(engine)
@@ -107,14 +129,41 @@ def open_read_only(db_path: Path, *, busy_timeout_ms: int = BUSY_TIMEOUT_MS) -> 
 
 
 @contextmanager
-def reading(db_path: Path, *, busy_timeout_ms: int = BUSY_TIMEOUT_MS) -> Iterator[Connection]:
-    """One read transaction on `db_path`, opened with `open_read_only`, its connection closed
-    after; a database error inside it becomes UnreadableDatabase."""
+def reading(db_path: Path, *, busy_timeout_ms: int = BUSY_TIMEOUT_MS, ownership: Ownership | None = None,
+            mountinfo: Path | None = None) -> Iterator[Connection]:
+    """One read transaction on `db_path`, opened with `open_read_only` (which takes the keyword
+    arguments), its connection closed after; a database error inside it becomes UnreadableDatabase."""
     try:
-        with open_read_only(db_path, busy_timeout_ms=busy_timeout_ms).begin() as conn:
+        with open_read_only(db_path, busy_timeout_ms=busy_timeout_ms, ownership=ownership,
+                            mountinfo=mountinfo).begin() as conn:
             yield conn
     except DBAPIError as exc:
         raise UnreadableDatabase(f"cannot read {db_path}: {exc.orig}") from exc
+
+
+def copy_database(db_path: Path, target: Path, *, mountinfo: Path | None = None) -> None:
+    """Copy the database as committed now into the new file `target` (mode 0600; its directory
+    made when missing): SQLite's online backup in one step, under one read lock, so the copy is one
+    instant of the run, the `-wal`'s committed frames included (a `cp` of a live database misses
+    them or tears pages). The copy is in rollback-journal mode, one self-contained file. Opened as
+    any reader opens the database (`open_read_only`: refused from another host's network mount
+    while the run goes)."""
+    engine = open_read_only(db_path, mountinfo=mountinfo)
+    target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.close(os.open(target, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    try:
+        copy = sqlite3.connect(target)
+        try:
+            with engine.connect() as conn:
+                conn.connection.driver_connection.backup(copy)
+            copy.execute("PRAGMA journal_mode=DELETE")
+        finally:
+            copy.close()
+    except BaseException as exc:
+        target.unlink(missing_ok=True)
+        if isinstance(exc, (sqlite3.Error, DBAPIError)):
+            raise UnreadableDatabase(f"cannot copy {db_path}: {getattr(exc, 'orig', None) or exc}") from exc
+        raise
 
 
 # ------------------------------------------------------------------ schema

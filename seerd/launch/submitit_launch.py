@@ -27,6 +27,7 @@ import submitit
 
 from seerd.config import DEFAULT_DRAIN_GRACE_S, ROLLOUT_DEFAULTS, ConfigError, build_config, number_problem
 from seerd.db import RolloutStatus
+from seerd.db.read import UnreadableDatabase
 from seerd.launch.prepare import BadRun, prepare_run, read_rollout
 from seerd.ownership import take_ownership
 from seerd.rundir import RunDir
@@ -243,9 +244,13 @@ class RolloutHandle:
             self.job.cancel(check=False)
 
     def _failure(self, exc: BaseException | None) -> str:
-        rollout = read_rollout(self.rundir)
         where = f"job {self.job_id} (log: {self.job.paths.stderr})" if self.job is not None else "the run"
         detail = f": {str(exc).strip().splitlines()[-1]}" if exc is not None and str(exc).strip() else ""
+        try:
+            rollout = read_rollout(self.rundir)
+        except UnreadableDatabase as unreadable:  # e.g. its coordinator's node died a moment ago (db.sharing)
+            return (f"{where} ended without a complete output; its state cannot be read from here "
+                    f"({unreadable}){detail}")
         return (f"{where} ended without a complete output; run {rollout.status.value}"
                 f"{f' ({rollout.status_reason})' if rollout.status_reason else ''}{detail}")
 

@@ -54,6 +54,8 @@ def header(s: dict) -> Group:
         where = f"coordinator up, {coordinator.get('leases', '-')} leases"
         if coordinator.get("accepting") is False:
             where += ", draining"
+        if s.get("read_through_coordinator"):  # its database is another host's (seerd.db.sharing)
+            where += ", read through its API"
     else:
         where = "coordinator unreachable" if lost else "coordinator stopped"
     title = Text.assemble(("seerd ", "bold"), f"rollout {s['rollout_id']}  policy {s['policy']}  ", state)

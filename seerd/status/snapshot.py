@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sqlalchemy import Connection
 
@@ -27,6 +28,9 @@ from seerd.db.read import UnfinishedRequest
 from seerd.protocol import StatusReply, heartbeat_interval
 from seerd.rundir import RunDir
 from seerd.tail import finishes_before_tail
+
+if TYPE_CHECKING:
+    from seerd.ownership import Ownership
 
 SCHEMA_VERSION = 1
 READ_BUSY_TIMEOUT_MS = 2_000  # waits this long for a locked database, then says it cannot read it
@@ -39,15 +43,17 @@ class UnknownRun(RuntimeError):
 
 
 def read_snapshot(run_dir: Path, *, tail_rows: int = 50, now: float | None = None,
-                  coordinator: StatusReply | None = None) -> dict:
-    """The run's state now. `coordinator` is the status endpoint's answer, or None if unreachable.
+                  coordinator: StatusReply | None = None, ownership: Ownership | None = None) -> dict:
+    """The run's state now. `coordinator` is the status endpoint's answer, or None if unreachable;
+    `ownership`: the coordinator's own, when it reads for another host (`seerd.db.read.reading`).
 
-    Raises UnknownRun (no run there) or seerd.db.read.UnreadableDatabase."""
+    Raises UnknownRun (no run there) or seerd.db.read.UnreadableDatabase (its subclass
+    DatabaseInUseElsewhere when another host's coordinator writes it on a network filesystem)."""
     now = time.time() if now is None else now
     db_path = RunDir(run_dir).db_path
     if not db_path.is_file():
         raise UnknownRun(f"no seerd run at {db_path.parent} (no {db_path.name})")
-    with read.reading(db_path, busy_timeout_ms=READ_BUSY_TIMEOUT_MS) as conn:  # one view for the frame
+    with read.reading(db_path, busy_timeout_ms=READ_BUSY_TIMEOUT_MS, ownership=ownership) as conn:  # one view
         if "rollouts" not in read.table_names(conn):
             raise UnknownRun(f"{run_dir} has a database without a rollout in it (no rollouts table)")
         snapshot = _read(conn, run_dir, tail_rows, now)
@@ -114,6 +120,8 @@ def _read(conn: Connection, run_dir: Path, tail_rows: int, now: float) -> dict:
         "tail": tail,
         "tail_total": tail_total,
         "workers": workers,
+        # True when the coordinator read this for a host that may not open the database (status.locate).
+        "read_through_coordinator": False,
     }
 
 

@@ -16,7 +16,7 @@ from seerd.protocol import (
     BadReply, ChunkGrant, ChunkIdentity, ChunkReport, DraftAppendBody, DraftAppendItem, DraftAppendReply,
     DraftAppendResult, DraftChanges, DraftFetchBody, DraftStats, EngineSettings, Endpoint, ErrorReply, HeartbeatBody,
     HeartbeatReply, LeaseBody, LeaseReply, RegisterBody, RegisterReply, ReleaseBody, ReleaseReply, ReportBody,
-    ReportReply, ReportResult, StatusReply, decode_reply, parse_engine_id,
+    ReportReply, ReportResult, StatusReply, StatusSnapshot, decode_reply, parse_engine_id,
 )
 
 GRANT = ChunkGrant(11, 2, 5, [1, 2, 3, 9], 16, {"temperature": 1.0, "seed": 7}, 1030.5, 4,
@@ -40,6 +40,7 @@ MESSAGES = [
     HeartbeatBody("w0", [11, 12], {"kv_usage": 0.5, "running": {"11": {"tokens": 3}}}),
     HeartbeatReply([12], done=False),
     StatusReply(1, "seer", 8, 2, 2, 0, 3, 99, 2, False, True, 0.25, 40, {"bytes_used": 10}),
+    StatusSnapshot({"schema": 1, "state": "running", "eta_s": None, "tail": [{"request_id": 3}]}),
     ErrorReply("unknown worker w9; register again", protocol.UNKNOWN_WORKER),
     DraftAppendItem(3, 5, 2, [7, 8]),
     DraftAppendBody([DraftAppendItem(3, 5, 2, [7, 8])]),
