@@ -128,6 +128,11 @@ class _ForecastInputs(NamedTuple):
     max_tokens: int
 
 
+def _load_of(worker: WorkerRecord) -> WorkerLoad:
+    return WorkerLoad(worker.id, worker.rank, len(worker.chunks), worker.kv_reserved, worker.max_chunks,
+                      worker.kv_capacity_tokens, worker.kv_block_tokens)
+
+
 class SchedulerState:
     def __init__(self, *, chunk_tokens: int, growth: GrowthTable | None = None) -> None:
         self.chunk_tokens = chunk_tokens
@@ -144,7 +149,12 @@ class SchedulerState:
         self.failed_requests = 0
         self.output_tokens = 0  # committed
         self._version = 0  # every change bumps it: a snapshot is good for one version
+        # The live workers' loads as snapshots hold them: one entry rebuilt per worker whose load
+        # changed (rebuilding all of them on every lease was a quarter of a lease at 512 workers).
         self._loads: tuple[WorkerLoad, ...] | None = None
+        self._load_list: list[WorkerLoad] | None = None  # None: which workers are live changed
+        self._load_slots: dict[str, int] = {}  # worker id -> its place in `_load_list`
+        self._stale_loads: set[str] = set()
         self._bindings_view = MappingProxyType(self.bindings)
         self._groups_view = MappingProxyType(self.unfinished_groups)
         self._forecast_dirty: set[int] = set()
@@ -214,10 +224,18 @@ class SchedulerState:
 
     def worker_loads(self) -> tuple[WorkerLoad, ...]:
         """Every live worker's load, in the order they joined."""
-        if self._loads is None:  # rebuilt only after a change
-            self._loads = tuple(WorkerLoad(w.id, w.rank, len(w.chunks), w.kv_reserved, w.max_chunks,
-                                           w.kv_capacity_tokens, w.kv_block_tokens)
-                                for w in self.workers.values() if w.live)
+        if self._loads is None:  # rebuilt only after a change, and only where it changed
+            if self._load_list is None:
+                live = [w for w in self.workers.values() if w.live]
+                self._load_list = [_load_of(w) for w in live]
+                self._load_slots = {w.id: slot for slot, w in enumerate(live)}
+            else:
+                for worker_id in self._stale_loads:
+                    slot = self._load_slots.get(worker_id)
+                    if slot is not None:
+                        self._load_list[slot] = _load_of(self.workers[worker_id])
+            self._stale_loads.clear()
+            self._loads = tuple(self._load_list)
         return self._loads
 
     def version(self) -> int:
@@ -257,7 +275,7 @@ class SchedulerState:
             worker.chunks.add(chunk_id)
             worker.kv_reserved += lease.kv_reserved
             leases.append(lease)
-        self._changed(loads=bool(leases))
+        self._changed(workers=(worker_id,) if leases else ())
         return leases
 
     def prepare_results(self, results: Sequence[ChunkResult], now: float) -> ResultsUpdate:
@@ -289,8 +307,10 @@ class SchedulerState:
         """Apply a prepared update: leases end, tokens count, finished requests update their
         group's estimate (a completed group teaches the growth table), the rest wait again."""
         touched: dict[int, None] = {}  # groups whose queued views change, in order
+        reporters = set()
         for result, outcome in zip(update.results, update.requests):
             lease = self.leases.pop(result.chunk_id)
+            reporters.add(lease.worker_id)
             worker = self.workers[lease.worker_id]
             worker.chunks.discard(result.chunk_id)
             worker.kv_reserved -= lease.kv_reserved
@@ -315,7 +335,7 @@ class SchedulerState:
             if not outcome.finished:
                 self.queue.put(self._view(request))
         self._forecast_dirty.update(touched)
-        self._changed()
+        self._changed(workers=reporters)
 
     def update_from_results(self, results: Sequence[ChunkResult], now: float) -> ResultsUpdate:
         """Prepare and apply at once (the simulator: nothing to persist in between)."""
@@ -342,7 +362,7 @@ class SchedulerState:
             self._forecast_dirty.add(group.id)
         else:
             self.queue.put(self._view(request))
-        self._changed()
+        self._changed(workers=(lease.worker_id,))
         return lease
 
     def return_leases(self, chunk_ids: Iterable[int]) -> list[LeaseRecord]:
@@ -357,7 +377,7 @@ class SchedulerState:
             self.queue.put(self._view(self.requests[lease.request_id]))
             returned.append(lease)
         if returned:
-            self._changed()
+            self._changed(workers={lease.worker_id for lease in returned})
         return returned
 
     # ------------------------------------------------------------- reads
@@ -390,10 +410,16 @@ class SchedulerState:
         return changed
 
     # ------------------------------------------------------------- internals
-    def _changed(self, *, loads: bool = True) -> None:
+    def _changed(self, *, workers: Iterable[str] | None = None) -> None:
+        """A change the policies may see: `workers`, those whose load changed (an empty one: no
+        load did); None: the live workers themselves may have (one joined, left, came back)."""
         self._version += 1
-        if loads:
-            self._loads = None
+        if workers is None:
+            self._load_list = self._loads = None
+        else:
+            self._stale_loads.update(workers)
+            if self._stale_loads:
+                self._loads = None
 
     def _end_if_done(self, group: GroupRecord) -> None:
         """A group whose every response ended leaves the unfinished ones; only a group whose every
