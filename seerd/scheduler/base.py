@@ -166,22 +166,29 @@ def _admit(snapshot: Snapshot, ordered: Iterable[QueuedRequest], skip: Callable[
     """One admission pass (see `admit`); None when, with whole chunks, the KV ran short."""
     load = snapshot.worker(snapshot.worker_id)
     slots = free_slots(snapshot) if limit is None else min(limit, free_slots(snapshot))
-    live = [w.worker_id for w in snapshot.workers]
     kv_free = load.kv_capacity_tokens - load.reserved_kv_tokens
-    room_elsewhere = max((w.kv_capacity_tokens - w.reserved_kv_tokens for w in snapshot.workers
-                          if w.worker_id != load.worker_id and w.running_chunks < w.max_chunks), default=-1)
+    # What needs every live worker is worked out only when a request needs it (each is a scan of
+    # every worker: at 512 workers, on every lease call).
+    live: list[str] | None = None
+    room_elsewhere: int | None = None
     assignments: list[Assignment] = []
     passed_over = 0
     for request in ordered:
         if len(assignments) >= slots or passed_over > MAX_PASSED_OVER:
             break
-        if skip(request) or failed_here(request, snapshot.worker_id, live):
+        if request.failed_on and live is None:
+            live = [w.worker_id for w in snapshot.workers]
+        if skip(request) or (request.failed_on and failed_here(request, snapshot.worker_id, live)):
             passed_over += 1
             continue
         budget = (lean_budget(request, snapshot.chunk_tokens, load.kv_block_tokens) if lean
                   else chunk_budget(request, snapshot.chunk_tokens))
         need = kv_need(request, budget, load.kv_block_tokens)
         if need > kv_free:
+            if room_elsewhere is None:
+                room_elsewhere = max((w.kv_capacity_tokens - w.reserved_kv_tokens for w in snapshot.workers
+                                      if w.worker_id != load.worker_id and w.running_chunks < w.max_chunks),
+                                     default=-1)
             if need <= room_elsewhere:
                 passed_over += 1
                 continue  # another worker has room for it and takes it when it asks
