@@ -16,13 +16,13 @@ import fcntl
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from sqlalchemy import select
+from sqlalchemy import func, select, tuple_
 from sqlalchemy.orm import Session
 
 from seerd.db import Chunk, ChunkStatus, Group, Request, RequestStatus, RolloutStatus
@@ -61,60 +61,111 @@ class ExportResult:
         return self.responses == self.responses_total
 
 
-def collect_rows(session: Session, rollout_id: int) -> tuple[list[dict], int]:
-    total = 0
-    finished: dict[int, dict] = {}
-    query = (
-        select(Request, Group.prompt_id, Group.group_index, Group.prompt_len)
-        .join(Group, Group.id == Request.group_id)
-        .where(Request.rollout_id == rollout_id)
-        .order_by(Group.group_index, Request.response_index)
-    )
-    for request, prompt_id, group_index, prompt_len in session.execute(query):
-        total += 1
-        if request.status not in (RequestStatus.FINISHED, RequestStatus.FAILED):
-            continue
-        finished[request.id] = {
+# Responses read, checked and written per batch: the export's memory stays this many responses'
+# tokens however large the run (all of them as Python lists took 1.8 GB at 100,000 responses).
+EXPORT_BATCH = 512
+
+
+@dataclass(frozen=True)
+class ResponseRows:
+    """The ended responses of a run in (group, response) order: counted up front, read in batches
+    while they are iterated (within the read transaction they came from)."""
+
+    ended: int
+    failed: int
+    batches: Callable[[], Iterator[list[dict]]]
+
+    def __len__(self) -> int:
+        return self.ended
+
+    def __iter__(self) -> Iterator[dict]:
+        for batch in self.batches():
+            yield from batch
+
+    @classmethod
+    def of(cls, rows: list[dict]) -> ResponseRows:
+        return cls(len(rows), sum(row["finish_reason"] == "error" for row in rows), lambda: iter([rows]))
+
+
+def collect_rows(session: Session, rollout_id: int) -> tuple[ResponseRows, int]:
+    """The run's ended responses (iterate them in the same transaction) and its response count."""
+    ended = Request.status.in_((RequestStatus.FINISHED, RequestStatus.FAILED))
+    total, ended_count, failed = session.execute(
+        select(func.count(), func.count().filter(ended), func.count().filter(ended & (Request.finish_reason == "error")))
+        .where(Request.rollout_id == rollout_id)).one()
+    return ResponseRows(ended_count, failed, lambda: _row_batches(session, rollout_id, ended)), total
+
+
+def _row_batches(session: Session, rollout_id: int, ended) -> Iterator[list[dict]]:  # noqa: ANN001
+    after = (-1, -1)  # the last (group index, response index) written
+    while True:
+        requests = session.execute(
+            select(Request, Group.prompt_id, Group.group_index, Group.prompt_len)
+            .join(Group, Group.id == Request.group_id)
+            .where(Request.rollout_id == rollout_id, ended,
+                   tuple_(Group.group_index, Request.response_index) > tuple_(*after))
+            .order_by(Group.group_index, Request.response_index).limit(EXPORT_BATCH)).all()
+        if not requests:
+            return
+        batch = {request.id: {
             "prompt_id": prompt_id, "group_index": group_index, "response_index": request.response_index,
             "token_ids": [], "logprobs": [], "finish_reason": request.finish_reason,
             "length": request.generated_tokens, "num_chunks": request.num_chunks, "prompt_len": prompt_len,
             "started_at": request.started_at, "finished_at": request.finished_at, "generation_s": 0.0,
             "error": request.error,
-        }
-    chunks = session.execute(
-        select(Chunk.request_id, Chunk.token_ids, Chunk.logprobs, Chunk.leased_at, Chunk.finished_at)
-        .join(Request, Request.id == Chunk.request_id)
-        .where(Request.rollout_id == rollout_id, Chunk.status == ChunkStatus.DONE)
-        .order_by(Chunk.request_id, Chunk.seq)
-    )
-    for request_id, token_blob, logprob_blob, leased_at, finished_at in chunks:
-        row = finished.get(request_id)
-        if row is None:
-            continue
-        row["token_ids"].extend(unpack_ints(token_blob))
-        row["logprobs"].extend(unpack_floats(logprob_blob))
-        row["generation_s"] += (finished_at or 0.0) - (leased_at or 0.0)
-    rows = list(finished.values())
-    for row in rows:
-        if len(row["token_ids"]) != row["length"]:
-            raise RuntimeError(f"response {row['prompt_id']}/{row['response_index']}: "
-                               f"{len(row['token_ids'])} tokens stored but {row['length']} counted")
-    return rows, total
+        } for request, prompt_id, group_index, prompt_len in requests}
+        chunks = session.execute(
+            select(Chunk.request_id, Chunk.token_ids, Chunk.logprobs, Chunk.leased_at, Chunk.finished_at)
+            .where(Chunk.request_id.in_(list(batch)), Chunk.status == ChunkStatus.DONE)
+            .order_by(Chunk.request_id, Chunk.seq))
+        for request_id, token_blob, logprob_blob, leased_at, finished_at in chunks:
+            row = batch[request_id]
+            row["token_ids"].extend(unpack_ints(token_blob))
+            row["logprobs"].extend(unpack_floats(logprob_blob))
+            row["generation_s"] += (finished_at or 0.0) - (leased_at or 0.0)
+        for row in batch.values():
+            if len(row["token_ids"]) != row["length"]:
+                raise RuntimeError(f"response {row['prompt_id']}/{row['response_index']}: "
+                                   f"{len(row['token_ids'])} tokens stored but {row['length']} counted")
+        yield list(batch.values())
+        last = requests[-1]
+        after = (last.group_index, last[0].response_index)
 
 
-def write_outputs(run_dir: RunDir, rows: list[dict], total: int) -> ExportResult:
-    result = ExportResult(len(rows), total, sum(row["finish_reason"] == "error" for row in rows))
+def write_outputs(run_dir: RunDir, rows: ResponseRows | list[dict], total: int) -> ExportResult:
+    """Both files and the meta file, each written whole then renamed into place, in batches."""
+    rows = rows if isinstance(rows, ResponseRows) else ResponseRows.of(rows)
+    result = ExportResult(len(rows), total, rows.failed)
     with _export_lock(run_dir):
         if not result.complete and _complete_export_written(run_dir):
             return replace(result, written=False)
-        table = pa.Table.from_pylist(rows, schema=SCHEMA)
-        _atomic(run_dir.parquet_path, lambda tmp: pq.write_table(table, tmp))
-        _atomic(run_dir.jsonl_path, lambda tmp: tmp.write_text(
-            "".join(json.dumps(row, separators=(",", ":")) + "\n" for row in rows)))
+        parquet_tmp, jsonl_tmp = _tmp_path(run_dir.parquet_path), _tmp_path(run_dir.jsonl_path)
+        try:
+            with pq.ParquetWriter(parquet_tmp, SCHEMA) as parquet, open(jsonl_tmp, "w") as jsonl:
+                for batch in _batched(rows, EXPORT_BATCH):
+                    parquet.write_table(pa.Table.from_pylist(batch, schema=SCHEMA))
+                    jsonl.write("".join(json.dumps(row, separators=(",", ":")) + "\n" for row in batch))
+            for tmp, path in ((parquet_tmp, run_dir.parquet_path), (jsonl_tmp, run_dir.jsonl_path)):
+                _install(tmp, path)
+        finally:
+            parquet_tmp.unlink(missing_ok=True)
+            jsonl_tmp.unlink(missing_ok=True)
         meta = {"complete": result.complete, "responses": len(rows), "responses_total": total,
                 "failed": result.failed, "exported_at": time.time()}
         _atomic(run_dir.meta_path, lambda tmp: tmp.write_text(json.dumps(meta, indent=1) + "\n"))
     return result
+
+
+def _batched(rows: Iterable[dict], size: int) -> Iterator[list[dict]]:
+    batch: list[dict] = []
+    wrote_any = False
+    for row in rows:
+        batch.append(row)
+        if len(batch) == size:
+            yield batch
+            batch, wrote_any = [], True
+    if batch or not wrote_any:  # an empty export still writes both files, with the schema
+        yield batch
 
 
 def export_run(session: Session, rollout_id: int, run_dir: RunDir) -> ExportResult:
@@ -139,7 +190,7 @@ def export_snapshot(run_dir: RunDir) -> tuple[ExportResult, RolloutStatus]:
                                      f"`seerd run` with the run's arguments creates it there again")
         with Session(bind=conn) as session:
             rows, total = collect_rows(session, rollout.id)
-    return write_outputs(run_dir, rows, total), rollout.status
+            return write_outputs(run_dir, rows, total), rollout.status  # rows are read as they are written
 
 
 @contextlib.contextmanager
@@ -161,8 +212,20 @@ def _complete_export_written(run_dir: RunDir) -> bool:
 
 
 def _atomic(path: Path, write) -> None:  # noqa: ANN001
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    write(tmp)
+    tmp = _tmp_path(path)
+    try:
+        write(tmp)
+        _install(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _tmp_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
+def _install(tmp: Path, path: Path) -> None:
+    """Private, on disk, then in place of `path` in one rename."""
     os.chmod(tmp, 0o600)
     with open(tmp, "rb") as handle:
         os.fsync(handle.fileno())

@@ -55,6 +55,7 @@ def test_targets_are_stored_apart_and_reach_only_the_grant(tmp_path):
     assert 40 - 16 in remaining_seen and 40 - 32 in remaining_seen  # the remainder shrinks chunk by chunk
     with book.sessions.begin() as s:
         rows, total = collect_rows(s, book.rollout_id)
+        rows = list(rows)  # read within the transaction
     assert total == 9
     assert {(r["group_index"], r["response_index"]): r["length"] for r in rows} == {
         (g, k): t for g, ts in TARGETS.items() for k, t in enumerate(ts)}
@@ -180,3 +181,26 @@ def test_worker_cuts_the_budget_at_the_target_and_names_the_reason():
     exact = grant(16, 16)
     assert reported_finish_reason(exact, "length", 16) == "length_target"
     assert reported_finish_reason(exact, "length", 9) == "length"  # the model's context ran out first
+
+
+def test_an_export_in_batches_writes_what_one_batch_writes_in_group_order(tmp_path, monkeypatch):
+    from seerd.io import export
+    from seerd.rundir import RunDir
+
+    book = make_book(tmp_path, chunk_tokens=16, prompt_rows=target_rows(), now=1000.0)
+    w = register(book, max_chunks=16)
+    while not book.is_complete():
+        for grant in book.lease(w, wanted=16, now=1001.0):
+            assert book.report(w, obey_target(grant), now=1001.0).accepted
+    written = {}
+    for batch in (2, 10_000):  # several batches with a short last one, and all in one
+        monkeypatch.setattr(export, "EXPORT_BATCH", batch)
+        out = RunDir(tmp_path / f"out{batch}")
+        out.path.mkdir()
+        with book.sessions.begin() as s:
+            result = export.export_run(s, book.rollout_id, out)
+        assert result.complete and result.responses == 9
+        written[batch] = (out.jsonl_path.read_text(), export.pq.read_table(out.parquet_path).to_pylist())
+    assert written[2] == written[10_000]
+    order = [(row["group_index"], row["response_index"]) for row in written[2][1]]
+    assert order == sorted(order) and len(order) == 9
