@@ -112,12 +112,11 @@ def balanced_slots(snapshot: Snapshot, spread: int = DEFAULT_BALANCE_SPREAD) -> 
     """
     me = snapshot.worker(snapshot.worker_id)
     slots = free_slots(snapshot)
-    lighter = [w for w in snapshot.workers
-               if w.worker_id != me.worker_id and w.running_chunks < w.max_chunks
-               and w.kv_capacity_tokens - w.reserved_kv_tokens >= snapshot.chunk_tokens]
-    if lighter:
-        spare = len(snapshot.queued) - sum(w.max_chunks - w.running_chunks for w in lighter)
-        slots = min(slots, max(min(w.running_chunks for w in lighter) + spread - me.running_chunks, spare))
+    # The other workers that can take a chunk: their free slots, and the fewest chunks one runs.
+    others_free, fewest_running = snapshot.open_workers.others(me, snapshot.chunk_tokens)
+    if fewest_running is not None:
+        spare = len(snapshot.queued) - others_free
+        slots = min(slots, max(fewest_running + spread - me.running_chunks, spare))
     return max(0, slots)
 
 

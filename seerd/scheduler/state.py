@@ -14,7 +14,7 @@ in), so one recorded stream of events gives the same state on both sides
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import NamedTuple
@@ -22,7 +22,7 @@ from typing import NamedTuple
 from seerd.scheduler.base import kv_need, updated_estimate
 from seerd.scheduler.forecast import GrowthTable, group_forecast, replay_growth
 from seerd.scheduler.queue import QueueView, RequestQueue
-from seerd.scheduler.views import Plan, QueuedRequest, Snapshot, WorkerLoad
+from seerd.scheduler.views import OpenWorkers, Plan, QueuedRequest, Snapshot, WorkerLoad
 
 
 NOWHERE: frozenset[str] = frozenset()
@@ -155,6 +155,9 @@ class SchedulerState:
         self._load_list: list[WorkerLoad] | None = None  # None: which workers are live changed
         self._load_slots: dict[str, int] = {}  # worker id -> its place in `_load_list`
         self._stale_loads: set[str] = set()
+        self._loads_by_id: dict[str, WorkerLoad] = {}  # the same loads by worker, and their summary
+        self._loads_view: Mapping[str, WorkerLoad] = MappingProxyType(self._loads_by_id)
+        self._open = OpenWorkers()
         self._bindings_view = MappingProxyType(self.bindings)
         self._groups_view = MappingProxyType(self.unfinished_groups)
         self._forecast_dirty: set[int] = set()
@@ -218,9 +221,11 @@ class SchedulerState:
 
     # ------------------------------------------------------------- the policy's side
     def snapshot(self, worker_id: str, wanted: int, now: float, continuing: frozenset[int] = frozenset()) -> Snapshot:
+        # The loads' index and summary are the state's own, current as the queue view is: a
+        # snapshot is good for one version.
         return Snapshot(now, worker_id, wanted, self.worker_loads(), QueueView(self.queue, self.version),
                         self._bindings_view, self._groups_view, self.chunk_tokens, self.growth.current,
-                        continuing)
+                        continuing, loads_index=self._loads_view, open_summary=self._open)
 
     def worker_loads(self) -> tuple[WorkerLoad, ...]:
         """Every live worker's load, in the order they joined."""
@@ -229,11 +234,17 @@ class SchedulerState:
                 live = [w for w in self.workers.values() if w.live]
                 self._load_list = [_load_of(w) for w in live]
                 self._load_slots = {w.id: slot for slot, w in enumerate(live)}
+                self._loads_by_id = {load.worker_id: load for load in self._load_list}
+                self._loads_view = MappingProxyType(self._loads_by_id)
+                self._open = OpenWorkers.of(self._load_list, self.chunk_tokens)
             else:
                 for worker_id in self._stale_loads:
                     slot = self._load_slots.get(worker_id)
                     if slot is not None:
-                        self._load_list[slot] = _load_of(self.workers[worker_id])
+                        load = _load_of(self.workers[worker_id])
+                        self._open.remove(self._load_list[slot], self.chunk_tokens)
+                        self._open.add(load, self.chunk_tokens)
+                        self._load_list[slot] = self._loads_by_id[worker_id] = load
             self._stale_loads.clear()
             self._loads = tuple(self._load_list)
         return self._loads

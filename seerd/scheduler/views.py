@@ -7,7 +7,7 @@ neither change the state it plans over nor plan over a state that is gone.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Protocol
@@ -69,6 +69,48 @@ class WorkerLoad:
     kv_block_tokens: int = 1  # the engine allocates KV in blocks of this many tokens
 
 
+def can_take_a_chunk(load: WorkerLoad, chunk_tokens: int) -> bool:
+    """A free slot and KV room for a chunk: what `base.balanced_slots` compares the asker with."""
+    return load.running_chunks < load.max_chunks and load.kv_capacity_tokens - load.reserved_kv_tokens >= chunk_tokens
+
+
+@dataclass
+class OpenWorkers:
+    """The live workers that can take a chunk (`can_take_a_chunk`): how many run each number of
+    chunks, and their free slots in all. `SchedulerState` keeps one up to date as loads change,
+    so that a lease call does not scan every worker (`base.balanced_slots`)."""
+
+    running: dict[int, int] = field(default_factory=dict)  # chunks running -> workers running that many
+    free_slots: int = 0
+
+    @classmethod
+    def of(cls, loads: Iterable[WorkerLoad], chunk_tokens: int) -> OpenWorkers:
+        summary = cls()
+        for load in loads:
+            summary.add(load, chunk_tokens)
+        return summary
+
+    def add(self, load: WorkerLoad, chunk_tokens: int, sign: int = 1) -> None:
+        if can_take_a_chunk(load, chunk_tokens):
+            count = self.running.get(load.running_chunks, 0) + sign
+            if count:
+                self.running[load.running_chunks] = count
+            else:
+                del self.running[load.running_chunks]
+            self.free_slots += sign * (load.max_chunks - load.running_chunks)
+
+    def remove(self, load: WorkerLoad, chunk_tokens: int) -> None:
+        self.add(load, chunk_tokens, sign=-1)
+
+    def others(self, load: WorkerLoad, chunk_tokens: int) -> tuple[int, int | None]:
+        """(free slots, fewest chunks running) of the open workers but `load`'s (None: no other)."""
+        mine = can_take_a_chunk(load, chunk_tokens)
+        free = self.free_slots - (load.max_chunks - load.running_chunks if mine else 0)
+        fewest = min((running for running, count in self.running.items()
+                      if count > (1 if mine and running == load.running_chunks else 0)), default=None)
+        return free, fewest
+
+
 @dataclass(frozen=True)
 class Snapshot:
     now: float
@@ -85,10 +127,21 @@ class Snapshot:
     # of its whole context when it runs again. Policies keep them before other queued requests
     # of their class (`base.continuing_first`), so a boundary is not a rotation.
     continuing: frozenset[int] = frozenset()
+    # Given by `SchedulerState` (kept as loads change); worked out from `workers` when not.
+    loads_index: Mapping[str, WorkerLoad] | None = None
+    open_summary: OpenWorkers | None = None
 
     @cached_property
-    def loads_by_id(self) -> dict[str, WorkerLoad]:
+    def loads_by_id(self) -> Mapping[str, WorkerLoad]:
+        if self.loads_index is not None:
+            return self.loads_index
         return {load.worker_id: load for load in self.workers}
+
+    @cached_property
+    def open_workers(self) -> OpenWorkers:
+        if self.open_summary is not None:
+            return self.open_summary
+        return OpenWorkers.of(self.workers, self.chunk_tokens)
 
     def worker(self, worker_id: str) -> WorkerLoad:
         return self.loads_by_id[worker_id]

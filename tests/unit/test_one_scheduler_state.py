@@ -19,6 +19,7 @@ import pytest
 from seerd.io.prompts import PromptRow
 from seerd.protocol import ChunkReport
 from seerd.scheduler import make_policy
+from seerd.scheduler.views import OpenWorkers
 from seerd.sim.driver import Simulation
 from seerd.sim.presets import get_preset
 from seerd.sim.workload import SimGroup, Workload
@@ -155,6 +156,10 @@ class Replay:
         book, sim = self.picture(self.book.state), self.picture(self.sim.state)
         for part in book:
             assert book[part] == sim[part], f"after {event}: the {part} differ"
+        for side in (self.book.state, self.sim.state):  # what the state keeps as loads change
+            snapshot, loads = side.snapshot(self.workers[0], 1, self.now), side.worker_loads()
+            assert dict(snapshot.loads_by_id) == {load.worker_id: load for load in loads}, event
+            assert snapshot.open_workers == OpenWorkers.of(loads, side.chunk_tokens), event
 
 
 @pytest.mark.parametrize("policy", ["seer", "divided", "group"])

@@ -365,3 +365,26 @@ def test_lean_admission_keeps_continuing_requests_first():
     plan = DividedPolicy().plan(snapshot)
     # 400 tokens of context: its 4 blocks hold 112 more, lean gives it 240 (5 blocks); nothing else fits.
     assert [(a.request_id, a.max_tokens) for a in plan.assignments] == [(7, 240)]
+
+
+def test_the_open_workers_summary_answers_as_a_scan_of_every_worker_would():
+    import random
+
+    from seerd.scheduler.views import OpenWorkers, can_take_a_chunk
+
+    rng = random.Random(0)
+    chunk = 32
+    loads = [load(f"w{i}", i, running=rng.randrange(5), reserved=rng.choice([0, 9_980, 9_990]), max_chunks=4)
+             for i in range(40)]
+    summary = OpenWorkers.of(loads, chunk)
+    for step in range(300):
+        slot = rng.randrange(len(loads))
+        changed = replace(loads[slot], running_chunks=min(4, rng.randrange(6)), reserved_kv_tokens=rng.choice([0, 9_975]))
+        summary.remove(loads[slot], chunk)
+        summary.add(changed, chunk)
+        loads[slot] = changed
+        assert summary == OpenWorkers.of(loads, chunk), step
+        me = loads[rng.randrange(len(loads))]
+        others = [w for w in loads if w.worker_id != me.worker_id and can_take_a_chunk(w, chunk)]
+        assert summary.others(me, chunk) == (sum(w.max_chunks - w.running_chunks for w in others),
+                                             min((w.running_chunks for w in others), default=None)), step
