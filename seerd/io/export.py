@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from sqlalchemy import func, select, tuple_
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from seerd.db import Chunk, ChunkStatus, Group, Request, RequestStatus, RolloutStatus
@@ -61,9 +61,10 @@ class ExportResult:
         return self.responses == self.responses_total
 
 
-# Responses read, checked and written per batch: the export's memory stays this many responses'
-# tokens however large the run (all of them as Python lists took 1.8 GB at 100,000 responses).
-EXPORT_BATCH = 512
+# Groups read, checked and written per batch: the export holds this many groups' tokens however
+# large the run (all of them as Python lists took 1.8 GB at 100,000 responses).
+EXPORT_GROUPS = 64
+EXPORT_BATCH = 512  # rows per parquet row group and JSONL write
 
 
 @dataclass(frozen=True)
@@ -97,39 +98,47 @@ def collect_rows(session: Session, rollout_id: int) -> tuple[ResponseRows, int]:
 
 
 def _row_batches(session: Session, rollout_id: int, ended) -> Iterator[list[dict]]:  # noqa: ANN001
-    after = (-1, -1)  # the last (group index, response index) written
+    """Batches of `EXPORT_GROUPS` groups, each read by its unique index (rollout, group index)."""
+    after = -1  # the last group index read
     while True:
-        requests = session.execute(
-            select(Request, Group.prompt_id, Group.group_index, Group.prompt_len)
-            .join(Group, Group.id == Request.group_id)
-            .where(Request.rollout_id == rollout_id, ended,
-                   tuple_(Group.group_index, Request.response_index) > tuple_(*after))
-            .order_by(Group.group_index, Request.response_index).limit(EXPORT_BATCH)).all()
-        if not requests:
+        groups = session.execute(
+            select(Group.id, Group.prompt_id, Group.group_index, Group.prompt_len)
+            .where(Group.rollout_id == rollout_id, Group.group_index > after)
+            .order_by(Group.group_index).limit(EXPORT_GROUPS)).all()
+        if not groups:
             return
+        after = groups[-1].group_index
+        by_id = {group.id: group for group in groups}
+        requests = session.execute(
+            select(Request).where(Request.group_id.in_(list(by_id)), ended)).scalars().all()
         batch = {request.id: {
-            "prompt_id": prompt_id, "group_index": group_index, "response_index": request.response_index,
-            "token_ids": [], "logprobs": [], "finish_reason": request.finish_reason,
-            "length": request.generated_tokens, "num_chunks": request.num_chunks, "prompt_len": prompt_len,
+            "prompt_id": by_id[request.group_id].prompt_id, "group_index": by_id[request.group_id].group_index,
+            "response_index": request.response_index, "token_ids": [], "logprobs": [],
+            "finish_reason": request.finish_reason, "length": request.generated_tokens,
+            "num_chunks": request.num_chunks, "prompt_len": by_id[request.group_id].prompt_len,
             "started_at": request.started_at, "finished_at": request.finished_at, "generation_s": 0.0,
             "error": request.error,
-        } for request, prompt_id, group_index, prompt_len in requests}
+        } for request in requests}
+        # Every chunk of these requests, by the request index, the done ones kept here: with the
+        # status in the query SQLite chose the status index and read every done chunk of the run
+        # for each batch.
         chunks = session.execute(
-            select(Chunk.request_id, Chunk.token_ids, Chunk.logprobs, Chunk.leased_at, Chunk.finished_at)
-            .where(Chunk.request_id.in_(list(batch)), Chunk.status == ChunkStatus.DONE)
-            .order_by(Chunk.request_id, Chunk.seq))
-        for request_id, token_blob, logprob_blob, leased_at, finished_at in chunks:
+            select(Chunk.request_id, Chunk.status, Chunk.token_ids, Chunk.logprobs, Chunk.leased_at,
+                   Chunk.finished_at)
+            .where(Chunk.request_id.in_(list(batch))).order_by(Chunk.request_id, Chunk.seq))
+        for request_id, status, token_blob, logprob_blob, leased_at, finished_at in chunks:
+            if status != ChunkStatus.DONE:
+                continue
             row = batch[request_id]
             row["token_ids"].extend(unpack_ints(token_blob))
             row["logprobs"].extend(unpack_floats(logprob_blob))
             row["generation_s"] += (finished_at or 0.0) - (leased_at or 0.0)
-        for row in batch.values():
+        rows = sorted(batch.values(), key=lambda row: (row["group_index"], row["response_index"]))
+        for row in rows:
             if len(row["token_ids"]) != row["length"]:
                 raise RuntimeError(f"response {row['prompt_id']}/{row['response_index']}: "
                                    f"{len(row['token_ids'])} tokens stored but {row['length']} counted")
-        yield list(batch.values())
-        last = requests[-1]
-        after = (last.group_index, last[0].response_index)
+        yield rows
 
 
 def write_outputs(run_dir: RunDir, rows: ResponseRows | list[dict], total: int) -> ExportResult:

@@ -194,6 +194,7 @@ def test_an_export_in_batches_writes_what_one_batch_writes_in_group_order(tmp_pa
             assert book.report(w, obey_target(grant), now=1001.0).accepted
     written = {}
     for batch in (2, 10_000):  # several batches with a short last one, and all in one
+        monkeypatch.setattr(export, "EXPORT_GROUPS", batch)
         monkeypatch.setattr(export, "EXPORT_BATCH", batch)
         out = RunDir(tmp_path / f"out{batch}")
         out.path.mkdir()
