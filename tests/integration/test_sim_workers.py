@@ -75,3 +75,25 @@ def test_the_daemon_on_simulated_engines_agrees_with_the_simulator(tmp_path):
     sim = result["sim"]
     assert 0.7 <= result["model_total_s"] / sim["total_s"] <= 1.5, (result["model_total_s"], sim)
     assert abs(result["chunks"] - sim["chunks"]) <= 0.15 * sim["chunks"], (result["chunks"], sim)
+
+
+def test_the_load_tool_runs_64_workers_and_5000_requests_each_exactly_once(tmp_path):
+    """Issue 17's CI form of `tools/load.py`: the real coordinator, 64 simulated workers in one
+    process, 5,000 requests at the engines' own speed; every request ends once, at its target
+    length, with its chunks 0..k-1 (the tool's own checks, on the database), and the figures the
+    issue names are reported."""
+    import subprocess
+    import sys
+
+    from tests.integration.harness import REPO_ROOT
+
+    done = subprocess.run([sys.executable, "tools/load.py", "--workers", "64", "--requests", "5000", "--time-scale", "1",
+                           "--json", "--work-dir", str(tmp_path)],
+                          capture_output=True, text=True, cwd=REPO_ROOT, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["exactly_once"] and not result["problems"], result["problems"]
+    assert (result["workers"], result["requests"]) == (64, 5000)
+    for key in ("lease_p99_ms", "report_p99_ms", "coordinator_cpu_share", "coordinator_rss_mb", "db_mb"):
+        assert result[key] is not None and result[key] > 0, key
+    assert result["calls"]["/v1/register"]["calls"] == 64
