@@ -131,9 +131,11 @@ class SeerPolicy:
                 return False
             slots, headroom = room_left.get(home.worker_id, (home.max_chunks - home.running_chunks,
                                                              home.kv_capacity_tokens - home.reserved_kv_tokens))
-            need = kv_need(request, chunk_budget(request, snapshot.chunk_tokens), home.kv_block_tokens)
-            if (slots <= 0 or headroom < need or home.running_chunks - asking.running_chunks > self.affinity_spread
+            if (slots <= 0 or home.running_chunks - asking.running_chunks > self.affinity_spread
                     or snapshot.now - request.queued_at > self.starvation_s):
+                return False
+            need = kv_need(request, chunk_budget(request, snapshot.chunk_tokens), home.kv_block_tokens)
+            if headroom < need:  # worked out last: the costliest test, on every request passed over
                 return False
             room_left[home.worker_id] = (slots - 1, headroom - need)
             return True
