@@ -23,7 +23,7 @@ from seerd.cli.sim import sim
 from seerd.cli.slurm import slurm_run, submit
 from seerd.cli.status import status
 from seerd.config import MAX_WORKERS, WORKERS_WHY, RunConfig, number_problem
-from seerd.db import RolloutStatus, make_engine
+from seerd.db import Rollout, RolloutStatus, make_engine
 from seerd.db.migrate import UpgradeFailed, head_revisions, upgrade_run_database
 from seerd.db.read import UnreadableDatabase
 from seerd.launch.prepare import BadRun, owned_rollout

@@ -31,7 +31,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from seerd.coordinator.liveness import WorkerLiveness, chunk_done, chunk_failed, refuted_reason
 from seerd.coordinator.records import (
     Failure, GroupInputs, LeaseTerms, ReportCall, RequestProgress, Requeue, RetiredWorker, UnknownWorker,
-    WaitingRequest, chunk_seed,
+    chunk_seed,
 )
 from seerd.coordinator.reports import ReportOutcome, judge_unleased, sort_reports, write_results
 from seerd.coordinator.saved import read_saved_rollout
@@ -564,19 +564,6 @@ class LeaseBook:
             "output_tokens": state.output_tokens,
             "workers_alive": len(self.live_workers()),
         }
-
-    def queued_longest(self, limit: int, after: WaitingRequest | None = None) -> list[WaitingRequest]:
-        """Up to `limit` requests waiting in the queue, queued longest first (ties by request id),
-        those after `after` only when given. Only requests that have run on a worker: the others
-        hold no blocks of their own in the KV pool. Leased (running) requests are never queued."""
-        start = None if after is None else (after.queued_at, after.request_id)
-        waiting = []
-        for queued in self.state.queue.fcfs(start):
-            if len(waiting) == limit:
-                break
-            if queued.last_worker is not None:
-                waiting.append(WaitingRequest(queued.group_id, queued.request_id, queued.queued_at))
-        return waiting
 
     def is_complete(self) -> bool:
         return self.state.is_complete()

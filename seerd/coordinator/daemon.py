@@ -28,7 +28,7 @@ from seerd.coordinator.api import CoordinatorControl, body_limit, create_app
 from seerd.coordinator.book import LeaseBook
 from seerd.coordinator.drafts import REFRESH_S, DraftHost, book_sequences, history_sequences
 from seerd.coordinator.guard import ConnectionGuard, api_server, limits_for, raise_open_files_limit
-from seerd.coordinator.kvpool import PoolHost, model_revision, run_tag
+from seerd.coordinator.kvpool import PoolHost, model_revision, queued_longest, run_tag
 from seerd.coordinator.model_identity import verify_model
 from seerd.cpu import CpuSnapshot
 from seerd.db import Rollout, RolloutStatus, WorkerStatus, add_event, make_engine, make_sessionmaker
@@ -318,7 +318,7 @@ class Coordinator:
                 self.control.work_queued(expired)
             await run(self.book.persist_soft_state)
             await run(self._refresh_drafts)
-            if self.pool is not None and await self.pool.check(partial(run, self.book.queued_longest)):
+            if self.pool is not None and await self.pool.check(partial(run, queued_longest, self.book.state)):
                 await run(self.record_event, "kv_pool_restarted", {"restarts": self.pool.restarts})
             if on_tick:
                 on_tick(await run(self.book.counts))

@@ -10,7 +10,7 @@ it, which is why `check()` only restarts and records the fact.
 
 The pool's budget: finished requests' blocks go at once; when the pool still fills past
 TRIM_ABOVE of its capacity, `check()` removes the blocks of the requests queued longest (the
-book's `queued_longest`, asked on its state thread), one request at a time, until the pool is
+book's queue, `queued_longest`, asked on its state thread), one request at a time, until the pool is
 under TRIM_BELOW (estimated, see `TrimBudget`). Only a request's own blocks (`r<request>`) go: its group's prompt blocks serve
 its siblings too, running ones included, and go when the group finishes. Leased requests are
 never queued, so a running request keeps its blocks. Nothing is lost: a trimmed request's next
@@ -34,6 +34,7 @@ from seerd.coordinator.records import WaitingRequest
 from seerd.kvpool.address import read_pool_address
 from seerd.kvpool.keys import group_pattern, request_pattern, run_pattern
 from seerd.kvpool.store import PoolUnavailable, close_quietly, open_store
+from seerd.scheduler.state import SchedulerState
 
 log = logging.getLogger("seerd.coordinator")
 
@@ -53,6 +54,21 @@ TRIM_BELOW = 0.6
 TRIM_REQUESTS_PER_CHECK = 64
 
 QueuedLongest = Callable[[int, WaitingRequest | None], Awaitable[list[WaitingRequest]]]
+
+
+def queued_longest(state: SchedulerState, limit: int, after: WaitingRequest | None = None) -> list[WaitingRequest]:
+    """Up to `limit` requests waiting in the queue, queued longest first (ties by request id),
+    those after `after` only when given. Only requests that have run on a worker: the others
+    hold no blocks of their own in the KV pool. Leased (running) requests are never queued. On
+    the state thread (the queue is the lease book's)."""
+    start = None if after is None else (after.queued_at, after.request_id)
+    waiting = []
+    for queued in state.queue.fcfs(start):
+        if len(waiting) == limit:
+            break
+        if queued.last_worker is not None:
+            waiting.append(WaitingRequest(queued.group_id, queued.request_id, queued.queued_at))
+    return waiting
 
 
 def run_tag(run_path: Path, created_at: float) -> str:

@@ -62,7 +62,7 @@ class LeaseTerms:
 
 
 class WaitingRequest(NamedTuple):
-    """A queued request as `LeaseBook.queued_longest` names it (for the KV pool's trimming)."""
+    """A queued request as `kvpool.queued_longest` names it (for the KV pool's trimming)."""
 
     group_id: int
     request_id: int

@@ -9,7 +9,7 @@ import pytest
 
 from seerd.coordinator.records import WaitingRequest
 from seerd.coordinator.kvpool import (
-    CHECK_EVERY_S, CHECK_NEAR_BUDGET_S, TRIM_ABOVE, TRIM_BELOW, PoolHost, TrimBudget,
+    CHECK_EVERY_S, CHECK_NEAR_BUDGET_S, TRIM_ABOVE, TRIM_BELOW, PoolHost, TrimBudget, queued_longest,
 )
 from seerd.kvpool.keys import request_pattern
 from seerd.kvpool.service import EVICTION_HIGH_WATERMARK
@@ -144,11 +144,11 @@ def test_a_running_request_keeps_its_blocks_whatever_the_budget(tmp_path):
 
     asked = []
 
-    async def queued_longest(limit: int, after: WaitingRequest | None) -> list[WaitingRequest]:
+    async def asking(limit: int, after: WaitingRequest | None) -> list[WaitingRequest]:
         asked.append(limit)
-        return book.queued_longest(limit, after)
+        return queued_longest(book.state, limit, after)
 
-    asyncio.run(host.check(queued_longest))
+    asyncio.run(host.check(asking))
     assert asked and host.latest["trimmed_requests"] == 2  # every waiting one, and still over budget
     assert pool.held(group_id, f"r{grants[2].request_id}") == 80  # the running request's
     assert pool.held(group_id, "p") == 2  # its group's prompt blocks, which it needs too

@@ -5,6 +5,7 @@ from __future__ import annotations
 from sqlalchemy import func, select
 
 from seerd.coordinator.book import MAX_FAILED_ATTEMPTS, UnknownWorker
+from seerd.coordinator.kvpool import queued_longest
 from seerd.db import Chunk, ChunkStatus, Event, Group, Request, RequestStatus
 from seerd.protocol import ChunkReport
 from tests.unit.helpers import make_book, reopen, rows
@@ -212,11 +213,11 @@ def test_queued_longest_names_requests_that_ran_oldest_first(tmp_path):
     running = grants[3].request_id
     oldest_first = [grants[1].request_id, grants[2].request_id, grants[0].request_id]
 
-    waiting = book.queued_longest(10)
+    waiting = queued_longest(book.state, 10)
     assert [v.request_id for v in waiting] == oldest_first
     assert running not in {v.request_id for v in waiting}
     assert [v.queued_at for v in waiting] == [1001.0, 1002.0, 1003.0]
     assert all(v.group_id == book.state.requests[v.request_id].group_id for v in waiting)
-    assert [v.request_id for v in book.queued_longest(2)] == oldest_first[:2]
-    assert [v.request_id for v in book.queued_longest(10, after=waiting[0])] == oldest_first[1:]
-    assert book.queued_longest(10, after=waiting[-1]) == []
+    assert [v.request_id for v in queued_longest(book.state, 2)] == oldest_first[:2]
+    assert [v.request_id for v in queued_longest(book.state, 10, after=waiting[0])] == oldest_first[1:]
+    assert queued_longest(book.state, 10, after=waiting[-1]) == []

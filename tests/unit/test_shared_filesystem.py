@@ -83,7 +83,7 @@ def test_no_host_but_the_coordinators_opens_the_database_faked_nfs_mount(tmp_pat
         pass
     message = str(refused.value)
     for said in (f"{run / 'state.db'} is on a network filesystem (nfs4 nas01:/export/runs mounted at",
-                 f"live on another host: pid", f"on {OTHER_HOST}", "state.db-shm",
+                 "live on another host: pid", f"on {OTHER_HOST}", "state.db-shm",
                  "Read the run through the coordinator's API (`seerd status` does)", f"run this on {OTHER_HOST}",
                  "wait until the run stops"):
         assert said in message
@@ -97,7 +97,7 @@ def test_no_host_but_the_coordinators_opens_the_database_faked_nfs_mount(tmp_pat
                                (["status", str(run), "--json"], 3)):
         result = runner.invoke(cli, command)
         assert result.exit_code == exit_code, (command, result.output)
-        assert f"live on another host" in result.output and OTHER_HOST in result.output, (command, result.output)
+        assert "live on another host" in result.output and OTHER_HOST in result.output, (command, result.output)
     assert "its API did not serve the status: no usable coordinator address" in result.output
     assert not (tmp_path / "copy").exists() and not (run / "rollouts.parquet").exists()
     assert database_files(run) == before  # nothing opened it: not even the WAL index changed
@@ -208,7 +208,7 @@ def test_status_from_another_host_reads_through_the_coordinators_api_faked_nfs_m
     assert snapshot["requests_total"] == GROUPS * N and snapshot["state"] == "running"
     assert snapshot["coordinator"]["reachable"] is True
     assert once.exit_code == 0 and "read through its API" in once.output, once.output
-    assert f"live on another host" in direct and OTHER_HOST in direct  # never opened directly from here
+    assert "live on another host" in direct and OTHER_HOST in direct  # never opened directly from here
 
 
 def test_db_snapshot_copies_a_live_run_consistently_for_any_host(tmp_path):
