@@ -168,7 +168,13 @@ class Writer:
         if conn is None or conn.closed or conn.invalidated:
             conn = self._local.conn = self.engine.connect()
             if self._wal is not None:
-                conn.connection.driver_connection.execute("PRAGMA wal_autocheckpoint=0")
+                driver = conn.connection.driver_connection
+                driver.execute("PRAGMA wal_autocheckpoint=0")
+                # The WAL file shrinks back to this when it restarts: its size (what the checks
+                # below read) then says how far behind the checkpoints are, not how far behind
+                # they once were. Without it, one burst that grew it past the inline bound put
+                # an inline checkpoint on every 32nd commit of the state thread from then on.
+                driver.execute(f"PRAGMA journal_size_limit={self.CHECKPOINT_WAL_BYTES}")
             with self._lock:
                 self._kept.append(conn)
         with _transaction(conn, durable):

@@ -50,3 +50,32 @@ def test_the_writers_connection_takes_no_automatic_checkpoint(tmp_path):
         assert conn.connection.driver_connection.execute("pragma wal_autocheckpoint").fetchone()[0] == 0
     writer.close()
     engine.dispose()
+
+
+def test_a_wal_grown_past_the_inline_bound_shrinks_back_once_checkpoints_catch_up(tmp_path):
+    engine = make_engine(tmp_path / "state.db")
+    with engine.begin() as conn:
+        conn.execute(text("create table t (payload blob)"))
+    writer = Writer(engine)
+    writer.CHECKPOINT_WAL_BYTES, writer.INLINE_CHECKPOINT_WAL_BYTES, writer.CHECK_EVERY = 64 << 10, 1 << 20, 1
+    wal = tmp_path / "state.db-wal"
+
+    def write(transactions: int) -> None:
+        for _ in range(transactions):
+            with writer.begin(durable=False) as conn:
+                conn.connection.driver_connection.execute("insert into t values (?)", (b"x" * 2000,))
+        if writer._checkpointer is not None:
+            writer._checkpointer.join()
+
+    reader = sqlite3.connect(tmp_path / "state.db", isolation_level=None)
+    reader.execute("begin")
+    reader.execute("select count(*) from t").fetchone()  # an old snapshot: no checkpoint can finish
+    write(800)
+    grown = wal.stat().st_size
+    assert grown > 1 << 20  # a burst the checkpoints could not follow
+    reader.execute("rollback")
+    write(50)  # a checkpoint completes; the next transaction restarts the WAL, and it is cut back
+    assert wal.stat().st_size < min(grown // 2, writer.INLINE_CHECKPOINT_WAL_BYTES)
+    writer.close()
+    engine.dispose()
+    reader.close()
