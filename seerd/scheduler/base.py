@@ -166,8 +166,9 @@ def _admit(snapshot: Snapshot, ordered: Iterable[QueuedRequest], skip: Callable[
     load = snapshot.worker(snapshot.worker_id)
     slots = free_slots(snapshot) if limit is None else min(limit, free_slots(snapshot))
     kv_free = load.kv_capacity_tokens - load.reserved_kv_tokens
-    # What needs every live worker is worked out only when a request needs it (each is a scan of
-    # every worker: at 512 workers, on every lease call).
+    # What needs every live worker is worked out only when a request needs it (the live ids are
+    # a scan of every worker; the most KV room elsewhere comes from the kept summary: its scan
+    # was a quarter of the state thread at 512 workers, tools/load.py).
     live: list[str] | None = None
     room_elsewhere: int | None = None
     assignments: list[Assignment] = []
@@ -185,9 +186,7 @@ def _admit(snapshot: Snapshot, ordered: Iterable[QueuedRequest], skip: Callable[
         need = kv_need(request, budget, load.kv_block_tokens)
         if need > kv_free:
             if room_elsewhere is None:
-                room_elsewhere = max((w.kv_capacity_tokens - w.reserved_kv_tokens for w in snapshot.workers
-                                      if w.worker_id != load.worker_id and w.running_chunks < w.max_chunks),
-                                     default=-1)
+                room_elsewhere = snapshot.open_workers.most_room_but(load.worker_id)
             if need <= room_elsewhere:
                 passed_over += 1
                 continue  # another worker has room for it and takes it when it asks

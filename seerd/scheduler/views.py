@@ -7,6 +7,7 @@ neither change the state it plans over nor plan over a state that is gone.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -77,11 +78,15 @@ def can_take_a_chunk(load: WorkerLoad, chunk_tokens: int) -> bool:
 @dataclass
 class OpenWorkers:
     """The live workers that can take a chunk (`can_take_a_chunk`): how many run each number of
-    chunks, and their free slots in all. `SchedulerState` keeps one up to date as loads change,
-    so that a lease call does not scan every worker (`base.balanced_slots`)."""
+    chunks, and their free slots in all; and the KV room of every live worker with a free slot.
+    `SchedulerState` keeps one up to date as loads change, so that a lease call does not scan
+    every worker (`base.balanced_slots`, `base.most_room_elsewhere`)."""
 
     running: dict[int, int] = field(default_factory=dict)  # chunks running -> workers running that many
     free_slots: int = 0
+    room: dict[str, int] = field(default_factory=dict)  # worker with a free slot -> its free KV tokens
+    # `room` as a max-heap of (-room, worker id), stale entries dropped when they reach the top.
+    _by_room: list[tuple[int, str]] = field(default_factory=list, compare=False, repr=False)
 
     @classmethod
     def of(cls, loads: Iterable[WorkerLoad], chunk_tokens: int) -> OpenWorkers:
@@ -98,6 +103,15 @@ class OpenWorkers:
             else:
                 del self.running[load.running_chunks]
             self.free_slots += sign * (load.max_chunks - load.running_chunks)
+        if load.running_chunks < load.max_chunks:
+            if sign < 0:
+                self.room.pop(load.worker_id, None)
+            else:
+                room = self.room[load.worker_id] = load.kv_capacity_tokens - load.reserved_kv_tokens
+                heapq.heappush(self._by_room, (-room, load.worker_id))
+                if len(self._by_room) > 2 * len(self.room) + 1024:  # mostly stale: start it over
+                    self._by_room = [(-r, w) for w, r in self.room.items()]
+                    heapq.heapify(self._by_room)
 
     def remove(self, load: WorkerLoad, chunk_tokens: int) -> None:
         self.add(load, chunk_tokens, sign=-1)
@@ -109,6 +123,24 @@ class OpenWorkers:
         fewest = min((running for running, count in self.running.items()
                       if count > (1 if mine and running == load.running_chunks else 0)), default=None)
         return free, fewest
+
+    def most_room_but(self, worker_id: str) -> int:
+        """The most free KV tokens of a live worker with a free slot other than `worker_id`; -1 if none."""
+        heap, room = self._by_room, self.room
+        held = None  # `worker_id`'s own entry, put back after
+        most = -1
+        while heap:
+            negative, top = heap[0]
+            if room.get(top) != -negative:
+                heapq.heappop(heap)  # stale: that worker's room changed or its slots filled
+            elif top == worker_id:
+                held = heapq.heappop(heap)
+            else:
+                most = -negative
+                break
+        if held is not None:
+            heapq.heappush(heap, held)
+        return most
 
 
 @dataclass(frozen=True)

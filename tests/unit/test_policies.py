@@ -368,6 +368,8 @@ def test_lean_admission_keeps_continuing_requests_first():
 
 
 def test_the_open_workers_summary_answers_as_a_scan_of_every_worker_would():
+    # Free slots, fewest running and the most KV room elsewhere, through 3,000 random load changes
+    # (enough to start the room heap over from its stale entries a few times).
     import random
 
     from seerd.scheduler.views import OpenWorkers, can_take_a_chunk
@@ -377,9 +379,10 @@ def test_the_open_workers_summary_answers_as_a_scan_of_every_worker_would():
     loads = [load(f"w{i}", i, running=rng.randrange(5), reserved=rng.choice([0, 9_980, 9_990]), max_chunks=4)
              for i in range(40)]
     summary = OpenWorkers.of(loads, chunk)
-    for step in range(300):
+    for step in range(3_000):
         slot = rng.randrange(len(loads))
-        changed = replace(loads[slot], running_chunks=min(4, rng.randrange(6)), reserved_kv_tokens=rng.choice([0, 9_975]))
+        changed = replace(loads[slot], running_chunks=min(4, rng.randrange(6)),
+                          reserved_kv_tokens=rng.choice([0, 9_975, rng.randrange(10_000)]))
         summary.remove(loads[slot], chunk)
         summary.add(changed, chunk)
         loads[slot] = changed
@@ -388,3 +391,6 @@ def test_the_open_workers_summary_answers_as_a_scan_of_every_worker_would():
         others = [w for w in loads if w.worker_id != me.worker_id and can_take_a_chunk(w, chunk)]
         assert summary.others(me, chunk) == (sum(w.max_chunks - w.running_chunks for w in others),
                                              min((w.running_chunks for w in others), default=None)), step
+        assert summary.most_room_but(me.worker_id) == max(
+            (w.kv_capacity_tokens - w.reserved_kv_tokens for w in loads
+             if w.worker_id != me.worker_id and w.running_chunks < w.max_chunks), default=-1), step
