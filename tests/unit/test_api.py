@@ -154,6 +154,39 @@ def test_long_poll_lease_wakes_when_a_chunk_is_requeued(tmp_path):
     assert second["prompt_token_ids"][-16:] == [3] * 16 and waited < 2.0
 
 
+def test_a_long_poll_woken_for_work_it_is_not_given_waits_on_to_its_deadline(tmp_path):
+    # w1's KV cannot hold the request once it has 16 tokens, w0's can: the re-queued chunk wakes
+    # w1's waiting call, its plan leaves the request to w0, and the call waits on instead of
+    # answering empty (which made the worker call again at once).
+    clock = FakeClock()
+    book = make_book(tmp_path, prompt_rows=rows(groups=1, n=1, max_tokens=40, prompt_len=5), now=clock())
+    control = CoordinatorControl()
+    app = create_app(book, SECRET, control, clock)
+
+    async def scenario():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://coordinator",
+                                     auth=signed_auth(SECRET)) as http:
+            for rank, kv in ((0, 100), (1, 24)):
+                await http.post("/v1/register", json={**REGISTER, "worker_id": f"w{rank}", "rank": rank,
+                                                      "kv_capacity_tokens": kv})
+            (grant,) = (await http.post("/v1/lease", json={"worker_id": "w0", "wanted": 1})).json()["chunks"]
+            waiting = asyncio.create_task(http.post("/v1/lease", json={"worker_id": "w1", "wanted": 1,
+                                                                       "wait_s": 1.0}))
+            while not control.waiting_lease_calls:  # parked: the queue is empty
+                await asyncio.sleep(0.01)
+            report = {"chunk_id": grant["chunk_id"], "epoch": grant["epoch"], "token_ids": [3] * 16,
+                      "logprobs": [-0.5] * 16, "finish_reason": "length"}
+            await http.post("/v1/report", json={"worker_id": "w0", "reports": [report]})
+            answer = (await waiting).json()
+            (again,) = (await http.post("/v1/lease", json={"worker_id": "w0", "wanted": 1})).json()["chunks"]
+            return answer, again
+
+    answer, again = asyncio.run(scenario())
+    assert answer["chunks"] == [] and answer["waited_s"] >= 0.95  # its deadline, not the wake-up
+    assert again["prompt_token_ids"][-16:] == [3] * 16  # left to w0, which holds room for it
+
+
 def test_the_worker_client_gets_typed_replies(tmp_path):
     clock = FakeClock()
     book = make_book(tmp_path, prompt_rows=rows(groups=1, n=1, max_tokens=20), now=clock())
