@@ -141,14 +141,17 @@ class CoordinatorClient:
         if base_url == self.base_url and secret == self._secret:
             return False
         log.warning("the run's coordinator is now at %s (it restarted): following it", base_url)
-        await self.close()
         self._use(base_url, secret)
+        await self.close()
         return True
 
     async def close(self) -> None:
-        if self._http is not None:
-            await self._http.close()
-            self._http = None
+        # Let go of the session before awaiting its close: a call another task starts meanwhile
+        # makes a new one, where it took the closing one and failed "Session is closed" (the
+        # lease loop's, while the report loop followed a restarted coordinator).
+        old, self._http = self._http, None
+        if old is not None:
+            await old.close()
 
     async def _send(self, method: str, path: str, content: bytes | None) -> tuple[int, bytes, bool]:
         """One signed call: its status, its body and whether the answer bears the coordinator's signature."""
