@@ -9,7 +9,6 @@ another coordinator take the run over, it stops at its next tick without writing
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import os
 import signal
@@ -28,6 +27,7 @@ from seerd.coordinator.api import CoordinatorControl, body_limit, create_app
 from seerd.coordinator.book import LeaseBook
 from seerd.coordinator.drafts import REFRESH_S, DraftHost, book_sequences, history_sequences
 from seerd.coordinator.guard import ConnectionGuard, api_server, limits_for, raise_open_files_limit
+from seerd.coordinator.heap import HeapKeeper
 from seerd.coordinator.kvpool import PoolHost, model_revision, queued_longest, run_tag
 from seerd.coordinator.model_identity import verify_model
 from seerd.cpu import CpuSnapshot
@@ -51,15 +51,6 @@ EXPIRY_INTERVAL_S = 0.5
 # After the last response, keep answering for this long so that every worker hears "done" and
 # says goodbye with its final figures (what `seerd status` and `seerd report` show afterwards).
 DONE_LINGER_S = 5.0
-
-
-def settle_heap() -> None:
-    """Take what is alive now (the imports, torch's and vLLM's among them, and the loaded book)
-    out of the cyclic garbage collector's reach. Its full passes walked all of it, 0.35-0.4 s
-    every ~7 s with the GIL held: every call in flight waited (tools/load.py, 512 workers). What
-    refcounting frees is still freed; only cycles among these objects would stay."""
-    gc.collect()
-    gc.freeze()
 
 
 class RunNotFound(RuntimeError):
@@ -124,6 +115,7 @@ class Coordinator:
                               chunk_tokens=self.config.chunk_tokens, lease_ttl_s=self.config.lease_ttl_s,
                               seed=self.config.seed, vocab_size=vocab_size, in_place=self.config.in_place)
         self.control = CoordinatorControl()
+        self.heap = HeapKeeper()
         # The job's grouped draft server (Seer's DGDS), only when workers draft from it.
         self.drafts = DraftHost() if self.config.spec.mode == "grouped" else None
         if self.drafts is not None:
@@ -243,7 +235,7 @@ class Coordinator:
         if self.initial_status == RolloutStatus.FINISHED:
             return CoordinatorResult(RolloutStatus.FINISHED, None, "already finished")
         self.book.load(now)
-        settle_heap()
+        self.heap.settle()  # the imports and the loaded book out of the collector's full passes
         if self.initial_status in (RolloutStatus.RUNNING, RolloutStatus.INTERRUPTED, RolloutStatus.FAILED):
             with self.sessions.begin() as session:
                 add_event(session, self.rollout_id, now, "rollout_resumed",
@@ -293,6 +285,7 @@ class Coordinator:
             if self._owns_run:  # else the workers are the new owner's to retire
                 await self.control.run(self.book.retire_workers)
             self.control.close()
+            self.heap.close()
             self.book.close()  # the state thread's kept connection (a later write opens its own)
             if self.drafts is not None:
                 self.drafts.close()
@@ -317,6 +310,7 @@ class Coordinator:
             if expired := await run(self.book.expire, self.clock()):
                 self.control.work_queued(expired)
             await run(self.book.persist_soft_state)
+            await run(self.heap.tick)
             await run(self._refresh_drafts)
             if self.pool is not None and await self.pool.check(partial(run, queued_longest, self.book.state)):
                 await run(self.record_event, "kv_pool_restarted", {"restarts": self.pool.restarts})
@@ -379,7 +373,8 @@ class Coordinator:
                 "cpu_share": generation_cpu / generating,
                 "longest_commit_s": CommitTimes.longest_s, "slow_commits": CommitTimes.slow,
                 "durable_commits": CommitTimes.durable, "relaxed_commits": CommitTimes.relaxed,
-                "report_commits": self.control.report_commits, "reports_committed": self.control.reports_committed}
+                "report_commits": self.control.report_commits, "reports_committed": self.control.reports_committed,
+                **self.heap.figures()}
 
     def record_event(self, kind: str, data: dict) -> None:
         """One event in its own transaction (outside the state thread only before or after `serve`)."""
