@@ -351,12 +351,14 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
         outcomes, grants = await control.report(book, ReportCall(
             body.worker_id, reports, may_lease=control.accepting and control.scheduling_gate(), wanted=body.wanted),
             clock)
-        # Work for lease calls waiting: a request to continue, a rejected chunk to run again.
+        # Work for lease calls waiting: a request to continue, a rejected chunk to run again; not
+        # one this call's own lease continued in place (it never waited in the queue: waking a
+        # worker for it made a plan in vain, most of the state thread's work at 512 workers).
         if book.is_complete():
             control.work_queued()
-        elif requeued := sum(o.rerun or (o.accepted and not o.request_finished and not o.duplicate)
-                             for o in outcomes):
-            control.work_queued(requeued)
+        elif (left := sum(o.rerun or (o.accepted and not o.request_finished and not o.duplicate) for o in outcomes)
+                - sum(g.continues for g in grants)) > 0:
+            control.work_queued(left)
         results = [ReportResult(r.chunk_id, o.accepted, o.duplicate, o.reason) for r, o in zip(reports, outcomes)]
         return _json(ReportReply(results, done=book.is_complete(), grants=grants))
 
