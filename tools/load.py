@@ -222,6 +222,9 @@ def run(args: argparse.Namespace, work: Path) -> dict:
         "coordinator_rss_mb": max((s["rss_mb"] for s in samples), default=None),
         "db_mb": (run_dir / "state.db").stat().st_size / 2**20,
         **latency,
+        # The coordinator's own answer times (seerd/coordinator/latency.py): beside the workers'
+        # figures, they tell its queueing from the simulated workers' processes' own delays.
+        "server_calls": load.get("server_calls", {}),
         "chunks": chunks, "output_tokens": tokens, "generation_s": generation_s, "wall_s": wall_s,
         "coordinator_cpu_s": load["generation_cpu_s"], "cpu_ms_per_chunk": 1e3 * load["generation_cpu_s"] / chunks,
         "durable_commits_per_s": load.get("durable_commits", 0) / generation_s,
@@ -270,6 +273,7 @@ def print_table(result: dict) -> None:
     print_latencies(result["calls"], "every call")
     print_latencies(result["calls_after_startup"], f"after start-up (the last registration, at "
                                                    f"{result['startup_s']:.1f} s)")
+    print_latencies(result["server_calls"], "inside the coordinator (signature check to answer, long-poll waits out)")
     print(f"coordinator: {100 * result['coordinator_cpu_share']:.0f}% of a core over generation, "
           f"{result['cpu_ms_per_chunk']:.2f} ms CPU per chunk, peak RSS {result['coordinator_rss_mb']:.0f} MB, "
           f"peak open files {result['max_fds']}; the simulated workers' processes "

@@ -33,6 +33,7 @@ from seerd.config import EngineConfig
 from seerd.coordinator.auth import BodyDigestMismatch, SignedCalls, body_mismatch
 from seerd.coordinator.book import LeaseBook, ReportCall, RetiredWorker, UnknownWorker
 from seerd.coordinator.drafts import DraftHost, append_items
+from seerd.coordinator.latency import WAITED_SCOPE_KEY, CallLatencies
 from seerd.coordinator.metrics import RefusalCollector, RolloutCollector, metrics_registry
 from seerd.coordinator.reports import ReportOutcome
 from seerd.db.read import UnreadableDatabase
@@ -79,6 +80,7 @@ class CoordinatorControl:
         self.left: set[str] = set()  # workers that said goodbye (`HeartbeatBody.leaving`) with their final figures
         self.busy_s = 0.0  # wall time inside API calls (overlapping calls count twice)
         self.calls = 0
+        self.latencies = CallLatencies()  # the coordinator's own answer times (long-poll waits out)
         self.refused: dict[str, int] = {}  # calls refused by the signature check (auth.py), by reason
         self._waiting: collections.deque[asyncio.Future] = collections.deque()  # lease calls, longest waiting first
         self._reports: list[tuple[ReportCall, asyncio.Future]] = []  # waiting for the next group commit
@@ -326,18 +328,19 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
             # for work it is not given (another worker's, or no room here), it waits on, at the
             # back of the line: answering it empty made it call again at once, two more HTTP calls
             # a wake-up (most lease calls of 512 KV-bound workers, tools/load.py).
-            waiting_since = time.monotonic()
-            deadline = waiting_since + min(body.wait_s, LONG_POLL_MAX_S)
+            deadline = time.monotonic() + min(body.wait_s, LONG_POLL_MAX_S)
             while True:
-                woken = await control.wait_for_work(deadline - time.monotonic())
+                waiting = time.monotonic()
+                woken = await control.wait_for_work(deadline - waiting)
+                waited_s += time.monotonic() - waiting
+                request.scope[WAITED_SCOPE_KEY] = waited_s
                 known(body.worker_id)
                 if done_for(body.worker_id):
-                    return _json(LeaseReply([], done=True, waited_s=time.monotonic() - waiting_since))
+                    return _json(LeaseReply([], done=True, waited_s=waited_s))
                 if control.accepting:
                     grants = await control.run(book.lease, body.worker_id, max(0, body.wanted), clock())
                 if grants or not woken or not control.accepting or time.monotonic() >= deadline:
                     break
-            waited_s = time.monotonic() - waiting_since
         return _json(LeaseReply(grants, done=False, retry_after_s=0.0 if grants else 0.05, waited_s=waited_s))
 
     @route("POST", REPORT.path)

@@ -23,6 +23,7 @@ import msgspec
 from starlette.requests import ClientDisconnect
 
 from seerd.coordinator.guard import CONNECTION_SCOPE_KEY
+from seerd.coordinator.latency import WAITED_SCOPE_KEY
 from seerd.protocol import ErrorReply
 from seerd.signing import (
     MAX_SKEW_S, REPLY_HEADER, STALE_TIMESTAMP, Mac, call_key, parse_authorization, reply_mac, request_mac,
@@ -116,8 +117,10 @@ class SignedCalls:
         except ClientDisconnect:  # it went away mid-body (or the guard closed it): nobody to answer
             pass
         finally:
-            self.control.busy_s += time.perf_counter() - started
+            took = time.perf_counter() - started
+            self.control.busy_s += took
             self.control.calls += 1
+            self.control.latencies.add(scope["path"], took - scope.get(WAITED_SCOPE_KEY, 0.0))
 
     def _count(self, reason: str) -> None:
         self.control.refused[reason] = self.control.refused.get(reason, 0) + 1
