@@ -81,6 +81,11 @@ class CoordinatorControl:
         self.busy_s = 0.0  # wall time inside API calls (overlapping calls count twice)
         self.calls = 0
         self.latencies = CallLatencies()  # the coordinator's own answer times (long-poll waits out)
+        # The state thread's turns: how long the oldest call of each waited for it, how long the
+        # turn ran, and how many calls it held ("reports": group commits; "calls": the rest).
+        self.turns = CallLatencies()
+        self.largest_turn = {"reports": 0, "calls": 0}
+        self._calls_since = self._reports_since = 0.0  # when the oldest queued call was queued
         self.refused: dict[str, int] = {}  # calls refused by the signature check (auth.py), by reason
         self._waiting: collections.deque[asyncio.Future] = collections.deque()  # lease calls, longest waiting first
         self._reports: list[tuple[ReportCall, asyncio.Future]] = []  # waiting for the next group commit
@@ -102,6 +107,8 @@ class CoordinatorControl:
         with self._calls_lock:
             self._calls.append((partial(fn, *args, **kwargs), answer))
             start, self._calls_queued = not self._calls_queued, True
+            if start:
+                self._calls_since = time.perf_counter()
         if start:
             self._state_thread.submit(self._run_calls, loop)
         outcome, failed = await answer
@@ -114,13 +121,20 @@ class CoordinatorControl:
         with self._calls_lock:
             batch, self._calls = self._calls, []
             self._calls_queued = False
+            started = time.perf_counter()
+            self.turns.add("calls waited", started - self._calls_since)
         answers = []
         for call, future in batch:
             try:
                 answers.append((future, (call(), False)))
             except BaseException as exc:  # noqa: BLE001 - the caller's to handle, as if it ran there
                 answers.append((future, (exc, True)))
+        self._turn_ran("calls", started, len(batch))
         loop.call_soon_threadsafe(_settle_all, answers)
+
+    def _turn_ran(self, kind: str, started: float, calls: int) -> None:
+        self.turns.add(f"{kind} ran", time.perf_counter() - started)
+        self.largest_turn[kind] = max(self.largest_turn[kind], calls)
 
     async def read(self, fn, *args):  # noqa: ANN001, ANN002, ANN201
         """Run the database reader `fn` on the reader thread and wait for it."""
@@ -138,6 +152,8 @@ class CoordinatorControl:
         with self._reports_lock:
             self._reports.append((call, answer))
             start, self._commit_queued = not self._commit_queued, True
+            if start:
+                self._reports_since = time.perf_counter()
         if start:
             self._state_thread.submit(self._commit_reports, book, clock, loop)
         result = await answer
@@ -150,12 +166,15 @@ class CoordinatorControl:
         with self._reports_lock:
             batch, self._reports = self._reports, []
             self._commit_queued = False
+            started = time.perf_counter()
+            self.turns.add("reports waited", started - self._reports_since)
         try:
             answers = book.report_calls([call for call, _ in batch], clock())
         except Exception as exc:  # noqa: BLE001 - the commit failed (disk): every call of it answers 5xx
             answers = [exc] * len(batch)
         self.report_commits += 1
         self.reports_committed += len(batch)
+        self._turn_ran("reports", started, len(batch))
         loop.call_soon_threadsafe(_settle_all, [(future, answer) for (_, future), answer in zip(batch, answers)])
 
     def close(self) -> None:

@@ -374,7 +374,8 @@ class Coordinator:
                 "longest_commit_s": CommitTimes.longest_s, "slow_commits": CommitTimes.slow,
                 "durable_commits": CommitTimes.durable, "relaxed_commits": CommitTimes.relaxed,
                 "report_commits": self.control.report_commits, "reports_committed": self.control.reports_committed,
-                "server_calls": self.control.latencies.figures(), **self.heap.figures()}
+                "server_calls": self.control.latencies.figures(), "state_turns": self.control.turns.figures(),
+                "largest_state_turn": self.control.largest_turn, **self.heap.figures()}
 
     def record_event(self, kind: str, data: dict) -> None:
         """One event in its own transaction (outside the state thread only before or after `serve`)."""

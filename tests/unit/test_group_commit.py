@@ -54,6 +54,10 @@ def test_report_calls_queued_while_the_state_thread_is_busy_share_one_durable_co
 
     answered = asyncio.run(asyncio.wait_for(scenario(), 60))
     assert (control.report_commits, control.reports_committed) == (1, WORKERS)
+    # The state thread's turns as the coordinator records them: one commit, holding every call.
+    turns = control.turns.figures()
+    assert control.largest_turn["reports"] == WORKERS
+    assert turns["reports ran"]["calls"] == turns["reports waited"]["calls"] == 1
     for reply, grant in answered:
         assert [(r.chunk_id, r.accepted, r.duplicate) for r in reply.results] == [(grant.chunk_id, True, False)]
         # Each call's lease, in the same state-thread call: the freed slot runs the group's sibling.
