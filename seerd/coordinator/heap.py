@@ -65,23 +65,16 @@ class HeapKeeper:
         if now - self._frozen_at < self.freeze_s:
             return
         if gc.get_freeze_count() > self._frozen_after_full * (1 + self.full_pass_growth):
-            started = time.perf_counter()
-            gc.unfreeze()
-            gc.collect()
-            gc.freeze()
-            took = time.perf_counter() - started
+            took = _timed_pass(full=True)
             self.full_passes += 1
             self.longest_full_pass_s = max(self.longest_full_pass_s, took)
-            self._frozen_at, self._frozen_after_full = now, gc.get_freeze_count()
+            self._frozen_after_full = gc.get_freeze_count()
         else:
-            started = time.perf_counter()
-            gc.collect()
-            gc.freeze()
-            took = time.perf_counter() - started
+            took = _timed_pass(full=False)
             self.passes += 1
             self.pass_s += took
             self.longest_pass_s = max(self.longest_pass_s, took)
-            self._frozen_at = now
+        self._frozen_at = now
 
     def close(self) -> None:
         """The collector as it was (a process that goes on after the coordinator, a test's)."""
@@ -94,3 +87,14 @@ class HeapKeeper:
         return {"gc_passes": self.passes, "gc_pass_s": round(self.pass_s, 3),
                 "gc_longest_pass_s": round(self.longest_pass_s, 3), "gc_full_passes": self.full_passes,
                 "gc_longest_full_pass_s": round(self.longest_full_pass_s, 3)}
+
+
+def _timed_pass(*, full: bool) -> float:
+    """One collection (over everything if `full`, else over what is not frozen), then everything
+    alive frozen; its seconds."""
+    started = time.perf_counter()
+    if full:
+        gc.unfreeze()
+    gc.collect()
+    gc.freeze()
+    return time.perf_counter() - started
