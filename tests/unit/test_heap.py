@@ -7,7 +7,7 @@ from __future__ import annotations
 import gc
 import weakref
 
-from seerd.coordinator.heap import FREEZE_S, NEVER, HeapKeeper
+from seerd.coordinator.heap import FREEZE_S, FULL_PASS_GROWTH, NEVER, HeapKeeper, resident_bytes
 
 
 class Node:
@@ -26,7 +26,8 @@ class Clock:
 def test_a_small_pass_collects_new_cycles_and_the_full_pass_the_frozen_ones():
     before = gc.get_threshold()
     clock = Clock()
-    keeper = HeapKeeper(clock, full_pass_growth=100.0)  # no full pass until the test asks
+    resident = [1000]  # the process's memory as the keeper reads it
+    keeper = HeapKeeper(clock, rss=lambda: resident[0])
     try:
         keeper.settle()
         assert gc.get_threshold()[2] == NEVER and gc.get_freeze_count() > 0
@@ -47,9 +48,9 @@ def test_a_small_pass_collects_new_cycles_and_the_full_pass_the_frozen_ones():
         keeper.tick()
         assert frozen_ref() is not None  # small passes do not look at frozen objects
 
-        # The small passes froze more than `settle` did (the node, at least): with any growth
-        # enough, the next tick is a full pass, which unfreezes everything and collects it.
-        keeper.full_pass_growth = 0.0
+        # Memory grew by a quarter since `settle`: the next tick is a full pass, which
+        # unfreezes everything and collects it.
+        resident[0] = 1000 * (1 + FULL_PASS_GROWTH) + 1
         clock.now += FREEZE_S
         keeper.tick()
         assert frozen_ref() is None and keeper.full_passes == 1
@@ -73,3 +74,10 @@ def test_ticks_between_passes_do_nothing():
         assert keeper.passes == 0 and keeper.full_passes == 0
     finally:
         keeper.close()
+
+
+def test_resident_memory_is_read_from_the_process():
+    before = resident_bytes()
+    ballast = b"\x01" * (64 << 20)  # 64 MiB written, so resident
+    assert resident_bytes() >= before + (48 << 20)
+    del ballast
