@@ -66,6 +66,13 @@ def seer_key(r: QueuedRequest, growth: GrowthRatios) -> tuple:
     return (1, -expected_remaining(r, growth), -r.group_longest_unfinished, r.queued_at)
 
 
+def reads_growth(r: QueuedRequest) -> bool:
+    """Whether `seer_key` of `r` reads the growth table: not for a probe, nor for a request of a
+    group with nothing finished and nothing generated (its forecast is its starting estimate).
+    Only these are re-keyed when the table changes (`RequestQueue.ordered`)."""
+    return not r.is_probe and (r.group_finished > 0 or r.group_longest_unfinished > 0)
+
+
 class SeerPolicy:
     name = "seer"
 
@@ -88,7 +95,8 @@ class SeerPolicy:
             starved.add(request.request_id)
             yield request
         growth = snapshot.growth
-        ordered = (r for r in snapshot.queued.ordered("seer", lambda r: seer_key(r, growth), growth.version)
+        ordered = (r for r in snapshot.queued.ordered("seer", lambda r: seer_key(r, growth), growth.version,
+                                                      reads_growth)
                    if r.request_id not in starved)
         held = frozenset(rid for rid in snapshot.continuing - starved
                          if rid in snapshot.queued and not snapshot.queued.get(rid).is_probe)
