@@ -227,6 +227,7 @@ def run(args: argparse.Namespace, work: Path) -> dict:
         "server_calls": load.get("server_calls", {}),
         # The state thread's turns: the oldest call's wait for one, its run time, the largest.
         "state_turns": load.get("state_turns", {}), "largest_state_turn": load.get("largest_state_turn"),
+        "slowest_state_turns": load.get("slowest_state_turns", {}),
         "chunks": chunks, "output_tokens": tokens, "generation_s": generation_s, "wall_s": wall_s,
         "coordinator_cpu_s": load["generation_cpu_s"], "cpu_ms_per_chunk": 1e3 * load["generation_cpu_s"] / chunks,
         "durable_commits_per_s": load.get("durable_commits", 0) / generation_s,
@@ -276,7 +277,15 @@ def print_table(result: dict) -> None:
     print_latencies(result["calls_after_startup"], f"after start-up (the last registration, at "
                                                    f"{result['startup_s']:.1f} s)")
     print_latencies(result["server_calls"], "inside the coordinator (signature check to answer, long-poll waits out)")
-    print_latencies(result["state_turns"], f"the state thread's turns (largest: {result['largest_state_turn']} calls)")
+    print_latencies(result["state_turns"], f"the state thread's turns (largest: {result['largest_state_turn']} calls) "
+                                           "and how late the event loop woke a 20 ms sleep")
+    turns = result["slowest_state_turns"]
+    if turns:
+        def described(turn: dict) -> str:
+            return f"{turn['at_s']:.0f}s {turn['ran_ms']:.0f}ms " + ", ".join(
+                f"{name} {count}x {ms:.0f}ms" for name, (count, ms) in turn["held"].items())
+        print("the slowest turns: " + "; ".join(described(turn) for turn in turns["slowest"][:10]))
+        print("the slowest turn per 10 s: " + "; ".join(described(turn) for turn in turns["by_window"]))
     print(f"coordinator: {100 * result['coordinator_cpu_share']:.0f}% of a core over generation, "
           f"{result['cpu_ms_per_chunk']:.2f} ms CPU per chunk, peak RSS {result['coordinator_rss_mb']:.0f} MB, "
           f"peak open files {result['max_fds']}; the simulated workers' processes "

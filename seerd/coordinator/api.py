@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
+from typing import NamedTuple
 
 import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -33,7 +34,7 @@ from seerd.config import EngineConfig
 from seerd.coordinator.auth import BodyDigestMismatch, SignedCalls, body_mismatch
 from seerd.coordinator.book import LeaseBook, ReportCall, RetiredWorker, UnknownWorker
 from seerd.coordinator.drafts import DraftHost, append_items
-from seerd.coordinator.latency import WAITED_SCOPE_KEY, CallLatencies
+from seerd.coordinator.latency import WAITED_SCOPE_KEY, CallLatencies, PlansPerCall, SlowTurns
 from seerd.coordinator.metrics import RefusalCollector, RolloutCollector, metrics_registry
 from seerd.coordinator.reports import ReportOutcome
 from seerd.db.read import UnreadableDatabase
@@ -85,9 +86,17 @@ class CoordinatorControl:
         # turn ran, and how many calls it held ("reports": group commits; "calls": the rest).
         self.turns = CallLatencies()
         self.largest_turn = {"reports": 0, "calls": 0}
+        self.slow_turns = SlowTurns()  # what the slowest turns held, call by call
+        self.lease_plans = PlansPerCall()  # plans made for each lease call (long polls woken in vain)
         self._calls_since = self._reports_since = 0.0  # when the oldest queued call was queued
         self.refused: dict[str, int] = {}  # calls refused by the signature check (auth.py), by reason
         self._waiting: collections.deque[asyncio.Future] = collections.deque()  # lease calls, longest waiting first
+        self._wake_owed = 0  # requests queued since the last wake-up (`work_queued`)
+        self._wake_context = NO_CONTEXT  # the shortest context among them
+        self._wake_scheduled = False
+        # Whether a worker could take a request of a context (`SchedulerState.could_take`), read
+        # on the event loop as a hint: the state thread's plan decides.
+        self.could_take: Callable[[str, int], bool] = lambda _worker_id, _context: True
         self._reports: list[tuple[ReportCall, asyncio.Future]] = []  # waiting for the next group commit
         self._reports_lock = threading.Lock()  # the loop appends, the state thread takes
         self._commit_queued = False
@@ -124,17 +133,24 @@ class CoordinatorControl:
             started = time.perf_counter()
             self.turns.add("calls waited", started - self._calls_since)
         answers = []
+        held: dict[str, list] = {}  # what the turn ran: call name -> [count, seconds]
         for call, future in batch:
+            began = time.perf_counter()
             try:
                 answers.append((future, (call(), False)))
             except BaseException as exc:  # noqa: BLE001 - the caller's to handle, as if it ran there
                 answers.append((future, (exc, True)))
-        self._turn_ran("calls", started, len(batch))
+            spent = held.setdefault(getattr(call.func, "__name__", "?"), [0, 0.0])
+            spent[0] += 1
+            spent[1] += time.perf_counter() - began
+        self._turn_ran("calls", started, len(batch), held)
         loop.call_soon_threadsafe(_settle_all, answers)
 
-    def _turn_ran(self, kind: str, started: float, calls: int) -> None:
-        self.turns.add(f"{kind} ran", time.perf_counter() - started)
+    def _turn_ran(self, kind: str, started: float, calls: int, held: dict[str, list]) -> None:
+        ran = time.perf_counter() - started
+        self.turns.add(f"{kind} ran", ran)
         self.largest_turn[kind] = max(self.largest_turn[kind], calls)
+        self.slow_turns.add(started, ran, held)
 
     async def read(self, fn, *args):  # noqa: ANN001, ANN002, ANN201
         """Run the database reader `fn` on the reader thread and wait for it."""
@@ -174,43 +190,98 @@ class CoordinatorControl:
             answers = [exc] * len(batch)
         self.report_commits += 1
         self.reports_committed += len(batch)
-        self._turn_ran("reports", started, len(batch))
+        self._turn_ran("reports", started, len(batch),
+                       {"report_calls": [len(batch), time.perf_counter() - started]})
         loop.call_soon_threadsafe(_settle_all, [(future, answer) for (_, future), answer in zip(batch, answers)])
 
     def close(self) -> None:
         self._reader_thread.shutdown(wait=True)
         self._state_thread.shutdown(wait=True)
 
-    def work_queued(self, requests: int | None = None) -> None:
+    def work_queued(self, requests: int | None = None, smallest_context: int = 0) -> None:
         """Wake lease calls waiting for work (a chunk was re-queued, a lease expired): for
-        `requests` newly queued, that many of the longest waiting and `EXTRA_WAKE_UPS` more (a
-        woken worker may leave a request to the worker that ran it before); None: every one (the
-        rollout is done). Waking all of them for each report made hundreds of empty lease calls
-        queue on the state thread ahead of the reports (tools/load.py, 512 workers)."""
-        count = len(self._waiting) if requests is None else min(len(self._waiting), requests + EXTRA_WAKE_UPS)
-        for _ in range(count):
-            _settle(self._waiting.popleft(), None)
+        `requests` newly queued, that many of the longest waiting whose worker could take one (a
+        free slot and KV room past `smallest_context`, the shortest context among them:
+        `could_take`), once per turn of the event loop however many calls queued work in it;
+        None: every one, now (the rollout is done). A woken call its plan gives nothing hands
+        the wake-up on (`pass_on`), at most `EXTRA_WAKE_UPS` times for all the calls woken
+        together: a worker may leave a request to the worker that ran it before, or another
+        woken call took it.
+
+        What each rule cut (tools/load.py, 512 workers, 100,000 requests): waking every waiting
+        call for each report made hundreds of empty lease calls queue on the state thread ahead
+        of the reports; four extra per report call, when a group commit answered dozens at once,
+        made turns of up to 427 plans (~1 s); waking workers without room for any of the work
+        (most of them, KV-bound, under load) made 3.6 plans in vain per lease call, and four
+        extra woken with every batch of work still 2.2, each a wait for the state thread added
+        to that call's answer."""
+        if requests is None:
+            while self._waiting:
+                _settle(self._waiting.popleft()[0], Wake([0], NO_CONTEXT))
+            return
+        self._wake_owed += requests
+        self._wake_context = min(self._wake_context, smallest_context)
+        if not self._wake_scheduled:
+            self._wake_scheduled = True
+            asyncio.get_running_loop().call_soon(self._wake_owed_calls)
+
+    def _wake_owed_calls(self) -> None:
+        wake = Wake([EXTRA_WAKE_UPS], self._wake_context)
+        count, self._wake_owed, self._wake_context, self._wake_scheduled = self._wake_owed, 0, NO_CONTEXT, False
+        self._wake(count, wake)
+
+    def pass_on(self, wake: Wake) -> None:
+        """A woken call that its plan gave nothing: the next waiting call that could take the
+        work is woken in its stead, while the wake-ups woken together have hand-overs left."""
+        if wake.hand_overs[0] > 0:
+            wake.hand_overs[0] -= 1
+            self._wake(1, wake)
+
+    def _wake(self, count: int, wake: Wake) -> None:
+        """Wake the `count` longest waiting calls whose worker could take work of `wake.context`;
+        the others keep their place in line."""
+        staying: collections.deque[tuple[asyncio.Future, str]] = collections.deque()
+        while self._waiting and count:
+            woken, worker_id = self._waiting.popleft()
+            if self.could_take(worker_id, wake.context):  # a hint: read off the state thread
+                _settle(woken, wake)
+                count -= 1
+            else:
+                staying.append((woken, worker_id))
+        staying.extend(self._waiting)
+        self._waiting = staying
 
     @property
     def waiting_lease_calls(self) -> int:
         return len(self._waiting)
 
-    async def wait_for_work(self, timeout_s: float) -> bool:
-        """Wait in line for `work_queued` to wake this call; False if `timeout_s` passed first."""
+    async def wait_for_work(self, timeout_s: float, worker_id: str = "") -> Wake | None:
+        """Wait in line for `work_queued` to wake this call of `worker_id`: the wake-up, or None
+        if `timeout_s` passed first."""
         woken = asyncio.get_running_loop().create_future()
-        self._waiting.append(woken)
+        entry = (woken, worker_id)
+        self._waiting.append(entry)
         try:
-            await asyncio.wait_for(woken, max(0.0, timeout_s))
-            return True
+            return await asyncio.wait_for(woken, max(0.0, timeout_s))
         except asyncio.TimeoutError:  # no new work in time
-            return False
+            return None
         finally:
             with contextlib.suppress(ValueError):  # not woken: out of the line
-                self._waiting.remove(woken)
+                self._waiting.remove(entry)
 
 
-# Waiting lease calls woken beyond one per newly queued request (`CoordinatorControl.work_queued`).
+class Wake(NamedTuple):
+    """What wakes a waiting lease call: how many more times the calls woken with it may hand it on
+    if their plan gives nothing (one count shared by all of them: a batch of work costs at most
+    `EXTRA_WAKE_UPS` plans in vain beyond one per request), and the shortest context of the work."""
+
+    hand_overs: list[int]
+    context: int
+
+
+# How many times a wake-up is handed on from a woken call that got nothing (`work_queued`).
 EXTRA_WAKE_UPS = 4
+NO_CONTEXT = 1 << 62  # no work queued since the last wake-up: nothing to fit
 
 
 def _settle(future: asyncio.Future, answer: object) -> None:
@@ -298,6 +369,8 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
             return _json(ErrorReply(f"worker {exc} was taken out: {exc.reason}; exit", WORKER_RETIRED), 410)
         return _json(ErrorReply(f"unknown worker {exc}; register again", UNKNOWN_WORKER), 404)
 
+    control.could_take = book.state.could_take
+
     def known(worker_id: str) -> None:
         if (reason := book.retired_reason(worker_id)) is not None:
             raise ApiError(410, f"worker {worker_id} was taken out: {reason}; exit", WORKER_RETIRED)
@@ -339,8 +412,8 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
         if not control.scheduling_gate():  # e.g. `group` waits for every worker: ask again soon
             return _json(LeaseReply([], done=False, retry_after_s=0.05))
         # An empty queue needs no state-thread call (a hint read here; the state thread decides).
-        grants = await control.run(book.lease, body.worker_id, max(0, body.wanted), clock()) \
-            if len(book.state.queue) else []
+        plans = 1 if len(book.state.queue) else 0
+        grants = await control.run(book.lease, body.worker_id, max(0, body.wanted), clock()) if plans else []
         waited_s = 0.0
         if not grants and body.wait_s > 0 and not book.is_complete():
             # Long poll: an idle worker hears of new work at once and costs nothing meanwhile. Woken
@@ -350,7 +423,7 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
             deadline = time.monotonic() + min(body.wait_s, LONG_POLL_MAX_S)
             while True:
                 waiting = time.monotonic()
-                woken = await control.wait_for_work(deadline - waiting)
+                woken = await control.wait_for_work(deadline - waiting, body.worker_id)
                 waited_s += time.monotonic() - waiting
                 request.scope[WAITED_SCOPE_KEY] = waited_s
                 known(body.worker_id)
@@ -358,8 +431,12 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
                     return _json(LeaseReply([], done=True, waited_s=waited_s))
                 if control.accepting:
                     grants = await control.run(book.lease, body.worker_id, max(0, body.wanted), clock())
-                if grants or not woken or not control.accepting or time.monotonic() >= deadline:
+                    plans += 1
+                if woken is not None and not grants and len(book.state.queue):
+                    control.pass_on(woken)  # the work is someone else's: wake the next one who could take it
+                if grants or woken is None or not control.accepting or time.monotonic() >= deadline:
                     break
+        control.lease_plans.add(plans, bool(grants))
         return _json(LeaseReply(grants, done=False, retry_after_s=0.0 if grants else 0.05, waited_s=waited_s))
 
     @route("POST", REPORT.path)
@@ -373,14 +450,13 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
         outcomes, grants = await control.report(book, ReportCall(
             body.worker_id, reports, may_lease=control.accepting and control.scheduling_gate(), wanted=body.wanted),
             clock)
-        # Work for lease calls waiting: a request to continue, a rejected chunk to run again; not
-        # one this call's own lease continued in place (it never waited in the queue: waking a
-        # worker for it made a plan in vain, most of the state thread's work at 512 workers).
+        # Work for lease calls waiting: a request to continue, a rejected chunk to run again, that
+        # no lease of its group commit took (one continued in place never waited in the queue:
+        # waking a worker for it made a plan in vain, most of the state thread's work at 512 workers).
         if book.is_complete():
             control.work_queued()
-        elif (left := sum(o.rerun or (o.accepted and not o.request_finished and not o.duplicate) for o in outcomes)
-                - sum(g.continues for g in grants)) > 0:
-            control.work_queued(left)
+        elif queued := [o.queued_context for o in outcomes if o.queued_context is not None]:
+            control.work_queued(len(queued), min(queued))
         results = [ReportResult(r.chunk_id, o.accepted, o.duplicate, o.reason) for r, o in zip(reports, outcomes)]
         return _json(ReportReply(results, done=book.is_complete(), grants=grants))
 

@@ -33,7 +33,9 @@ from seerd.coordinator.records import (
     Failure, GroupInputs, LeaseTerms, ReportCall, RequestProgress, Requeue, RetiredWorker, UnknownWorker,
     chunk_seed,
 )
-from seerd.coordinator.reports import ReportOutcome, judge_unleased, sort_reports, write_results
+from seerd.coordinator.reports import (
+    ReportOutcome, judge_unleased, sort_reports, with_queued_contexts, write_results,
+)
 from seerd.coordinator.saved import read_saved_rollout
 from seerd.coordinator.statements import (
     BIND_GROUP, CHUNKS, DONE_TOKENS, FIRST_START, GROUP_FORECAST, INSERT_EVENT, REQUESTS, ROLLOUTS, WORKER_FIGURES,
@@ -431,15 +433,11 @@ class LeaseBook:
         context: the worker holds it); one it does not is stopped by the worker, and the slot runs
         what the plan gave instead. So the scheduler decides exactly as with re-submitted chunks
         and lease calls; only the engine's cost of a boundary and a round trip go."""
-        running_on: list[dict[int, int]] = []
-        for call in calls:
-            held = {}
-            for report in call.reports:
-                lease = self.state.leases.get(report.chunk_id)
-                if self.in_place and getattr(report, "running_on", False) and lease is not None \
-                        and lease.worker_id == call.worker_id:
-                    held[report.chunk_id] = lease.request_id
-            running_on.append(held)
+        request_of = {r.chunk_id: self.state.leases[r.chunk_id].request_id  # of every reported lease
+                      for call in calls for r in call.reports if r.chunk_id in self.state.leases}
+        running_on = [{r.chunk_id: request_of[r.chunk_id] for r in call.reports if self.in_place
+                       and getattr(r, "running_on", False) and r.chunk_id in request_of
+                       and self.state.leases[r.chunk_id].worker_id == call.worker_id} for call in calls]
         answers = self._report_calls([(call.worker_id, call.reports) for call in calls], now)
         replies: list[tuple[list[ReportOutcome], list[ChunkGrant]] | UnknownWorker] = []
         for call, held, outcomes in zip(calls, running_on, answers):
@@ -456,6 +454,9 @@ class LeaseBook:
                 except UnknownWorker:  # taken out by a report of this batch (refuted): its reports stand
                     grants = []
             replies.append((outcomes, grants))
+        for call, reply in zip(calls, replies):  # what still waits, once every call has leased
+            if not isinstance(reply, UnknownWorker):
+                reply[0][:] = with_queued_contexts(call.reports, reply[0], request_of, self.state)
         return replies
 
     def release(self, worker_id: str, chunk_id: int, epoch: int, reason: str, now: float,

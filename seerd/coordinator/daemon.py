@@ -28,6 +28,7 @@ from seerd.coordinator.book import LeaseBook
 from seerd.coordinator.drafts import REFRESH_S, DraftHost, book_sequences, history_sequences
 from seerd.coordinator.guard import ConnectionGuard, api_server, limits_for, raise_open_files_limit
 from seerd.coordinator.heap import HeapKeeper
+from seerd.coordinator.latency import watch_loop_lag
 from seerd.coordinator.kvpool import PoolHost, model_revision, queued_longest, run_tag
 from seerd.coordinator.model_identity import verify_model
 from seerd.cpu import CpuSnapshot
@@ -272,6 +273,7 @@ class Coordinator:
         for signum, action in actions.items():
             loop.add_signal_handler(signum, action)
         server_task = asyncio.create_task(self._server.serve(sockets=[sock]))
+        lag_task = asyncio.create_task(watch_loop_lag(self.control.turns))
         while not self._server.started and not server_task.done():
             await asyncio.sleep(0.01)
         self.run_dir.write_address(host, port, os.getpid())
@@ -281,6 +283,7 @@ class Coordinator:
             result = await self._watch(on_tick)
         finally:
             self._server.should_exit = True
+            lag_task.cancel()
             await server_task
             if self._owns_run:  # else the workers are the new owner's to retire
                 await self.control.run(self.book.retire_workers)
@@ -375,7 +378,9 @@ class Coordinator:
                 "durable_commits": CommitTimes.durable, "relaxed_commits": CommitTimes.relaxed,
                 "report_commits": self.control.report_commits, "reports_committed": self.control.reports_committed,
                 "server_calls": self.control.latencies.figures(), "state_turns": self.control.turns.figures(),
-                "largest_state_turn": self.control.largest_turn, **self.heap.figures()}
+                "largest_state_turn": self.control.largest_turn,
+                "slowest_state_turns": self.control.slow_turns.figures(),
+                "lease_plans": self.control.lease_plans.figures(), **self.heap.figures()}
 
     def record_event(self, kind: str, data: dict) -> None:
         """One event in its own transaction (outside the state thread only before or after `serve`)."""

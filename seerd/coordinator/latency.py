@@ -10,6 +10,8 @@ known to within 5%.
 
 from __future__ import annotations
 
+import asyncio
+import heapq
 import math
 
 BUCKET_RATIO = 1.05
@@ -44,3 +46,72 @@ class CallLatencies:
         return {endpoint: {"calls": sum(counts.values()), "p50_ms": 1e3 * self.percentile(endpoint, 0.5),
                            "p99_ms": 1e3 * self.percentile(endpoint, 0.99), "max_ms": 1e3 * self._max_s[endpoint]}
                 for endpoint, counts in sorted(self._counts.items())}
+
+
+class SlowTurns:
+    """The `keep` slowest turns of the state thread, and the slowest of every `window_s`, each
+    with what it ran (call name -> count and seconds) and when (seconds since the first turn):
+    what makes a burst of slow answers, and whether bursts recur through a run."""
+
+    def __init__(self, keep: int = 20, window_s: float = 10.0) -> None:
+        self.keep, self.window_s = keep, window_s
+        self._first: float | None = None
+        self._turns = 0  # ties are broken by the turn's number, never by comparing what it held
+        self._slowest: list[tuple[float, float, int, dict[str, list]]] = []  # a min-heap on the run time
+        self._by_window: dict[int, tuple[float, float, int, dict[str, list]]] = {}
+
+    def add(self, started: float, ran_s: float, held: dict[str, list]) -> None:
+        if self._first is None:
+            self._first = started
+        self._turns += 1
+        entry = (ran_s, started - self._first, self._turns, held)
+        if len(self._slowest) < self.keep:
+            heapq.heappush(self._slowest, entry)
+        elif ran_s > self._slowest[0][0]:
+            heapq.heapreplace(self._slowest, entry)
+        window = int(entry[1] // self.window_s)
+        if window not in self._by_window or ran_s > self._by_window[window][0]:
+            self._by_window[window] = entry
+
+    def figures(self) -> dict[str, list[dict]]:
+        return {"slowest": [_turn(e) for e in sorted(self._slowest, key=lambda e: -e[0])],
+                "by_window": [_turn(self._by_window[w]) for w in sorted(self._by_window)]}
+
+
+def _turn(entry: tuple[float, float, int, dict[str, list]]) -> dict:
+    ran, at, _, held = entry
+    return {"at_s": round(at, 2), "ran_ms": round(1e3 * ran, 1),
+            "held": {name: [count, round(1e3 * seconds, 1)] for name, (count, seconds) in held.items()}}
+
+
+class PlansPerCall:
+    """How many plans the state thread made for each lease call, by whether it got work: a long
+    poll woken for work it is not given plans again each time (its answer waits for each)."""
+
+    def __init__(self) -> None:
+        self._calls: dict[tuple[int, bool], int] = {}
+
+    def add(self, plans: int, served: bool) -> None:
+        self._calls[plans, served] = self._calls.get((plans, served), 0) + 1
+
+    def figures(self) -> dict:
+        def summary(served: bool) -> dict:
+            counts = {plans: n for (plans, got), n in self._calls.items() if got == served}
+            calls = sum(counts.values())
+            ranked = sorted(counts)
+            return {"calls": calls, "plans": sum(p * n for p, n in counts.items()),
+                    "p99_plans": next((p for i, p in enumerate(ranked)
+                                       if sum(counts[q] for q in ranked[:i + 1]) >= 0.99 * calls), 0),
+                    "max_plans": max(ranked, default=0)}
+        return {"served": summary(True), "not_served": summary(False)}
+
+
+async def watch_loop_lag(latencies: CallLatencies, every_s: float = 0.02) -> None:
+    """Until cancelled: how late the event loop wakes a sleep of `every_s`, as "event loop late"
+    in `latencies`. A late wake-up is the loop held (a long callback, the GIL on another thread):
+    every call in flight then waits as long."""
+    loop = asyncio.get_running_loop()
+    while True:
+        asked = loop.time()
+        await asyncio.sleep(every_s)
+        latencies.add("event loop late", max(0.0, loop.time() - asked - every_s))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from array import array
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple, Protocol
 
 from sqlalchemy import Connection, select
@@ -49,6 +49,9 @@ class ReportOutcome:
     reason: str = ""
     request_finished: bool = False
     rerun: bool = False  # rejected as wrong: its chunk is queued to run again
+    # Its request waits in the queue once the report calls committed with it have leased (no
+    # lease of theirs continued or took it): its context, for whom to wake (`api.report`).
+    queued_context: int | None = None
 
 
 class AcceptedReport(NamedTuple):
@@ -193,3 +196,12 @@ def judge_unleased(conn: Connection, worker_id: str, report: ChunkReport | Unrea
     return ReportOutcome(False, reason=(
         f"stale lease: chunk {report.chunk_id} is {chunk.status.value} at epoch {chunk.lease_epoch}, "
         f"report is for epoch {report.epoch}"))
+
+
+def with_queued_contexts(reports: Sequence[ChunkReport | UnreadableReport], outcomes: Sequence[ReportOutcome],
+                         request_of: Mapping[int, int], state: SchedulerState) -> list[ReportOutcome]:
+    """`outcomes`, each whose request (`request_of`: chunk id -> request id) waits in the queue
+    now marked with its context (`ReportOutcome.queued_context`): what the API wakes workers for."""
+    return [replace(o, queued_context=state.context_of(request_of[r.chunk_id]))
+            if r.chunk_id in request_of and state.is_queued(request_of[r.chunk_id]) else o
+            for r, o in zip(reports, outcomes)]

@@ -219,6 +219,23 @@ class SchedulerState:
             self.live_count += 1 if live else -1
             self._changed()
 
+    def context_of(self, request_id: int) -> int:
+        """A request's context: its prompt and the tokens it has generated."""
+        request = self.requests[request_id]
+        return self.groups[request.group_id].prompt_len + request.generated
+
+    def could_take(self, worker_id: str, context_tokens: int) -> bool:
+        """Whether a worker has a free slot and KV room for a chunk of one token past a context of
+        `context_tokens`, in its whole blocks: without both, no policy's admission
+        (`base.admit`) gives it a request of that context, so waking its lease call for one would
+        make a plan in vain. Unknown workers: True (their call finds out)."""
+        worker = self.workers.get(worker_id)
+        if worker is None:
+            return True
+        block = worker.kv_block_tokens
+        return (len(worker.chunks) < worker.max_chunks
+                and -(-(context_tokens + 1) // block) * block <= worker.kv_capacity_tokens - worker.kv_reserved)
+
     # ------------------------------------------------------------- the policy's side
     def snapshot(self, worker_id: str, wanted: int, now: float, continuing: frozenset[int] = frozenset()) -> Snapshot:
         # The loads' index and summary are the state's own, current as the queue view is: a

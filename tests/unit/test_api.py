@@ -8,7 +8,7 @@ import httpx
 import pytest
 from starlette.testclient import TestClient
 
-from seerd.coordinator.api import CoordinatorControl, create_app
+from seerd.coordinator.api import EXTRA_WAKE_UPS, CoordinatorControl, Wake, create_app
 from seerd import protocol
 from seerd.protocol import (
     BadReply, ChunkGrant, ChunkReport, EngineSettings, HeartbeatBody, HeartbeatReply, LeaseBody, RegisterBody,
@@ -335,3 +335,79 @@ def test_the_draft_sync_threads_transport_appends_and_fetches_over_a_real_socket
     host.close()
     assert appended[0].ok and appended[0].count == 3
     assert fetched.changes == {group: {7: (appended[0].gen, 1, [2, 3])}}
+
+
+def parked(control: CoordinatorControl, workers: list[str]):  # noqa: ANN201
+    """Lease calls of `workers` waiting in line, in that order: (worker, task) pairs."""
+    async def park() -> list[tuple[str, asyncio.Task]]:
+        calls = []
+        for worker in workers:
+            calls.append((worker, asyncio.create_task(control.wait_for_work(60.0, worker))))
+            while control.waiting_lease_calls < len(calls):  # in line before the next one
+                await asyncio.sleep(0)
+        return calls
+    return park()
+
+
+async def settled(rounds: int = 3) -> None:
+    for _ in range(rounds):  # the wake-up runs one turn of the loop after the calls that owed it
+        await asyncio.sleep(0)
+
+
+def test_work_queued_by_calls_of_one_loop_turn_wakes_one_call_per_request():
+    async def scenario() -> list[str]:
+        control = CoordinatorControl()
+        calls = await parked(control, [f"w{i}" for i in range(12)])
+        for _ in range(3):  # three report calls answered by one group commit, one request left each
+            control.work_queued(1)
+        await settled()
+        woken = [worker for worker, task in calls if task.done() and task.result()]
+        for _, task in calls:
+            task.cancel()
+        return woken
+
+    # Oldest first; four extra per call would have woken all 12.
+    assert asyncio.run(scenario()) == ["w0", "w1", "w2"]
+
+
+def test_wake_ups_their_calls_could_not_use_are_handed_on_at_most_four_times_together():
+    async def scenario() -> list[str]:
+        control = CoordinatorControl()
+        calls = await parked(control, [f"w{i}" for i in range(10)])
+        control.work_queued(2, smallest_context=7)
+        await settled()
+        woken = {worker: task.result() for worker, task in calls if task.done()}
+        assert list(woken) == ["w0", "w1"] and woken["w0"].context == 7
+        handed = list(woken.values())
+        while handed:  # every woken call's plan gives nothing: each hands its wake-up on
+            control.pass_on(handed.pop(0))
+            await settled()
+            now = {worker: task.result() for worker, task in calls if task.done()}
+            handed += [wake for worker, wake in now.items() if worker not in woken]
+            woken = now
+        for _, task in calls:
+            task.cancel()
+        return list(woken)
+
+    # Two for the two requests, then four hand-overs in all, not four each.
+    assert asyncio.run(scenario()) == [f"w{i}" for i in range(2 + EXTRA_WAKE_UPS)]
+
+
+def test_a_waiting_call_whose_worker_cannot_take_the_work_stays_in_line():
+    async def scenario() -> tuple[list[str], list[str]]:
+        control = CoordinatorControl()
+        contexts = []
+        control.could_take = lambda worker, context: contexts.append(context) or not worker.startswith("full")
+        calls = await parked(control, ["full0", "a", "full1", "b"])
+        control.work_queued(1, smallest_context=300)
+        control.work_queued(1, smallest_context=200)
+        await settled()
+        woken = [worker for worker, task in calls if task.done()]
+        assert contexts and set(contexts) == {200}  # the shortest context of the turn's work
+        control.work_queued()  # the rollout is done: everyone, whatever their room
+        await settled()
+        return woken, [worker for worker, task in calls if task.done()]
+
+    woken, at_the_end = asyncio.run(scenario())
+    assert woken == ["a", "b"]
+    assert at_the_end == ["full0", "a", "full1", "b"]

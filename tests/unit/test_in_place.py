@@ -12,6 +12,7 @@ import pytest
 from sqlalchemy import select
 
 from seerd.coordinator.api import CoordinatorControl, create_app
+from seerd.coordinator.records import ReportCall
 from seerd.db import Chunk, ChunkStatus, Request, RequestStatus
 from seerd.io.codec import unpack_ints
 from seerd import protocol
@@ -170,3 +171,18 @@ def test_a_worker_fills_a_finished_chunks_slot_from_the_reports_reply_not_a_leas
     # The first lease, and the long polls of the last two slots (at most one each, ended by the
     # run's completion); without the report's lease, a lease call after each report (5 here).
     assert worker.client.calls[protocol.LEASE.path] <= 3, worker.client.calls
+
+
+def test_a_report_names_the_context_of_each_request_left_waiting_once_its_group_commit_leased(tmp_path):
+    # Two workers report in one group commit. w0's request continues in place; w1's is stopped
+    # (w1 is drained: `may_lease=False`) and no lease of the commit takes it, so it waits: its
+    # outcome carries its context (prompt + tokens), which says whom waking could help.
+    book = make_book(tmp_path, chunk_tokens=16, prompt_rows=rows(groups=2, n=1, max_tokens=40, prompt_len=5),
+                     in_place=True)
+    w0, w1 = register(book), register(book, "w1", rank=1)
+    (a,) = book.lease(w0, wanted=1, now=1000.0)
+    (b,) = book.lease(w1, wanted=1, now=1000.0)
+    (outcomes0, grants0), (outcomes1, grants1) = book.report_calls(
+        [ReportCall(w0, [running_on(a)], True, 0), ReportCall(w1, [running_on(b)], False, 0)], now=1001.0)
+    assert grants0[0].continues and outcomes0[0].queued_context is None
+    assert grants1 == [] and outcomes1[0].queued_context == 5 + 16

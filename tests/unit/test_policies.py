@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import replace
+
+import pytest
 
 from seerd.scheduler import (
     DividedPolicy, GroupPolicy, QueuedRequest, RequestQueue, SeerPolicy, Snapshot, WorkerLoad,
 )
 from seerd.scheduler.forecast import GrowthRatios, expected_remaining, group_forecast
+from seerd.scheduler.seer import seer_key
 
 
 def req(rid, gid, gidx, generated=0, max_tokens=100, prompt_len=10, queued_at=0.0, resp=0):
@@ -240,6 +244,46 @@ def test_queue_indexes_stay_sorted_under_random_puts_and_removes():
                 live.values(), key=lambda r: (r.queued_at, r.request_id))]
 
 
+def test_seers_index_re_keys_only_what_reads_the_growth_table_and_equals_a_fresh_sort():
+    # A new growth table re-keys only the requests `reads_growth` names (the others' keys cannot
+    # change); after random puts, removes and table changes the order is a full sort's.
+    from seerd.scheduler.seer import reads_growth
+
+    rng = random.Random(11)
+    queue = RequestQueue()
+    live: dict[int, QueuedRequest] = {}
+    growth = GrowthRatios(0, {})
+    for step in range(3000):
+        rid = rng.randrange(300)
+        if rid in live and rng.random() < 0.3:
+            queue.remove(rid)
+            del live[rid]
+        else:
+            finished = rng.choice([0, 0, 1, 3])
+            live[rid] = seer_req(rid, rid % 23, probe=rng.random() < 0.1, generated=rng.randrange(0, 400, 16),
+                                 estimate=rng.randrange(100, 1000), finished=finished, n=8, queued_at=float(step),
+                                 longest_unfinished=rng.choice([0, 0, rng.randrange(1, 600)]))
+            queue.put(live[rid])
+        if step % 150 == 0:  # the table changes
+            growth = GrowthRatios(growth.version + 1, {(8, k): 1 + rng.random() for k in range(1, 8)})
+        if step % 50 == 0:
+            got = [r.request_id for r in queue.ordered("seer", lambda r: seer_key(r, growth), growth.version,
+                                                       reads_growth)]
+            assert got == [r.request_id for r in sorted(live.values(), key=lambda r: (seer_key(r, growth),
+                                                                                     r.request_id))], step
+
+
+def test_an_index_whose_key_changed_unannounced_says_so_rather_than_dropping_another_request():
+    queue = RequestQueue.of([seer_req(1, 0, estimate=10), seer_req(2, 0, estimate=20)])
+    table = {"scale": 1}
+    key = lambda r: r.group_estimate * table["scale"]  # noqa: E731 - reads a table, unannounced
+    list(queue.ordered("test", key, 1, lambda _r: False))
+    table["scale"] = -1
+    list(queue.ordered("test", key, 2, lambda _r: False))  # "no key changes": a broken promise
+    with pytest.raises(RuntimeError, match="its key changed while it was queued"):
+        queue.remove(2)  # its new key would find request 1 first: that one must not go
+
+
 def test_a_worker_takes_no_more_than_32_chunks_beyond_the_least_loaded_one():
     from seerd.scheduler.base import balanced_slots
 
@@ -394,3 +438,34 @@ def test_the_open_workers_summary_answers_as_a_scan_of_every_worker_would():
         assert summary.most_room_but(me.worker_id) == max(
             (w.kv_capacity_tokens - w.reserved_kv_tokens for w in loads
              if w.worker_id != me.worker_id and w.running_chunks < w.max_chunks), default=-1), step
+
+
+def test_a_worker_that_could_not_take_a_request_is_never_given_it():
+    # `SchedulerState.could_take` (whom a re-queued request may wake) is a necessary condition of
+    # every chunking policy's admission: a worker it says no to gets no chunk of that request,
+    # whatever else holds its slots and KV.
+    from seerd.scheduler import make_policy
+    from seerd.scheduler.state import GroupRecord, RequestRecord, SchedulerState
+
+    rng = random.Random(7)
+    refused = 0
+    for case in range(400):
+        block = rng.choice([1, 16, 128])
+        state = SchedulerState(chunk_tokens=rng.choice([16, 64, 256]))
+        big = rng.randint(1, 900)  # group 0's prompt: leased first, it holds KV (or cannot)
+        prompt, generated = rng.randint(1, 600), rng.randint(0, 300)
+        state.load([GroupRecord(0, 0, big, 1, 2000, 2000), GroupRecord(1, 1, prompt, 1, 2000, 2000)],
+                   [RequestRecord(0, 0, 0, True, 2000),
+                    RequestRecord(1, 1, 0, True, generated + rng.randint(1, 600), generated=generated)])
+        state.add_worker("w", rank=0, max_chunks=rng.randint(1, 3), kv_capacity_tokens=rng.randint(64, 2048),
+                         kv_block_tokens=block)
+        hold = make_policy("divided").plan(state.snapshot("w", 1, 0.0))
+        held = tuple(a for a in hold.assignments if a.request_id == 0)
+        state.apply_leases("w", replace(hold, assignments=held), [10] * len(held))
+        if not state.is_queued(1) or state.could_take("w", state.context_of(1)):
+            continue
+        refused += 1
+        for policy in ("divided", "seer"):
+            plan = make_policy(policy).plan(state.snapshot("w", 3, 0.0))
+            assert all(a.request_id != 1 for a in plan.assignments), (case, policy)
+    assert refused > 50  # the random cases did try the refusal
