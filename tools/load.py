@@ -22,7 +22,9 @@ makespan, tail and chunks in modelled engine seconds: the engines are the same m
 differs is the daemon's control plane (its latency counts, scaled by the time scale) and the
 simulator's stand-in for it (`chunk_gap_s`).
 
-`--json` prints one object: {"workers", "requests", "exactly_once", "lease_p99_ms", "report_p99_ms",
+`--json` prints one object: {"workers", "requests", "exactly_once", "lease_p99_ms",
+"lease_rounds_in_vain_out_p99_ms" (long-poll rounds woken for work their plan did not give this
+worker taken out, as well as the waits), "report_p99_ms",
 "coordinator_cpu_share", "coordinator_rss_mb", "db_mb", ...}. Results: docs/benchmarks.md.
 """
 
@@ -43,6 +45,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
 
+from seerd.coordinator.latency import VAIN_SUFFIX  # noqa: E402
+from seerd.protocol import LEASE  # noqa: E402
 from seerd.sim.presets import get_preset  # noqa: E402
 from seerd.sim.workload import generate  # noqa: E402
 from seerd.tail import tail_start  # noqa: E402
@@ -146,11 +150,15 @@ def percentiles(seconds: list[float]) -> dict[str, float | None]:
 
 
 def call_times(run_dir: Path) -> dict[str, list[tuple[float, float]]]:
-    """Every answered call the simulated workers timed: endpoint -> [(sent at, seconds)]."""
+    """Every answered call the simulated workers timed: endpoint -> [(sent at, seconds)]; lease
+    calls twice, as timed (long-poll waits out) and with rounds woken in vain out as well."""
     merged: dict[str, list[tuple[float, float]]] = {}
     for path in (run_dir / "logs").glob("sim-calls-*.json"):
         for endpoint, calls in json.loads(path.read_text()).items():
-            merged.setdefault(endpoint, []).extend((sent_at, seconds) for sent_at, seconds in calls)
+            merged.setdefault(endpoint, []).extend((sent_at, seconds) for sent_at, seconds, _ in calls)
+            if endpoint == LEASE.path:  # also with long-poll rounds woken in vain taken out
+                merged.setdefault(endpoint + VAIN_SUFFIX, []).extend(
+                    (sent_at, seconds - vain) for sent_at, seconds, vain in calls)
     return merged
 
 
@@ -217,6 +225,7 @@ def run(args: argparse.Namespace, work: Path) -> dict:
     return {
         "workers": args.workers, "requests": len(targets), "exactly_once": not problems, "problems": problems,
         "lease_p99_ms": latency["calls"].get("/v1/lease", percentiles([]))["p99_ms"],
+        "lease_rounds_in_vain_out_p99_ms": latency["calls"].get(LEASE.path + VAIN_SUFFIX, percentiles([]))["p99_ms"],
         "report_p99_ms": latency["calls"].get("/v1/report", percentiles([]))["p99_ms"],
         "coordinator_cpu_share": load["cpu_share"],
         "coordinator_rss_mb": max((s["rss_mb"] for s in samples), default=None),

@@ -34,7 +34,7 @@ from seerd.config import EngineConfig
 from seerd.coordinator.auth import BodyDigestMismatch, SignedCalls, body_mismatch
 from seerd.coordinator.book import LeaseBook, ReportCall, RetiredWorker, UnknownWorker
 from seerd.coordinator.drafts import DraftHost, append_items
-from seerd.coordinator.latency import WAITED_SCOPE_KEY, CallLatencies, PlansPerCall, SlowTurns
+from seerd.coordinator.latency import VAIN_SCOPE_KEY, WAITED_SCOPE_KEY, CallLatencies, PlansPerCall, SlowTurns
 from seerd.coordinator.metrics import RefusalCollector, RolloutCollector, metrics_registry
 from seerd.coordinator.reports import ReportOutcome
 from seerd.db.read import UnreadableDatabase
@@ -414,7 +414,7 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
         # An empty queue needs no state-thread call (a hint read here; the state thread decides).
         plans = 1 if len(book.state.queue) else 0
         grants = await control.run(book.lease, body.worker_id, max(0, body.wanted), clock()) if plans else []
-        waited_s = 0.0
+        waited_s = vain_s = 0.0
         if not grants and body.wait_s > 0 and not book.is_complete():
             # Long poll: an idle worker hears of new work at once and costs nothing meanwhile. Woken
             # for work it is not given (another worker's, or no room here), it waits on, at the
@@ -424,7 +424,8 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
             while True:
                 waiting = time.monotonic()
                 woken = await control.wait_for_work(deadline - waiting, body.worker_id)
-                waited_s += time.monotonic() - waiting
+                round_started = time.monotonic()
+                waited_s += round_started - waiting
                 request.scope[WAITED_SCOPE_KEY] = waited_s
                 known(body.worker_id)
                 if done_for(body.worker_id):
@@ -432,12 +433,16 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
                 if control.accepting:
                     grants = await control.run(book.lease, body.worker_id, max(0, body.wanted), clock())
                     plans += 1
-                if woken is not None and not grants and len(book.state.queue):
-                    control.pass_on(woken)  # the work is someone else's: wake the next one who could take it
+                if woken is not None and not grants:
+                    vain_s += time.monotonic() - round_started
+                    request.scope[VAIN_SCOPE_KEY] = vain_s
+                    if len(book.state.queue):
+                        control.pass_on(woken)  # the work is someone else's: wake the next who could take it
                 if grants or woken is None or not control.accepting or time.monotonic() >= deadline:
                     break
         control.lease_plans.add(plans, bool(grants))
-        return _json(LeaseReply(grants, done=False, retry_after_s=0.0 if grants else 0.05, waited_s=waited_s))
+        return _json(LeaseReply(grants, done=False, retry_after_s=0.0 if grants else 0.05, waited_s=waited_s,
+                                vain_s=vain_s))
 
     @route("POST", REPORT.path)
     async def report(request: Request) -> Response:

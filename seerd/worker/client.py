@@ -88,15 +88,16 @@ TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)  # no an
 
 class CallTimings:
     """Each answered call, by endpoint path, as a worker sees it: when it was sent (wall clock,
-    to line calls up with the coordinator's events) and the seconds it took (what `tools/load.py`
-    reports as the coordinator's latency); a lease's long-poll wait for work
-    (`LeaseReply.waited_s`) is taken out. Kept only where asked for (simulated workers)."""
+    to line calls up with the coordinator's events), the seconds it took (what `tools/load.py`
+    reports as the coordinator's latency; a lease's long-poll wait for work, `LeaseReply.waited_s`,
+    taken out) and, of those, the seconds of long-poll rounds woken in vain (`LeaseReply.vain_s`).
+    Kept only where asked for (simulated workers)."""
 
     def __init__(self) -> None:
-        self.calls: dict[str, list[tuple[float, float]]] = {}  # path -> [(sent at, seconds)]
+        self.calls: dict[str, list[tuple[float, float, float]]] = {}  # path -> [(sent at, seconds, in vain)]
 
-    def record(self, path: str, sent_at: float, seconds: float) -> None:
-        self.calls.setdefault(path, []).append((sent_at, seconds))
+    def record(self, path: str, sent_at: float, seconds: float, vain_s: float = 0.0) -> None:
+        self.calls.setdefault(path, []).append((sent_at, seconds, vain_s))
 
 
 class CoordinatorClient:
@@ -223,7 +224,7 @@ class CoordinatorClient:
         if self.timings is not None:
             waited = getattr(decoded, "waited_s", 0.0)
             took = time.monotonic() - sent_at
-            self.timings.record(endpoint.path, time.time() - took, took - waited)
+            self.timings.record(endpoint.path, time.time() - took, took - waited, getattr(decoded, "vain_s", 0.0))
         return decoded
 
     async def call_until_answered(self, endpoint: Endpoint[Any, ReplyT], body: msgspec.Struct | None = None) -> ReplyT:

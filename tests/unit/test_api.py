@@ -184,8 +184,13 @@ def test_a_long_poll_woken_for_work_it_is_not_given_waits_on_to_its_deadline(tmp
 
     answer, again = asyncio.run(scenario())
     assert answer["chunks"] == [] and answer["waited_s"] >= 0.95  # its deadline, not the wake-up
-    # The coordinator's own time for it leaves the wait out (seerd/coordinator/latency.py).
-    assert control.latencies.figures()["/v1/lease"]["max_ms"] < 900
+    # The woken round's plan gave it nothing: its time is said apart (LeaseReply.vain_s).
+    assert 0 < answer["vain_s"] < 0.9
+    # The coordinator's own time for it leaves the wait out (seerd/coordinator/latency.py), and
+    # is recorded once more with the round in vain out too.
+    figures = control.latencies.figures()
+    assert figures["/v1/lease"]["max_ms"] < 900
+    assert figures["/v1/lease (rounds in vain out)"]["calls"] == 1
     assert again["prompt_token_ids"][-16:] == [3] * 16  # left to w0, which holds room for it
 
 
