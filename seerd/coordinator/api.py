@@ -414,7 +414,7 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
         # An empty queue needs no state-thread call (a hint read here; the state thread decides).
         plans = 1 if len(book.state.queue) else 0
         grants = await control.run(book.lease, body.worker_id, max(0, body.wanted), clock()) if plans else []
-        waited_s = vain_s = 0.0
+        waited_s = vain_s = request.scope[VAIN_SCOPE_KEY] = 0.0
         if not grants and body.wait_s > 0 and not book.is_complete():
             # Long poll: an idle worker hears of new work at once and costs nothing meanwhile. Woken
             # for work it is not given (another worker's, or no room here), it waits on, at the
