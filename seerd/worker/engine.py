@@ -173,6 +173,19 @@ class StepClock:
         return EngineProgress(self.steps, max(self._longest_before, self._longest_now), generating)
 
 
+class EngineBusy(RuntimeError):
+    """New weights were asked for while requests still run in the engine."""
+
+
+def _settle_reload(done: asyncio.Future, answer: object) -> None:
+    if done.done():
+        return
+    if isinstance(answer, BaseException):
+        done.set_exception(answer)
+    else:
+        done.set_result(answer)
+
+
 class EngineDead(RuntimeError):
     """The engine failed; every chunk in it is lost (the coordinator re-runs them elsewhere)."""
 
@@ -399,8 +412,25 @@ class SteppedEngine:
                     stream = self.streams.pop(request_id, None)
                     if stream is not None:
                         stream.fail(exc)
+            elif verb == "reload":
+                self._reload(payload)
             elif self.llm.has_unfinished_requests():
                 self.llm.abort_request([request_id])
+
+    def _reload(self, asked: tuple[str, asyncio.Future]) -> None:
+        """On the stepping thread, between two steps: the weights at `path` in place (see
+        `reload_weights`); the answer (seconds taken, or the error) goes to `done`."""
+        path, done = asked
+        try:
+            if self.llm.has_unfinished_requests() or self.streams:
+                raise EngineBusy(f"{len(self.streams)} requests still run: new weights only between batches")
+            started = time.monotonic()
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+            self.llm.reset_prefix_cache()  # KV computed by the old weights must never be reused
+            answer: object = time.monotonic() - started
+        except Exception as exc:  # noqa: BLE001 - the caller's to handle; the engine keeps its old weights or dies
+            answer = exc
+        self.loop.call_soon_threadsafe(_settle_reload, done, answer)
 
     def open(self, request_id: str, prompt_token_ids: list[int], max_tokens: int, sampling: dict,
              *, stream: bool = False) -> Stream:
@@ -428,6 +458,15 @@ class SteppedEngine:
         self.streams.pop(request_id, None)
         self.inbox.put(("abort", request_id, None))
         self.wakeup.set()
+
+    async def reload_weights(self, path: str) -> float:
+        """Load the checkpoint at `path` into the running engine (vLLM's `reload_weights`, the
+        model's architecture unchanged) and drop its prefix cache; seconds taken. Only with no
+        request in it (`EngineBusy` otherwise): a batch runs under one set of weights."""
+        done = self.loop.create_future()
+        self.inbox.put(("reload", "", (str(path), done)))
+        self.wakeup.set()
+        return await done
 
     def shutdown(self) -> None:
         self.stopped = True
@@ -526,6 +565,15 @@ class AsyncEngine:
         if task is not None:
             task.cancel()  # AsyncLLM aborts a request whose output generator is closed
         await self.llm.abort(request_id)
+
+    async def reload_weights(self, path: str) -> float:
+        """As `SteppedEngine.reload_weights`, through the engine core's processes."""
+        if self.feeding:
+            raise EngineBusy(f"{len(self.feeding)} requests still run: new weights only between batches")
+        started = time.monotonic()
+        await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
+        await self.llm.reset_prefix_cache()
+        return time.monotonic() - started
 
     def shutdown(self) -> None:
         if self.llm is not None:
