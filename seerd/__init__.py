@@ -19,3 +19,11 @@ def submit(input, model, run_dir, *, cluster=None, folder=None, **options):  # n
     from seerd.launch.submitit_launch import submit as _submit
 
     return _submit(input, model, run_dir, cluster=cluster, folder=folder, **options)
+
+
+def __getattr__(name: str):  # noqa: ANN202 - `seerd.Client` without importing httpx for every user of seerd
+    if name == "Client":
+        from seerd.serve.client import Client
+
+        return Client
+    raise AttributeError(f"module 'seerd' has no attribute {name!r}")

@@ -216,6 +216,8 @@ class RunConfig:
     prior_run_dir: str | None = None
     spec: SpecConfig = SpecConfig()
     kv_pool: KVPoolConfig = KVPoolConfig()
+    # `seerd serve`: the client's key for this batch (a submission sent twice creates one batch).
+    batch_key: str = ""
 
     def validate(self) -> None:
         problems = []

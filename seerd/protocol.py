@@ -50,6 +50,10 @@ class RegisterBody(msgspec.Struct, forbid_unknown_fields=True):
     max_chunks: int
     kv_capacity_tokens: int
     kv_block_tokens: int = 1  # the engine's KV block: a sequence holds whole blocks
+    # The weights its engine holds (`EngineSettings.weights_version`, as it loaded them): a worker
+    # registers with a rollout only under that rollout's weights (strictly on-policy).
+    weights_version: str = ""
+    weights_loaded_s: float = 0.0  # how long its last in-place reload took (0: none)
 
 
 class RegisterReply(msgspec.Struct):
@@ -67,6 +71,12 @@ class EngineSettings(msgspec.Struct):
     seed: int
     spec: dict | None = None
     kv_pool: dict | None = None  # absent: the run has no KV pool
+    # The rollout's weights: `model_path` and a hash of its files (model_identity.weight_version).
+    weights_version: str = ""
+    # `seerd serve`: the coordinator outlives a rollout. `batch` is the rollout running now (None:
+    # none yet); a worker that heard "done" keeps its engine and waits for the next one.
+    serving: bool = False
+    batch: int | None = None
 
 
 class LeaseBody(msgspec.Struct):
@@ -267,6 +277,9 @@ UNKNOWN_WORKER = "unknown_worker"  # 404: the coordinator does not know the work
 # 410: the coordinator took the worker out (its engine stopped making progress, or failed chunks
 # that other engines ran): it exits, and whatever supervises it starts a fresh one.
 WORKER_RETIRED = "worker_retired"
+# 409: the worker's weights are not the rollout's (`seerd serve` moved to a batch with others
+# meanwhile): it reads the config again, loads them, and registers again.
+WEIGHTS_MISMATCH = "weights_mismatch"
 
 
 class ErrorReply(msgspec.Struct):
@@ -330,6 +343,44 @@ class DraftStats(msgspec.Struct):
     evictions: dict[str, int]  # reason -> groups evicted
 
 
+# ----------------------------------------------------------------------------- batches (`seerd serve`)
+class BatchBody(msgspec.Struct, forbid_unknown_fields=True):
+    """A batch for `seerd serve`: a prompt file it can read (as `seerd run --input`), the options
+    that differ from the serve's, and the client's key (the same key again answers the same batch)."""
+
+    input: str
+    key: str
+    weights: str | None = None  # a checkpoint directory of the serve's model; None: the serve's --model
+    n: int | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+
+
+class BatchState(msgspec.Struct):
+    batch: int
+    status: str  # the rollout's: created (waiting its turn), running, finished, interrupted, failed
+    weights_version: str
+    groups: int
+    groups_done: int
+    requests: int
+    requests_done: int  # ended: finished or failed
+    reason: str | None = None  # why it failed or was interrupted
+    output: str | None = None  # its rollouts.jsonl, once finished
+
+
+class GroupsReply(msgspec.Struct):
+    """The groups of a batch that ended (every response finished or failed) since `after`, each
+    {"group_index", "prompt_id", "rows"} with the rows as rollouts.jsonl has them plus
+    `weight_version`; `cursor` is the next call's `after`; `status` the batch's in the same read."""
+
+    groups: list[dict]
+    cursor: int
+    status: str
+
+
 # ----------------------------------------------------------------------------- endpoints
 BodyT = TypeVar("BodyT")
 ReplyT = TypeVar("ReplyT")
@@ -356,6 +407,9 @@ MAX_SNAPSHOT_TAIL_ROWS = 10_000
 DRAFTS_APPEND = Endpoint("POST", f"{API_PREFIX}/drafts/append", DraftAppendBody, DraftAppendReply)
 DRAFTS_FETCH = Endpoint("POST", f"{API_PREFIX}/drafts/fetch", DraftFetchBody, DraftChanges)
 DRAFTS_STATS = Endpoint[None, DraftStats]("GET", f"{API_PREFIX}/drafts/stats", None, DraftStats)
+BATCHES = Endpoint("POST", f"{API_PREFIX}/batches", BatchBody, BatchState)
+# GET BATCHES.path/{batch}: its BatchState; GET BATCHES.path/{batch}/groups?after=N: a GroupsReply.
+BATCH_GROUPS_AFTER = "after"
 
 
 class BadReply(RuntimeError):

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import shutil
 import statistics
 import sys
 import tempfile
@@ -28,20 +27,10 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tools"))
+from perturb import perturbed_copy  # noqa: E402
+
 PROMPTS = [[5, 17, 33, 48, 60, 7, 9, 11], [6, 20, 31, 44, 3, 8], [12, 13, 14, 90, 91]]
-
-
-def perturbed_copy(model: Path, dest: Path, seed: int) -> Path:
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(model, dest)
-    generator = torch.Generator().manual_seed(seed)
-    for shard in dest.glob("*.safetensors"):
-        tensors = load_file(shard)
-        save_file({name: t + 0.05 * torch.randn(t.shape, generator=generator, dtype=t.dtype)
-                   if t.is_floating_point() else t for name, t in tensors.items()}, shard, metadata={"format": "pt"})
-    return dest
 
 
 def main() -> int:

@@ -19,6 +19,7 @@ from seerd.cli.launching import (
     report_result,
 )
 from seerd.cli.options import ALLOW_MODEL_CHANGE_OPTION, rollout_options
+from seerd.cli.serve import rollout, serve
 from seerd.cli.sim import sim
 from seerd.cli.slurm import slurm_run, submit
 from seerd.cli.status import status
@@ -205,6 +206,8 @@ cli.add_command(sim)
 cli.add_command(slurm_run)
 cli.add_command(submit)
 cli.add_command(status)
+cli.add_command(serve)
+cli.add_command(rollout)
 
 
 def main() -> None:

@@ -22,9 +22,11 @@ _WAITING_POLICIES = " or ".join(f"--policy {name}" for name in daemon_policies_w
 _POOL_LESS_POLICIES = " or ".join(f"--policy {name}" for name in daemon_policies_where(
     lambda traits: not traits.moves_requests))
 
-ROLLOUT_OPTIONS = [
-    click.option("--input", "input_path", required=True, type=click.Path(path_type=Path),
-                 help="Prompt file: .jsonl or .parquet (veRL's layout loads)."),
+INPUT_OPTION = click.option("--input", "input_path", required=True, type=click.Path(path_type=Path),
+                            help="Prompt file: .jsonl or .parquet (veRL's layout loads).")
+
+# What the engines and the scheduler run with: `seerd serve` takes these, its batches the rest.
+ENGINE_OPTIONS = [
     click.option("--model", "model_path", required=True, type=click.Path(path_type=Path),
                  help="Model directory (Hugging Face layout) that vLLM loads."),
     click.option("--run-dir", required=True, type=click.Path(path_type=Path),
@@ -95,10 +97,12 @@ ROLLOUT_OPTIONS = [
                  type=click.Choice(["tcp", "rdma"]), help="Mooncake's transfer protocol between nodes."),
     click.option("--kv-pool-devices", default=DEFAULTS["kv_pool_devices"],
                  help="RDMA devices for --kv-pool-protocol rdma (e.g. mlx5_0,mlx5_1)."),
-    click.option("--prior", "prior_dir", default=DEFAULTS["prior_dir"], type=click.Path(path_type=Path),
-                 help="A finished earlier run of the same prompts: its longest response per prompt seeds each "
-                      "group's length estimate (matched by a hash of the prompt tokens)."),
 ]
+PRIOR_OPTION = click.option(
+    "--prior", "prior_dir", default=DEFAULTS["prior_dir"], type=click.Path(path_type=Path),
+    help="A finished earlier run of the same prompts: its longest response per prompt seeds each "
+         "group's length estimate (matched by a hash of the prompt tokens).")
+ROLLOUT_OPTIONS = [INPUT_OPTION, *ENGINE_OPTIONS, PRIOR_OPTION]
 
 ENGINE_ARG_OPTION = click.option(
     "--engine-arg", "engine_args", multiple=True, metavar="KEY=VALUE",
@@ -113,6 +117,12 @@ ALLOW_MODEL_CHANGE_OPTION = click.option(
 
 def rollout_options(command: Callable) -> Callable:
     for option in reversed(ROLLOUT_OPTIONS):
+        command = option(command)
+    return command
+
+
+def engine_options(command: Callable) -> Callable:
+    for option in reversed(ENGINE_OPTIONS):
         command = option(command)
     return command
 

@@ -41,7 +41,8 @@ from seerd.db.read import UnreadableDatabase
 from seerd.drafts.server import DraftError
 from seerd.protocol import (
     CONFIG, DRAFTS_APPEND, DRAFTS_FETCH, DRAFTS_STATS, HEARTBEAT, LEASE, LONG_POLL_MAX_S, MAX_SNAPSHOT_TAIL_ROWS,
-    REGISTER, RELEASE, REPORT, SNAPSHOT_TAIL_ROWS, STATUS, STATUS_SNAPSHOT, UNKNOWN_WORKER, WORKER_RETIRED,
+    REGISTER, RELEASE, REPORT, SNAPSHOT_TAIL_ROWS, STATUS, STATUS_SNAPSHOT, UNKNOWN_WORKER, WEIGHTS_MISMATCH,
+    WORKER_RETIRED,
     ChunkGrant, DraftAppendReply, DraftStats, ErrorReply, HeartbeatReply, LeaseReply,
     RegisterReply, ReleaseReply, ReportBatch, ReportReply, ReportResult, StatusReply, StatusSnapshot,
     decode_report, heartbeat_interval,
@@ -344,9 +345,10 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
                clock: Callable[[], float] = time.time, drafts: DraftHost | None = None, *,
                max_body_bytes: int | None = None, address: str = "",
                metrics_token: str | None = None,
-               snapshot: Callable[[int, StatusReply], dict] | None = None) -> Starlette:
+               snapshot: Callable[[int, StatusReply], dict] | None = None, signed: bool = True) -> Starlette:
     """The API; `max_body_bytes` defaults to the `body_limit` of default engines. Calls are signed
     for `address` (the "host:port" clients reach it at); `metrics_token` opens `GET /metrics`.
+    `signed=False` leaves the signature check to whoever mounts the app (`seerd serve`'s listener).
     `snapshot(tail_rows, status)` reads `seerd status`'s snapshot of the run on this host (the
     daemon's; without it, `STATUS_SNAPSHOT` answers 404).
 
@@ -391,14 +393,20 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
     @route("POST", REGISTER.path)
     async def register(request: Request) -> Response:
         body = await _decode(request, REGISTER.body)
+        settings = getattr(request.app.state, "engine_settings", None)  # the daemon's; tests' apps may have none
+        weights = settings.weights_version if settings is not None else ""
+        if body.weights_version != weights:  # strictly on-policy: no chunk under other weights
+            raise ApiError(409, f"this rollout samples from {weights}, the worker holds "
+                                f"{body.weights_version or 'unnamed weights'}: load them and register again",
+                           WEIGHTS_MISMATCH)
         if (body.rank < 0 or body.max_chunks < 1 or body.kv_capacity_tokens < 1 or not body.worker_id
                 or not 1 <= body.kv_block_tokens <= body.kv_capacity_tokens):
             raise ApiError(422, "rank >= 0, max_chunks >= 1, kv_capacity_tokens >= 1, kv_block_tokens in "
                                 "1..kv_capacity_tokens and a worker_id are required")
         worker = await control.run(book.register, rank=body.rank, address=body.address, max_chunks=body.max_chunks,
                                    kv_capacity_tokens=body.kv_capacity_tokens, worker_id=body.worker_id[:100],
-                                   kv_block_tokens=body.kv_block_tokens,
-                                   now=clock())
+                                   kv_block_tokens=body.kv_block_tokens, weights_version=body.weights_version,
+                                   weights_loaded_s=body.weights_loaded_s, now=clock())
         return _json(RegisterReply(worker.id, book.lease_ttl_s, heartbeat_interval(book.lease_ttl_s, book.live_count)))
 
     @route("POST", LEASE.path)
@@ -544,10 +552,10 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
             raise ApiError(503, str(exc)) from None
         return _json(StatusSnapshot(taken))
 
+    signing = [Middleware(SignedCalls, secret=secret, control=control, address=address,
+                          metrics_token=metrics_token)] if signed else []  # outermost: 401 first
     app = Starlette(routes=routes, exception_handlers={ApiError: api_error, UnknownWorker: unknown_worker,
                                                        BodyDigestMismatch: body_mismatch},
-                    middleware=[Middleware(SignedCalls, secret=secret, control=control, address=address,
-                                           metrics_token=metrics_token),  # outermost: 401 first
-                                Middleware(BodyLimitMiddleware,
-                                           limit=max_body_bytes or body_limit(EngineConfig(), book.chunk_tokens))])
+                    middleware=[*signing, Middleware(BodyLimitMiddleware, limit=max_body_bytes or body_limit(
+                        EngineConfig(), book.chunk_tokens))])
     return app

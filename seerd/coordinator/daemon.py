@@ -21,6 +21,7 @@ from pathlib import Path
 
 import uvicorn
 from sqlalchemy import Engine, select
+from starlette.applications import Starlette
 
 from seerd.config import RunConfig
 from seerd.coordinator.api import CoordinatorControl, body_limit, create_app
@@ -30,7 +31,7 @@ from seerd.coordinator.guard import ConnectionGuard, api_server, limits_for, rai
 from seerd.coordinator.heap import HeapKeeper
 from seerd.coordinator.latency import watch_loop_lag
 from seerd.coordinator.kvpool import PoolHost, model_revision, queued_longest, run_tag
-from seerd.coordinator.model_identity import verify_model
+from seerd.coordinator.model_identity import verify_model, weight_version
 from seerd.cpu import CpuSnapshot
 from seerd.db import Rollout, RolloutStatus, WorkerStatus, add_event, make_engine, make_sessionmaker
 from seerd.db.base import CommitTimes
@@ -54,6 +55,15 @@ EXPIRY_INTERVAL_S = 0.5
 DONE_LINGER_S = 5.0
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets that name it, and without
+    # it every response waited ~40 ms for the client's delayed ACK (Nagle).
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
 class RunNotFound(RuntimeError):
     """No run (database or rollout) where one was expected."""
 
@@ -75,11 +85,16 @@ def open_database(run_dir: RunDir, *, synchronous: str = "FULL") -> Engine:
     return engine
 
 
-def load_rollout(engine: Engine) -> Rollout:
+def load_rollout(engine: Engine, rollout_id: int | None = None) -> Rollout:
+    """The rollout `rollout_id`, or the latest (a `seerd run` database holds one; `seerd serve`'s
+    one per batch)."""
+    query = select(Rollout).order_by(Rollout.id.desc()).limit(1)
+    if rollout_id is not None:
+        query = select(Rollout).where(Rollout.id == rollout_id)
     with make_sessionmaker(engine).begin() as session:
-        rollout = session.scalars(select(Rollout).order_by(Rollout.id.desc()).limit(1)).first()
+        rollout = session.scalars(query).first()
     if rollout is None:
-        raise RunNotFound("the run's database holds no rollout")
+        raise RunNotFound("the run's database holds no rollout" if rollout_id is None else f"no rollout {rollout_id}")
     return rollout
 
 
@@ -87,8 +102,10 @@ class Coordinator:
     def __init__(self, run_dir: RunDir, ownership: Ownership, *, allow_model_change: bool = False,
                  host: str = "127.0.0.1", port: int = 0,
                  expected_workers: int | None = None, clock: Callable[[], float] = time.time,
-                 drain_signals: tuple[signal.Signals, ...] = (), drain_grace_s: float = 120.0) -> None:
-        """ModelChanged (model_identity.py) when the run's checkpoint changed, unless allowed."""
+                 drain_signals: tuple[signal.Signals, ...] = (), drain_grace_s: float = 120.0,
+                 rollout_id: int | None = None, outputs: RunDir | None = None, serving: bool = False) -> None:
+        """ModelChanged (model_identity.py) when the run's checkpoint changed, unless allowed.
+        `seerd serve` runs one per batch: its `rollout_id`, exported to `outputs`, `serving`."""
         if not run_dir.exists():
             raise RunNotFound(f"no run at {run_dir.path} (no {run_dir.db_path.name})")
         ownership.require(run_dir.path)
@@ -97,7 +114,7 @@ class Coordinator:
         self.clock = clock
         self.host, self.port = host, port
         self.engine = open_database(run_dir)
-        rollout = load_rollout(self.engine)
+        rollout = load_rollout(self.engine, rollout_id)
         self.config = RunConfig.from_json(rollout.config_json)
         if self.config.sqlite_synchronous != "FULL":  # pragmas are set per connection: reopen
             self.engine.dispose()
@@ -105,10 +122,14 @@ class Coordinator:
         self.sessions = make_sessionmaker(self.engine)
         try:
             verify_model(self.sessions, rollout, allow_change=allow_model_change, now=clock())
+            rollout = load_rollout(self.engine, rollout.id)  # with the fingerprint it now runs under
         except BaseException:
             self.engine.dispose()
             raise
         self.rollout_id = rollout.id
+        self.weights_version = weight_version(rollout.model_path, rollout.model_fingerprint)
+        self.outputs = outputs or run_dir
+        self.serving = serving
         # Reported tokens are checked against the model's own vocabulary, read here rather than
         # taken from the workers whose reports it checks (the prompts were checked against it too).
         vocab_size = load_model_limits(Path(self.config.model_path)).vocab_size
@@ -199,7 +220,8 @@ class Coordinator:
         kv_pool = None if self.pool is None else {**asdict(self.config.kv_pool), "run_tag": self.pool.tag,
                                                   "model_revision": model_revision(self.config.model_path)}
         return EngineSettings(self.config.model_path, self.config.engine.__dict__, self.config.seed,
-                              asdict(self.config.spec), kv_pool)
+                              asdict(self.config.spec), kv_pool, weights_version=self.weights_version,
+                              serving=self.serving, batch=self.rollout_id)
 
     async def _start_drafts(self) -> None:
         """Give the draft server every unfinished group with its tokens so far (and the earlier
@@ -232,39 +254,18 @@ class Coordinator:
 
     async def serve(self, on_tick: Callable[[dict], None] | None = None,
                     on_ready: Callable[[str, int], None] | None = None) -> CoordinatorResult:
-        now = self.clock()
         if self.initial_status == RolloutStatus.FINISHED:
             return CoordinatorResult(RolloutStatus.FINISHED, None, "already finished")
-        self.book.load(now)
-        self.heap.settle()  # the imports and the loaded book out of the collector's full passes
-        if self.initial_status in (RolloutStatus.RUNNING, RolloutStatus.INTERRUPTED, RolloutStatus.FAILED):
-            with self.sessions.begin() as session:
-                add_event(session, self.rollout_id, now, "rollout_resumed",
-                          data={"previous_status": self.initial_status.value, **self.book.counts()})
-        self.book.set_rollout_status(RolloutStatus.RUNNING, now)
+        self._begin()
         # Fresh credentials for this start, before anything (the KV pool's engines, workers) reads them.
         secret, metrics_token = self.run_dir.rotate_secret(), self.run_dir.rotate_metrics_token()
         open_files = raise_open_files_limit(self.expected_workers)
         guard = ConnectionGuard(limits_for(self.expected_workers, open_files))
-
-        # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets that name it, and without
-        # it every response waited ~40 ms for the client's delayed ACK (Nagle).
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((self.host, self.port))
+        sock = listening_socket(self.host, self.port)
         host, port = sock.getsockname()[:2]
-        await self._start_drafts()
-        if self.pool is not None:  # before workers can learn the coordinator's address
-            address = await asyncio.get_running_loop().run_in_executor(None, self.pool.start)
-            await self.control.run(self.record_event, "kv_pool_started",
-                                   {"master": address.master, "generation": address.generation})
-        app = create_app(self.book, secret, self.control, self.clock, self.drafts,
-                         max_body_bytes=body_limit(self.config.engine, self.config.chunk_tokens),
-                         address=f"{host}:{port}", metrics_token=metrics_token, snapshot=self.status_snapshot)
-        app.state.engine_settings = self.engine_settings()
-        app.state.kv_pool = self.pool
+        await self._start_hosts()
+        app = self.create_app(secret, f"{host}:{port}", metrics_token)
         app.state.guard = guard  # its counters on /metrics
-        self.control.scheduling_gate = self._gate
         self._server = api_server(app, guard)  # signal handlers are ours, below, in one place
         self.guard = guard
         loop = asyncio.get_running_loop()
@@ -285,17 +286,7 @@ class Coordinator:
             self._server.should_exit = True
             lag_task.cancel()
             await server_task
-            if self._owns_run:  # else the workers are the new owner's to retire
-                await self.control.run(self.book.retire_workers)
-            self.control.close()
-            self.heap.close()
-            self.book.close()  # the state thread's kept connection (a later write opens its own)
-            if self.drafts is not None:
-                self.drafts.close()
-            if self.pool is not None:
-                figures = await asyncio.get_running_loop().run_in_executor(
-                    None, partial(self.pool.close, run_finished=self.book.is_complete()))
-                self.record_event("kv_pool_stopped", figures)  # the state thread is closed: ours now
+            await self._end()
             for signum, handler in previous.items():
                 loop.remove_signal_handler(signum)
                 # asyncio leaves SIG_DFL behind; a late warning signal must not kill the process.
@@ -303,6 +294,68 @@ class Coordinator:
             if self._owns_run:  # else the address is the new owner's
                 self.run_dir.address_path.unlink(missing_ok=True)
         return result
+
+    async def serve_batch(self, mount: Callable[[Starlette | None], None], secret: str, address: str,
+                          on_tick: Callable[[dict], None] | None = None) -> CoordinatorResult:
+        """`seerd serve`: this rollout on the serve's listener, which checks the signatures
+        (`mount(app)` puts this rollout's API behind it, `mount(None)` takes it away); the
+        serve owns the credentials, the socket and the signals."""
+        if self.initial_status == RolloutStatus.FINISHED:
+            return CoordinatorResult(RolloutStatus.FINISHED, None, "already finished")
+        self._begin()
+        await self._start_hosts()
+        mount(self.create_app(secret, address, None, signed=False))
+        lag_task = asyncio.create_task(watch_loop_lag(self.control.turns))
+        try:
+            return await self._watch(on_tick)
+        finally:
+            mount(None)
+            lag_task.cancel()
+            await self._end()
+            self.engine.dispose()
+
+    def _begin(self) -> None:
+        """The book loaded, a resume recorded, the rollout running."""
+        now = self.clock()
+        self.book.load(now)
+        self.heap.settle()  # the imports and the loaded book out of the collector's full passes
+        if self.initial_status in (RolloutStatus.RUNNING, RolloutStatus.INTERRUPTED, RolloutStatus.FAILED):
+            with self.sessions.begin() as session:
+                add_event(session, self.rollout_id, now, "rollout_resumed",
+                          data={"previous_status": self.initial_status.value, **self.book.counts()})
+        self.book.set_rollout_status(RolloutStatus.RUNNING, now)
+
+    async def _start_hosts(self) -> None:
+        """The draft server and the KV pool, before workers can learn the coordinator's address."""
+        await self._start_drafts()
+        if self.pool is not None:
+            address = await asyncio.get_running_loop().run_in_executor(None, self.pool.start)
+            await self.control.run(self.record_event, "kv_pool_started",
+                                   {"master": address.master, "generation": address.generation})
+
+    def create_app(self, secret: str, address: str, metrics_token: str | None, *, signed: bool = True) -> Starlette:
+        app = create_app(self.book, secret, self.control, self.clock, self.drafts,
+                         max_body_bytes=body_limit(self.config.engine, self.config.chunk_tokens),
+                         address=address, metrics_token=metrics_token, snapshot=self.status_snapshot,
+                         signed=signed)
+        app.state.engine_settings = self.engine_settings()
+        app.state.kv_pool = self.pool
+        self.control.scheduling_gate = self._gate
+        return app
+
+    async def _end(self) -> None:
+        """After the watch: workers retired, the state thread, book, draft server and pool closed."""
+        if self._owns_run:  # else the workers are the new owner's to retire
+            await self.control.run(self.book.retire_workers)
+        self.control.close()
+        self.heap.close()
+        self.book.close()  # the state thread's kept connection (a later write opens its own)
+        if self.drafts is not None:
+            self.drafts.close()
+        if self.pool is not None:
+            figures = await asyncio.get_running_loop().run_in_executor(
+                None, partial(self.pool.close, run_finished=self.book.is_complete()))
+            self.record_event("kv_pool_stopped", figures)  # the state thread is closed: ours now
 
     async def _watch(self, on_tick: Callable[[dict], None] | None) -> CoordinatorResult:
         run = self.control.run
@@ -349,7 +402,7 @@ class Coordinator:
         """On the state thread: write the outputs, then mark the rollout finished."""
         export_started = time.perf_counter()
         with self.sessions.begin() as session:
-            export = export_run(session, self.rollout_id, self.run_dir)
+            export = export_run(session, self.rollout_id, self.outputs)
         self.load = self._load_figures(export_s=time.perf_counter() - export_started)
         with self.sessions.begin() as session:
             add_event(session, self.rollout_id, self.clock(), "coordinator_load", data=self.load)

@@ -119,6 +119,13 @@ def fingerprint_json(fingerprint: dict) -> str:
     return json.dumps(fingerprint, sort_keys=True)
 
 
+def weight_version(model_path: str, fingerprint: str | None) -> str:
+    """The weights a rollout samples from, as its rows and workers name them: the checkpoint's path
+    and a hash of its fingerprint (`fingerprint_json`), e.g. `/ckpt/step-40@3f2a9c0d1e7b6a55`."""
+    digest = hashlib.sha256((fingerprint or "").encode()).hexdigest()[:16]
+    return f"{model_path}@{digest}"
+
+
 def recorded_fingerprint(rollout: Rollout) -> dict | None:
     return json.loads(rollout.model_fingerprint) if rollout.model_fingerprint else None
 

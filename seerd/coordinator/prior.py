@@ -52,8 +52,9 @@ class PriorLengths:
         return max(recent) if recent else None
 
 
-def read_prior(run_dir: Path, prompt_hashes: set[str]) -> PriorLengths:
-    """Read an earlier run's lengths for `prompt_hashes`, read-only; PriorRunError if unusable."""
+def read_prior(run_dir: Path, prompt_hashes: set[str], rollout_id: int | None = None) -> PriorLengths:
+    """Read an earlier run's lengths for `prompt_hashes`, read-only; PriorRunError if unusable.
+    Its latest rollout, or `rollout_id` (`seerd serve`: the previous batch in the same database)."""
     rundir = RunDir(Path(run_dir).resolve())
     if not rundir.exists():
         raise PriorRunError(f"--prior {run_dir}: no run there (no {rundir.db_path.name})")
@@ -63,8 +64,10 @@ def read_prior(run_dir: Path, prompt_hashes: set[str]) -> PriorLengths:
         raise PriorRunError(f"--prior {run_dir}: {exc}") from None
     try:
         with engine.connect() as conn:
-            rollout = conn.execute(select(Rollout.id, Rollout.status, Rollout.model_path)
-                                   .order_by(Rollout.id.desc()).limit(1)).first()
+            query = select(Rollout.id, Rollout.status, Rollout.model_path).order_by(Rollout.id.desc()).limit(1)
+            if rollout_id is not None:
+                query = query.where(Rollout.id == rollout_id)
+            rollout = conn.execute(query).first()
             if rollout is None:
                 raise PriorRunError(f"--prior {run_dir}: its database holds no rollout")
             if rollout.status != RolloutStatus.FINISHED:

@@ -16,13 +16,13 @@ import fcntl
 import json
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from sqlalchemy import func, select
+from sqlalchemy import Row, func, select
 from sqlalchemy.orm import Session
 
 from seerd.db import Chunk, ChunkStatus, Group, Request, RequestStatus, RolloutStatus
@@ -108,37 +108,43 @@ def _row_batches(session: Session, rollout_id: int, ended) -> Iterator[list[dict
         if not groups:
             return
         after = groups[-1].group_index
-        by_id = {group.id: group for group in groups}
-        requests = session.execute(
-            select(Request).where(Request.group_id.in_(list(by_id)), ended)).scalars().all()
-        batch = {request.id: {
-            "prompt_id": by_id[request.group_id].prompt_id, "group_index": by_id[request.group_id].group_index,
-            "response_index": request.response_index, "token_ids": [], "logprobs": [],
-            "finish_reason": request.finish_reason, "length": request.generated_tokens,
-            "num_chunks": request.num_chunks, "prompt_len": by_id[request.group_id].prompt_len,
-            "started_at": request.started_at, "finished_at": request.finished_at, "generation_s": 0.0,
-            "error": request.error,
-        } for request in requests}
-        # Every chunk of these requests, by the request index, the done ones kept here: with the
-        # status in the query SQLite chose the status index and read every done chunk of the run
-        # for each batch.
-        chunks = session.execute(
-            select(Chunk.request_id, Chunk.status, Chunk.token_ids, Chunk.logprobs, Chunk.leased_at,
-                   Chunk.finished_at)
-            .where(Chunk.request_id.in_(list(batch))).order_by(Chunk.request_id, Chunk.seq))
-        for request_id, status, token_blob, logprob_blob, leased_at, finished_at in chunks:
-            if status != ChunkStatus.DONE:
-                continue
-            row = batch[request_id]
-            row["token_ids"].extend(unpack_ints(token_blob))
-            row["logprobs"].extend(unpack_floats(logprob_blob))
-            row["generation_s"] += (finished_at or 0.0) - (leased_at or 0.0)
-        rows = sorted(batch.values(), key=lambda row: (row["group_index"], row["response_index"]))
-        for row in rows:
-            if len(row["token_ids"]) != row["length"]:
-                raise RuntimeError(f"response {row['prompt_id']}/{row['response_index']}: "
-                                   f"{len(row['token_ids'])} tokens stored but {row['length']} counted")
-        yield rows
+        yield group_rows(session, groups, ended)
+
+
+def group_rows(session: Session, groups: Sequence[Row], ended) -> list[dict]:  # noqa: ANN001
+    """The ended responses (`ended`: a condition on Request) of `groups` (id, prompt_id, group_index,
+    prompt_len) as export rows, in (group, response) order."""
+    by_id = {group.id: group for group in groups}
+    requests = session.execute(
+        select(Request).where(Request.group_id.in_(list(by_id)), ended)).scalars().all()
+    batch = {request.id: {
+        "prompt_id": by_id[request.group_id].prompt_id, "group_index": by_id[request.group_id].group_index,
+        "response_index": request.response_index, "token_ids": [], "logprobs": [],
+        "finish_reason": request.finish_reason, "length": request.generated_tokens,
+        "num_chunks": request.num_chunks, "prompt_len": by_id[request.group_id].prompt_len,
+        "started_at": request.started_at, "finished_at": request.finished_at, "generation_s": 0.0,
+        "error": request.error,
+    } for request in requests}
+    # Every chunk of these requests, by the request index, the done ones kept here: with the
+    # status in the query SQLite chose the status index and read every done chunk of the run
+    # for each batch.
+    chunks = session.execute(
+        select(Chunk.request_id, Chunk.status, Chunk.token_ids, Chunk.logprobs, Chunk.leased_at,
+               Chunk.finished_at)
+        .where(Chunk.request_id.in_(list(batch))).order_by(Chunk.request_id, Chunk.seq))
+    for request_id, status, token_blob, logprob_blob, leased_at, finished_at in chunks:
+        if status != ChunkStatus.DONE:
+            continue
+        row = batch[request_id]
+        row["token_ids"].extend(unpack_ints(token_blob))
+        row["logprobs"].extend(unpack_floats(logprob_blob))
+        row["generation_s"] += (finished_at or 0.0) - (leased_at or 0.0)
+    rows = sorted(batch.values(), key=lambda row: (row["group_index"], row["response_index"]))
+    for row in rows:
+        if len(row["token_ids"]) != row["length"]:
+            raise RuntimeError(f"response {row['prompt_id']}/{row['response_index']}: "
+                               f"{len(row['token_ids'])} tokens stored but {row['length']} counted")
+    return rows
 
 
 def write_outputs(run_dir: RunDir, rows: ResponseRows | list[dict], total: int) -> ExportResult:

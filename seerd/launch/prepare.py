@@ -55,7 +55,7 @@ class PreparedRun:
 
 
 @dataclass(frozen=True)
-class _NewRun:
+class NewRun:
     """A validated input, ready to become a run."""
 
     rows: list[PromptRow]
@@ -131,7 +131,7 @@ def prepare_run(rundir: RunDir, config: RunConfig, input_path: Path, prior_dir: 
     live coordinator owns the run; settings and prompts are checked by the rules the workers'
     engines will apply (launch/engine_rules.py).
     """
-    new_run = None if rundir.exists() else _validated(config, input_path, prior_dir)  # before any write
+    new_run = None if rundir.exists() else validated(config, input_path, prior_dir)  # before any write
     rundir.path.mkdir(parents=True, exist_ok=True, mode=0o700)
     ownership = own(rundir)
     try:
@@ -140,7 +140,7 @@ def prepare_run(rundir: RunDir, config: RunConfig, input_path: Path, prior_dir: 
             prepared = _existing(rundir, rollout, input_path, ownership, ignored_prior=prior_dir is not None,
                                  allow_model_change=allow_model_change)
         else:  # nothing here yet, or a creation that did not complete: (re)create it in place
-            prepared = _create(rundir, new_run or _validated(config, input_path, prior_dir), input_path, ownership)
+            prepared = _create(rundir, new_run or validated(config, input_path, prior_dir), input_path, ownership)
     except BaseException:
         ownership.release()
         raise
@@ -149,7 +149,8 @@ def prepare_run(rundir: RunDir, config: RunConfig, input_path: Path, prior_dir: 
     return prepared
 
 
-def _validated(config: RunConfig, input_path: Path, prior_dir: Path | None) -> _NewRun:
+def validated(config: RunConfig, input_path: Path, prior_dir: Path | None, *,
+               prior_rollout: int | None = None) -> NewRun:
     from seerd.coordinator.create import prompt_hash
     from seerd.coordinator.model_identity import model_fingerprint
     from seerd.coordinator.prior import PriorRunError, read_prior
@@ -172,14 +173,15 @@ def _validated(config: RunConfig, input_path: Path, prior_dir: Path | None) -> _
         rows = load_prompts(input_path, Path(config.model_path), default_n=config.n,
                             default_max_tokens=config.max_tokens, context=context,
                             check_sampling=sampling_check.check)
-        prior = None if prior_dir is None else read_prior(prior_dir, {prompt_hash(r.prompt_token_ids) for r in rows})
+        prior = None if prior_dir is None else read_prior(prior_dir, {prompt_hash(r.prompt_token_ids) for r in rows},
+                                                          prior_rollout)
     except (ConfigError, ModelDirError, PromptFileError, PriorRunError) as exc:
         raise BadRun(str(exc)) from None
     try:
         fingerprint = model_fingerprint(Path(config.model_path))
     except OSError as exc:
         raise BadRun(f"cannot read the model directory {config.model_path}: {exc}") from None
-    return _NewRun(rows, prior, fingerprint, with_context_length(config, context), sampling_check.notes())
+    return NewRun(rows, prior, fingerprint, with_context_length(config, context), sampling_check.notes())
 
 
 def _existing(rundir: RunDir, rollout: Rollout, input_path: Path, ownership: Ownership, *,
@@ -201,7 +203,7 @@ def _existing(rundir: RunDir, rollout: Rollout, input_path: Path, ownership: Own
                        previous_status=rollout.status, notes=notes)
 
 
-def _create(rundir: RunDir, new_run: _NewRun, input_path: Path, ownership: Ownership) -> PreparedRun:
+def _create(rundir: RunDir, new_run: NewRun, input_path: Path, ownership: Ownership) -> PreparedRun:
     """Create the run's state in one transaction (see the module docstring)."""
     from seerd.coordinator.create import create_rollout, prompt_hash
 

@@ -25,7 +25,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from seerd.protocol import UNKNOWN_WORKER, WORKER_RETIRED, Endpoint, ErrorReply, ReplyT, decode_reply
+from seerd.protocol import UNKNOWN_WORKER, WEIGHTS_MISMATCH, WORKER_RETIRED, Endpoint, ErrorReply, ReplyT, decode_reply
 from seerd.rundir import RunDir, RunDirError
 from seerd.signing import REPLY_HEADER, STALE_TIMESTAMP, Signer, call_key
 
@@ -42,6 +42,11 @@ class NotRegistered(RuntimeError):
 
 class Retired(RuntimeError):
     """The coordinator took this worker out (its engine stuck, or failing what others run): exit."""
+
+
+class WeightsMismatch(RuntimeError):
+    """The rollout samples from other weights than the engine holds (`seerd serve` moved on to
+    another batch): read the config again, load its weights, register again."""
 
 
 class CoordinatorRefused(RuntimeError):
@@ -219,6 +224,8 @@ class CoordinatorClient:
                 raise NotRegistered(error.detail)
             if error.code == WORKER_RETIRED:
                 raise Retired(error.detail)
+            if error.code == WEIGHTS_MISMATCH:
+                raise WeightsMismatch(error.detail)
             raise CoordinatorRefused(status, f"{endpoint.method} {endpoint.path}: {error.detail}")
         decoded = decode_reply(endpoint, reply)
         if self.timings is not None:

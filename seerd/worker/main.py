@@ -27,11 +27,13 @@ from seerd.drafts.drafter import drafter_stats
 from seerd.event_loop import run_event_loop
 from seerd.kvpool.pool import pool_stats
 from seerd.protocol import (
-    CONFIG, HEARTBEAT, LEASE, LEASE_LONG_POLL_S, REGISTER, RELEASE, REPORT, ChunkGrant, ChunkReport, HeartbeatBody,
-    LeaseBody, RegisterBody, ReleaseBody, ReportBody, ReportReply, lease_key, parse_engine_id,
+    CONFIG, HEARTBEAT, LEASE, LEASE_LONG_POLL_S, REGISTER, RELEASE, REPORT, ChunkGrant, ChunkReport, EngineSettings,
+    HeartbeatBody, LeaseBody, RegisterBody, ReleaseBody, ReportBody, ReportReply, lease_key, parse_engine_id,
 )
 from seerd.rundir import RunDir
-from seerd.worker.client import Backoff, CoordinatorClient, CoordinatorGone, CoordinatorRefused, NotRegistered, Retired
+from seerd.worker.client import (
+    Backoff, CoordinatorClient, CoordinatorGone, CoordinatorRefused, NotRegistered, Retired, WeightsMismatch,
+)
 from seerd.worker.engine import EngineDead, Stream, start_engine
 from seerd.worker.stats import WorkerStats
 
@@ -58,6 +60,11 @@ def engine_figures(engine) -> dict | None:  # noqa: ANN001
     return None if counters is None else counters.figures()
 
 
+class LoadedWeights(NamedTuple):
+    version: str  # `EngineSettings.weights_version` of the checkpoint the engine holds
+    reload_s: float  # how long loading it in place took (0: the engine started with it)
+
+
 class LostContinuation(RuntimeError):
     """A `continues` grant for a request whose engine request is no longer held here: the chunk
     is given back unrun (not a failure) and runs elsewhere from its durable tokens."""
@@ -70,8 +77,10 @@ class RunningRequest(NamedTuple):
 
 
 class Worker:
-    def __init__(self, client: CoordinatorClient, engine, rank: int) -> None:  # noqa: ANN001
+    def __init__(self, client: CoordinatorClient, engine, rank: int,  # noqa: ANN001
+                 weights: LoadedWeights | None = None) -> None:
         self.client = client
+        self.weights = weights or LoadedWeights("", 0.0)  # what it registers with
         self.engine = engine
         self.rank = rank
         self.worker_id = f"w{rank}-{socket.gethostname()}-{os.getpid()}"
@@ -112,7 +121,8 @@ class Worker:
         reply = await self.client.call_until_answered(REGISTER, RegisterBody(
             self.worker_id, self.rank, address=f"{socket.gethostname()}:{os.getpid()}",
             max_chunks=self.engine.max_chunks, kv_capacity_tokens=self.engine.kv_capacity_tokens,
-            kv_block_tokens=getattr(self.engine, "kv_block_tokens", 1)))
+            kv_block_tokens=getattr(self.engine, "kv_block_tokens", 1), weights_version=self.weights.version,
+            weights_loaded_s=self.weights.reload_s))
         self.worker_id = reply.worker_id
         self.heartbeat_interval_s = reply.heartbeat_interval_s
         log.info("registered as %s (capacity %d chunks, %d KV tokens)", self.worker_id,
@@ -330,13 +340,17 @@ class Worker:
         self.slot_freed.set()
 
     async def _reregister(self) -> None:
+        await self.drop_engine_requests()
+        await self.register()
+
+    async def drop_engine_requests(self) -> None:
+        """Abort every engine request of this worker's, running or held past a report."""
         for chunk_id in list(self.running):
             await self._abort(chunk_id)
         for held in list(self.held.values()):
             await self.engine.abort(held.engine_id)
         self.held.clear()
         self.held_by_chunk.clear()
-        await self.register()
 
 
 async def warm_up(engine) -> None:  # noqa: ANN001
@@ -351,18 +365,34 @@ async def warm_up(engine) -> None:  # noqa: ANN001
 async def amain(run_dir: RunDir, rank: int, patience_s: float, address_timeout_s: float = 120.0) -> int:
     client = await CoordinatorClient.from_run_dir(run_dir, patience_s=patience_s,
                                                   address_timeout_s=address_timeout_s)
-    settings = await client.call_until_answered(CONFIG)
+    settings = await next_batch(client, None)
     started = time.monotonic()
     engine = start_engine(settings.model_path, settings.engine, settings.seed, settings.spec, str(run_dir.path),
                           settings.kv_pool)
     await warm_up(engine)
     log.info("engine ready in %.1fs", time.monotonic() - started)
-    worker = Worker(client, engine, rank)
+    weights = LoadedWeights(settings.weights_version, 0.0)
+    worker = Worker(client, engine, rank, weights)
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, worker.stop, signal.Signals(signum).name)
+        loop.add_signal_handler(signum, lambda name=signal.Signals(signum).name: worker.stop(name))
     try:
-        await worker.run_to_end()
+        while True:
+            try:
+                await worker.run_to_end()
+            except WeightsMismatch as exc:  # `seerd serve` went on to a batch under other weights
+                log.info("%s", exc)
+            if worker.stopped_by or worker.fatal is not None or not settings.serving:
+                break
+            # `seerd serve`: the engine stays up for the next batch, loaded with its weights.
+            await worker.drop_engine_requests()
+            settings = await next_batch(client, settings.batch)
+            if settings.weights_version != weights.version:
+                weights = LoadedWeights(settings.weights_version, await engine.reload_weights(settings.model_path))
+                log.info("loaded %s in %.2fs", weights.version, weights.reload_s)
+            if getattr(engine, "counters", None) is not None:  # the figures are of a rollout only
+                engine.counters.reset()
+            worker = Worker(client, engine, rank, weights)
     except Retired as exc:  # its leases already run elsewhere; its engine may not stop politely
         log.error("exiting: the coordinator took this worker out: %s", exc)
         shutdown_within(engine, ENGINE_SHUTDOWN_S)
@@ -376,6 +406,19 @@ async def amain(run_dir: RunDir, rank: int, patience_s: float, address_timeout_s
         return 4
     log.info("done: %d chunks, %d tokens", worker.stats.chunks_done, worker.stats.tokens_out)
     return 0
+
+
+BATCH_POLL_S = 0.2
+
+
+async def next_batch(client: CoordinatorClient, after: int | None) -> EngineSettings:
+    """The engine settings of the rollout to run: at once for `seerd run`; under `seerd serve`,
+    once a batch other than `after` runs (the serve answers `batch` None between batches)."""
+    while True:
+        settings = await client.call_until_answered(CONFIG)
+        if not settings.serving or (settings.batch is not None and settings.batch != after):
+            return settings
+        await asyncio.sleep(BATCH_POLL_S)
 
 
 ENGINE_SHUTDOWN_S = 10.0

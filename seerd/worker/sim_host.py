@@ -25,7 +25,7 @@ from seerd.event_loop import run_event_loop
 from seerd.protocol import CONFIG
 from seerd.rundir import RunDir, write_private
 from seerd.worker.client import CallTimings, CoordinatorClient, CoordinatorGone, Retired
-from seerd.worker.main import Worker
+from seerd.worker.main import LoadedWeights, Worker
 from seerd.worker.sim_engine import start_sim_engine
 
 log = logging.getLogger("seerd.worker.sim")
@@ -73,7 +73,7 @@ async def host(run_dir: RunDir, first_rank: int, count: int, patience_s: float, 
     for rank in range(first_rank, first_rank + count):
         client = await CoordinatorClient.from_run_dir(run_dir, patience_s=patience_s, timings=timings)
         workers.append(Worker(client, start_sim_engine(settings.model_path, settings.engine, settings.seed, rank),
-                              rank))
+                              rank, LoadedWeights(settings.weights_version, 0.0)))
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, lambda name=signal.Signals(signum).name: [w.stop(name) for w in workers])

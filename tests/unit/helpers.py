@@ -24,6 +24,12 @@ from seerd.io.prompts import PromptRow
 from seerd.protocol import parse_engine_id
 from seerd.scheduler import make_policy
 from seerd.signing import Signer, call_key, httpx_auth
+from seerd.rundir import RunDir
+from seerd.db.read import reading
+from sqlalchemy import select
+from seerd.db import Rollout
+from seerd.coordinator.model_identity import weight_version
+from seerd.worker.main import LoadedWeights
 from seerd.worker.engine import ChunkResult, StepClock, Stream, run_whole
 
 REPO = Path(__file__).resolve().parents[2]
@@ -294,3 +300,12 @@ def hand_built_cache_run(run_dir: Path, chunks: tuple = HAND_CHUNKS) -> Path:
         db.execute("UPDATE rollouts SET status = 'running', started_at = ? WHERE id = ?",
                    (HAND_T0 - 10, rollout_id))
     return run_dir
+
+
+def rollout_weights(run_dir: RunDir) -> LoadedWeights:
+    """The weights the run's (latest) rollout samples from, as a worker that loaded them holds them
+    (the coordinator registers no worker of other weights)."""
+    with reading(run_dir.db_path) as conn:
+        model_path, fingerprint = conn.execute(select(Rollout.model_path, Rollout.model_fingerprint)
+                                               .order_by(Rollout.id.desc()).limit(1)).one()
+    return LoadedWeights(weight_version(model_path, fingerprint), 0.0)

@@ -31,6 +31,7 @@ from seerd.signing import Signer, call_key
 from seerd.worker.client import CoordinatorClient
 from seerd.worker.main import Worker
 from tests.unit.helpers import (
+    rollout_weights,
     REPO, FakeClock, ScriptedEngine, loopback_socket, make_book, rows, served, signed_auth,
 )
 from tests.unit.test_export_live import GROUPS, N, build_run
@@ -233,7 +234,8 @@ def test_a_coordinator_whose_open_files_are_few_still_serves_its_worker_past_400
 
         async def work() -> Worker:
             client = await CoordinatorClient.from_run_dir(rundir, patience_s=WAIT_S)
-            worker = Worker(client, ScriptedEngine(lambda rid: 12, max_chunks=4, pause_s=0.0), rank=0)
+            worker = Worker(client, ScriptedEngine(lambda rid: 12, max_chunks=4, pause_s=0.0), rank=0,
+                            weights=rollout_weights(rundir))
             await asyncio.wait_for(worker.run(), timeout=2 * WAIT_S)
             await worker.say_goodbye()
             await client.close()

@@ -25,7 +25,7 @@ from seerd.ownership import take_ownership
 from seerd.rundir import RunDir
 from seerd.worker.client import CoordinatorClient
 from seerd.worker.main import Worker
-from tests.unit.helpers import VOCAB_SIZE, ScriptedEngine, rows
+from tests.unit.helpers import VOCAB_SIZE, ScriptedEngine, rows, rollout_weights
 
 GROUPS, N, MAX_TOKENS = 8, 2, 64
 
@@ -90,7 +90,8 @@ def test_seerd_export_of_a_live_run_holds_a_snapshot_while_the_coordinator_commi
         await ready.wait()
         host, port = rundir.read_address()
         workers = [Worker(CoordinatorClient(f"http://{host}:{port}", rundir.read_secret()),
-                          ScriptedEngine(length_of, max_chunks=2, pause_s=0.1), rank) for rank in (0, 1)]
+                          ScriptedEngine(length_of, max_chunks=2, pause_s=0.1), rank, rollout_weights(rundir))
+                   for rank in (0, 1)]
         running = [asyncio.create_task(w.run()) for w in workers]
         while state.finished_requests < 1:
             await asyncio.sleep(0.01)

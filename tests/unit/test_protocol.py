@@ -13,9 +13,9 @@ import pytest
 
 from seerd import protocol
 from seerd.protocol import (
-    BadReply, ChunkGrant, ChunkIdentity, ChunkReport, DraftAppendBody, DraftAppendItem, DraftAppendReply,
+    BATCHES, BadReply, BatchBody, BatchState, ChunkGrant, ChunkIdentity, ChunkReport, DraftAppendBody, DraftAppendItem, DraftAppendReply,
     DraftAppendResult, DraftChanges, DraftFetchBody, DraftStats, EngineSettings, Endpoint, ErrorReply, HeartbeatBody,
-    HeartbeatReply, LeaseBody, LeaseReply, RegisterBody, RegisterReply, ReleaseBody, ReleaseReply, ReportBody,
+    GroupsReply, HeartbeatReply, LeaseBody, LeaseReply, RegisterBody, RegisterReply, ReleaseBody, ReleaseReply, ReportBody,
     ReportReply, ReportResult, StatusReply, StatusSnapshot, decode_reply, parse_engine_id,
 )
 
@@ -25,9 +25,13 @@ REPORT = ChunkReport(11, 2, [9, 8], [-0.5, -1.25], "length", cached_tokens=3)
 
 # One message of every type, with no field left at its default where it has one.
 MESSAGES = [
-    RegisterBody("w0-host-1", 0, "host:1", 4, 1000),
+    RegisterBody("w0-host-1", 0, "host:1", 4, 1000, 16, "/ckpt/step-3@0123456789abcdef", 0.04),
     RegisterReply("w0-host-1", 30.0, 2.0),
-    EngineSettings("model/", {"max_num_seqs": 4}, 0, {"mode": "grouped"}, {"mode": "mooncake"}),
+    EngineSettings("model/", {"max_num_seqs": 4}, 0, {"mode": "grouped"}, {"mode": "mooncake"},
+                   "model/@0123456789abcdef", True, 3),
+    BatchBody("/data/prompts.jsonl", "k1", "/ckpt/step-3", 8, 256, 1.0, 0.9, 50, 7),
+    BatchState(3, "running", "/ckpt/step-3@0123456789abcdef", 4, 1, 32, 9, "why", "/run/batches/3/rollouts.jsonl"),
+    GroupsReply([{"group_index": 0, "prompt_id": "p0", "rows": [{"token_ids": [1, 2]}]}], 41, "running"),
     LeaseBody("w0", 3, 1.0),
     GRANT,
     LeaseReply([GRANT, ChunkGrant(12, 1, 6, [1], 8, {}, 1031.0)], done=False, retry_after_s=0.05),
@@ -96,9 +100,16 @@ def test_every_api_route_is_a_protocol_endpoint(tmp_path):
     from seerd.coordinator.api import CoordinatorControl, create_app
     from tests.unit.helpers import make_book, rows
 
+    from seerd.serve.server import Server
+
     app = create_app(make_book(tmp_path, prompt_rows=rows(groups=1, n=1)), "s", CoordinatorControl())
     routes = {(method, route.path) for route in app.routes for method in route.methods - {"HEAD"}}
-    assert routes - {("GET", "/metrics")} == {(e.method, e.path) for e in endpoints()}
+    # `seerd serve`'s own routes (batches) sit beside a batch's API, behind the same signature check.
+    serve_routes = {(method, route.path) for route in Server.batch_routes(None).routes
+                    for method in route.methods - {"HEAD"}}
+    assert routes - {("GET", "/metrics")} == {(e.method, e.path) for e in endpoints()} - {("POST", BATCHES.path)}
+    assert serve_routes == {("POST", BATCHES.path), ("GET", BATCHES.path + "/{batch:int}"),
+                            ("GET", BATCHES.path + "/{batch:int}/groups")}
 
 
 def test_each_report_of_a_batch_decodes_on_its_own():

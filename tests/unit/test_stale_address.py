@@ -21,7 +21,7 @@ from seerd.ownership import take_ownership
 from seerd.status.locate import ask_coordinator
 from seerd.worker.client import CoordinatorClient, CoordinatorGone
 from seerd.worker.main import Worker
-from tests.unit.helpers import ScriptedEngine, scripted_tokens
+from tests.unit.helpers import ScriptedEngine, scripted_tokens, rollout_weights
 from tests.unit.test_export_live import GROUPS, N, build_run
 
 # Answers that would fool a client that believed them: a running rollout, an engine to load.
@@ -145,7 +145,8 @@ def test_a_restarted_coordinator_has_a_fresh_secret_and_its_worker_follows_it(tm
             secret, token = rundir.read_secret(), rundir.metrics_token_path.read_text()
             address = rundir.read_address()
             client = await CoordinatorClient.from_run_dir(rundir, patience_s=60.0)
-            worker = Worker(client, ScriptedEngine(length_of, max_chunks=2, pause_s=0.01), rank=0)
+            worker = Worker(client, ScriptedEngine(length_of, max_chunks=2, pause_s=0.01), rank=0,
+                            weights=rollout_weights(rundir))
             running = asyncio.create_task(worker.run())
             while first.book.state.finished_requests < 2:
                 await asyncio.sleep(0.01)
@@ -199,7 +200,8 @@ def test_a_worker_waits_out_an_impostor_and_goes_on_with_the_real_coordinator(tm
             real = rundir.read_address()
             rundir.write_address(impostor.host, impostor.port, 1)
             client = await CoordinatorClient.from_run_dir(rundir, patience_s=60.0)
-            worker = Worker(client, ScriptedEngine(lambda rid: 10, max_chunks=2, pause_s=0.0), rank=0)
+            worker = Worker(client, ScriptedEngine(lambda rid: 10, max_chunks=2, pause_s=0.0), rank=0,
+                            weights=rollout_weights(rundir))
             running = asyncio.create_task(worker.run())
             await asyncio.to_thread(impostor.got_one.wait, 30)
             rundir.write_address(*real, 1)  # the coordinator's address again (its restart, say)

@@ -14,7 +14,7 @@ from seerd.ownership import take_ownership
 from seerd.status.snapshot import read_snapshot
 from seerd.worker.client import CoordinatorClient
 from seerd.worker.main import Worker
-from tests.unit.helpers import ScriptedEngine
+from tests.unit.helpers import ScriptedEngine, rollout_weights
 from tests.unit.test_export_live import build_run
 
 
@@ -28,7 +28,8 @@ def test_each_workers_final_figures_are_in_the_database_after_the_run(tmp_path):
         await ready.wait()
         host, port = rundir.read_address()
         workers = [Worker(CoordinatorClient(f"http://{host}:{port}", rundir.read_secret()),
-                          ScriptedEngine(lambda rid: 24 + rid % 16, max_chunks=2, pause_s=0.005), rank)
+                          ScriptedEngine(lambda rid: 24 + rid % 16, max_chunks=2, pause_s=0.005), rank,
+                      rollout_weights(rundir))
                    for rank in (0, 1)]
 
         async def run_then_leave(worker: Worker) -> None:  # what the worker process does (worker.main.amain)

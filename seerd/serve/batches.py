@@ -1,0 +1,168 @@
+"""`seerd serve`'s batches: each one a rollout in the serve's database, created from a client's
+`BatchBody`, read back as its state and as the groups that ended.
+
+Creation checks a batch as `seerd run` checks a run (launch/prepare.validated: prompts, sampling
+settings by vLLM's rules, context length) against the serve's engine settings, plus that new
+weights are the serve's model (same config.json but for bookkeeping keys): the engines load them in
+place, which only works for the architecture they were started with. The previous finished batch
+seeds the length estimates (coordinator/prior.py, as `--prior`), so context-aware scheduling
+starts each iteration from the last one's lengths.
+
+Groups are streamed by event id: a group ends with the last `request_finished`/`request_failed`
+event of its requests, ids grow in commit order (one writer), so "the ended groups among those
+with such an event past the cursor" yields each group exactly once, in the order they ended.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from sqlalchemy import Connection, Engine, func, select
+from sqlalchemy.orm import Session
+
+from seerd.config import RunConfig, SamplingDefaults
+from seerd.coordinator.create import create_rollout
+from seerd.coordinator.model_identity import weight_version
+from seerd.db import Event, Group, Request, RequestStatus, Rollout, RolloutStatus, make_sessionmaker
+from seerd.io.export import group_rows
+from seerd.launch.prepare import BadRun, file_sha256, validated
+from seerd.protocol import BatchBody, BatchState, GroupsReply
+from seerd.rundir import RunDir
+
+# Keys of config.json that say how a checkpoint was saved, not what model it is.
+BOOKKEEPING_KEYS = frozenset({"_name_or_path", "transformers_version", "torch_dtype", "dtype"})
+ENDED = (RequestStatus.FINISHED, RequestStatus.FAILED)
+END_EVENTS = ("request_finished", "request_failed")
+GROUPS_PER_REPLY = 256  # ended groups per answer at most: a client catching up reads in pages
+
+
+class BatchRefused(ValueError):
+    """A batch that cannot run on this serve: bad prompts, settings or weights. Nothing was created."""
+
+
+def batch_dir(run_dir: RunDir, batch: int) -> RunDir:
+    """Where a batch's outputs go (rollouts.parquet, .jsonl, .meta.json): RUN_DIR/batches/N/."""
+    path = run_dir.path / "batches" / str(batch)
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return RunDir(path)
+
+
+def batch_config(base: RunConfig, body: BatchBody) -> RunConfig:
+    """The serve's settings with the batch's own: input, weights, sampling, key."""
+    sampling = base.sampling
+    sampling = SamplingDefaults(
+        temperature=sampling.temperature if body.temperature is None else body.temperature,
+        top_p=sampling.top_p if body.top_p is None else body.top_p,
+        top_k=sampling.top_k if body.top_k is None else body.top_k,
+        stop_token_ids=sampling.stop_token_ids)
+    return replace(base, input_path=str(Path(body.input).resolve()),
+                   model_path=str(Path(body.weights).resolve()) if body.weights else base.model_path,
+                   n=base.n if body.n is None else body.n,
+                   max_tokens=base.max_tokens if body.max_tokens is None else body.max_tokens,
+                   seed=base.seed if body.seed is None else body.seed, sampling=sampling,
+                   prior_run_dir=None, batch_key=body.key)
+
+
+def architecture_problem(base_model: str, weights: str) -> str | None:
+    """Why the checkpoint at `weights` cannot be loaded in place of `base_model`'s, or None."""
+    try:
+        ours, theirs = (json.loads((Path(path) / "config.json").read_text()) for path in (base_model, weights))
+    except (OSError, ValueError) as exc:
+        return f"cannot read the config.json of {weights} or {base_model}: {exc}"
+    differ = sorted(key for key in (ours.keys() | theirs.keys()) - BOOKKEEPING_KEYS if ours.get(key) != theirs.get(key))
+    if differ:
+        return (f"the weights {weights} are not of the serve's model {base_model} (config.json differs in "
+                f"{', '.join(differ[:8])}): the engines load new weights in place, into the same architecture")
+    return None
+
+
+def existing_batch(conn: Connection, key: str) -> int | None:
+    """The batch created with this client key, if any (a submission sent again)."""
+    for rollout_id, config_json in conn.execute(select(Rollout.id, Rollout.config_json).order_by(Rollout.id)):
+        if json.loads(config_json).get("batch_key") == key:
+            return rollout_id
+    return None
+
+
+def create_batch(engine: Engine, run_dir: RunDir, base: RunConfig, body: BatchBody) -> int:
+    """The batch's rollout id: created (one transaction, as `seerd run` creates a run), or the one
+    this key created before. BatchRefused with every problem, and nothing written, otherwise."""
+    sessions = make_sessionmaker(engine)
+    if not body.key:
+        raise BatchRefused("a batch needs a key (the client's name for it: sent again, it answers the same batch)")
+    with engine.connect() as conn:
+        if (found := existing_batch(conn, body.key)) is not None:
+            return found
+        previous = conn.execute(select(Rollout.id).where(Rollout.status == RolloutStatus.FINISHED)
+                                .order_by(Rollout.id.desc()).limit(1)).scalar()
+    config = batch_config(base, body)
+    if body.weights and (problem := architecture_problem(base.model_path, config.model_path)):
+        raise BatchRefused(problem)
+    try:
+        new = validated(config, Path(config.input_path), run_dir.path if previous else None, prior_rollout=previous)
+    except BadRun as exc:
+        raise BatchRefused(str(exc)) from None
+    with sessions.begin() as session:
+        if (found := existing_batch(session.connection(), body.key)) is not None:
+            return found
+        return create_rollout(session, new.config, new.rows, input_sha256=file_sha256(Path(config.input_path)),
+                              now=time.time(), prior=new.prior, model_fingerprint=new.model_fingerprint)
+
+
+def next_batch(conn: Connection) -> int | None:
+    """The batch to run next: the oldest not yet ended (one interrupted by a restart first of all)."""
+    return conn.execute(select(Rollout.id).where(Rollout.status.in_(
+        (RolloutStatus.CREATED, RolloutStatus.RUNNING, RolloutStatus.INTERRUPTED))).order_by(Rollout.id).limit(1)).scalar()
+
+
+def batch_state(conn: Connection, run_dir: RunDir, batch: int) -> BatchState | None:
+    rollout = conn.execute(select(Rollout.status, Rollout.status_reason, Rollout.model_path, Rollout.model_fingerprint)
+                           .where(Rollout.id == batch)).first()
+    if rollout is None:
+        return None
+    requests, ended = conn.execute(
+        select(func.count(), func.count().filter(Request.status.in_(ENDED))).where(Request.rollout_id == batch)).one()
+    unended = select(Request.group_id).where(Request.rollout_id == batch, Request.status.not_in(ENDED))
+    groups, groups_done = conn.execute(
+        select(func.count(), func.count().filter(Group.id.not_in(unended))).where(Group.rollout_id == batch)).one()
+    output = run_dir.path / "batches" / str(batch) / "rollouts.jsonl"
+    finished = rollout.status == RolloutStatus.FINISHED
+    return BatchState(batch, rollout.status.value, weight_version(rollout.model_path, rollout.model_fingerprint),
+                      groups, groups_done, requests, ended, rollout.status_reason,
+                      str(output) if finished and output.exists() else None)
+
+
+def ended_groups(conn: Connection, batch: int, after: int) -> GroupsReply | None:
+    """The groups of `batch` that ended with an event past `after` (see the module's docstring)."""
+    rollout = conn.execute(select(Rollout.status, Rollout.model_path, Rollout.model_fingerprint)
+                           .where(Rollout.id == batch)).first()
+    if rollout is None:
+        return None
+    events = conn.execute(
+        select(Event.id, Request.group_id).join(Request, Request.id == Event.request_id)
+        .where(Event.rollout_id == batch, Event.kind.in_(END_EVENTS), Event.id > after).order_by(Event.id)).all()
+    completion = {group_id: event_id for event_id, group_id in events}  # a group's last end event
+    unended = set(conn.execute(select(Request.group_id).where(
+        Request.group_id.in_(list(completion)), Request.status.not_in(ENDED))).scalars())
+    ended, cursor = [], after
+    for event_id, group_id in events:
+        if group_id not in unended and completion[group_id] == event_id:  # it ended with this event
+            if len(ended) == GROUPS_PER_REPLY:
+                break  # the next page starts here
+            ended.append(group_id)
+        cursor = event_id
+    groups = conn.execute(select(Group.id, Group.prompt_id, Group.group_index, Group.prompt_len)
+                          .where(Group.id.in_(ended))).all()
+    with Session(bind=conn) as session:
+        rows = group_rows(session, groups, Request.status.in_(ENDED))
+    version = weight_version(rollout.model_path, rollout.model_fingerprint)
+    by_index: dict[int, list[dict]] = {}
+    for row in rows:
+        by_index.setdefault(row["group_index"], []).append({**row, "weight_version": version})
+    index_of = {group.id: (group.group_index, group.prompt_id) for group in groups}
+    answer = [{"group_index": index_of[g][0], "prompt_id": index_of[g][1], "rows": by_index.get(index_of[g][0], [])}
+              for g in ended]
+    return GroupsReply(answer, cursor, rollout.status.value)
