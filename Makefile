@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 SEERD := $(VENV)/bin/seerd
 DEMO_RUN := runs/demo
 
-.PHONY: setup demo test unit clean-demo
+.PHONY: setup demo rl-demo test unit clean-demo
 
 setup:
 	@tools/setup.sh
@@ -20,6 +20,13 @@ demo: setup
 		--workers 2 --n 8 --max-tokens 2048 --chunk-tokens 256 --temperature 1.0 --dtype float32 --seed 0
 	$(SEERD) report $(DEMO_RUN)
 	$(PY) tools/show_outputs.py $(DEMO_RUN)
+
+# RL on the motif model, every rollout through `seerd serve` with the trainer's newest weights
+# (examples/grpo_motif.py, docs/training.md): 20 iterations, the reward per iteration printed and
+# plotted to runs/rl-demo/reward.png.
+rl-demo: setup
+	rm -rf runs/rl-demo
+	OMP_NUM_THREADS=1 $(PY) examples/grpo_motif.py --iterations 20 --work-dir runs/rl-demo
 
 test: setup
 	OMP_NUM_THREADS=1 $(PY) -m pytest
