@@ -373,7 +373,7 @@ class BatchState(msgspec.Struct):
 
 class GroupsReply(msgspec.Struct):
     """The groups of a batch that ended (every response finished or failed) since `after`, each
-    {"group_index", "prompt_id", "rows"} with the rows as rollouts.jsonl has them plus
+    {"group_index", "prompt_id", "prompt_token_ids", "rows"} with the rows as rollouts.jsonl has them plus
     `weight_version`; `cursor` is the next call's `after`; `status` the batch's in the same read."""
 
     groups: list[dict]

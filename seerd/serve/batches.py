@@ -27,6 +27,7 @@ from seerd.config import RunConfig, SamplingDefaults
 from seerd.coordinator.create import create_rollout
 from seerd.coordinator.model_identity import weight_version
 from seerd.db import Event, Group, Request, RequestStatus, Rollout, RolloutStatus, make_sessionmaker
+from seerd.io.codec import unpack_ints
 from seerd.io.export import group_rows
 from seerd.launch.prepare import BadRun, file_sha256, validated
 from seerd.protocol import BatchBody, BatchState, GroupsReply
@@ -154,15 +155,16 @@ def ended_groups(conn: Connection, batch: int, after: int) -> GroupsReply | None
                 break  # the next page starts here
             ended.append(group_id)
         cursor = event_id
-    groups = conn.execute(select(Group.id, Group.prompt_id, Group.group_index, Group.prompt_len)
-                          .where(Group.id.in_(ended))).all()
+    groups = conn.execute(select(Group.id, Group.prompt_id, Group.group_index, Group.prompt_len,
+                                 Group.prompt_token_ids).where(Group.id.in_(ended))).all()
     with Session(bind=conn) as session:
         rows = group_rows(session, groups, Request.status.in_(ENDED))
     version = weight_version(rollout.model_path, rollout.model_fingerprint)
     by_index: dict[int, list[dict]] = {}
     for row in rows:
         by_index.setdefault(row["group_index"], []).append({**row, "weight_version": version})
-    index_of = {group.id: (group.group_index, group.prompt_id) for group in groups}
-    answer = [{"group_index": index_of[g][0], "prompt_id": index_of[g][1], "rows": by_index.get(index_of[g][0], [])}
+    of = {group.id: group for group in groups}
+    answer = [{"group_index": of[g].group_index, "prompt_id": of[g].prompt_id,
+               "prompt_token_ids": unpack_ints(of[g].prompt_token_ids), "rows": by_index.get(of[g].group_index, [])}
               for g in ended]
     return GroupsReply(answer, cursor, rollout.status.value)

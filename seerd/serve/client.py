@@ -94,7 +94,7 @@ class Client:
 
     def groups(self, batch: int) -> Iterator[dict]:
         """Each group of `batch` once, as soon as its last response ended, until the batch ends:
-        {"group_index", "prompt_id", "rows"}. BatchFailed if it fails or the serve stops it."""
+        {"group_index", "prompt_id", "prompt_token_ids" (as the serve tokenized it), "rows"}. BatchFailed if it fails or the serve stops it."""
         after = 0
         while True:
             reply = msgspec.json.decode(self._call("GET", f"{BATCHES.path}/{batch}/groups",

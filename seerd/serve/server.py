@@ -88,8 +88,12 @@ class Dispatch:
 class Server:
     def __init__(self, run_dir: RunDir, ownership: Ownership, base: RunConfig, *, workers: int,
                  host: str = "127.0.0.1", port: int = 0, pool: WorkerPool | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, warning_signals: tuple[signal.Signals, ...] = ()) -> None:
+        """`warning_signals` (Slurm's, before a time limit): stop as SIGTERM does, and say so in
+        `warned`, for the launcher to requeue the job (the batch in flight resumes from the database)."""
         self.run_dir, self.ownership, self.base = run_dir, ownership, base
+        self.warning_signals = warning_signals
+        self.warned = False
         self.workers, self.host, self.port, self.clock = workers, host, port, clock
         self.pool = pool or WorkerPool(run_dir, workers, simulated=False)
         self.engine: Engine = open_database(run_dir)
@@ -153,6 +157,10 @@ class Server:
             return ErrorReply(str(exc))
 
     # ------------------------------------------------------------------ the serve's life
+    def _warned(self, reason: str) -> None:
+        self.warned = True
+        self.request_stop(reason)
+
     def request_stop(self, reason: str) -> None:
         if self.stop_reason is None:
             self.stop_reason = reason
@@ -175,6 +183,8 @@ class Server:
         loop = asyncio.get_running_loop()
         actions = {signum: partial(self.request_stop, f"signal {signum.name}")
                    for signum in (signal.SIGTERM, signal.SIGINT)}
+        actions.update({signum: partial(self._warned, f"warning signal {signum.name}")
+                        for signum in self.warning_signals})
         previous = {signum: signal.getsignal(signum) for signum in actions}
         for signum, action in actions.items():
             loop.add_signal_handler(signum, action)

@@ -28,9 +28,9 @@ def job_env() -> dict[str, str]:
     return env
 
 
-def sbatch(args: list[str], script_args: list[str], log_dir: Path) -> str:
+def sbatch(args: list[str], script_args: list[str], log_dir: Path, script: str = "rollout.sh") -> str:
     out = subprocess.run(["sbatch", "--parsable", f"--output={log_dir}/job-%j.out", *args,
-                          str(REPO_ROOT / "slurm" / "rollout.sh"), *script_args],
+                          str(REPO_ROOT / "slurm" / script), *script_args],
                          capture_output=True, text=True, timeout=60, env=job_env(), cwd=log_dir)
     assert out.returncode == 0, out.stderr
     job_id = out.stdout.strip().split(";")[0]

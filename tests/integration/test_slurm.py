@@ -257,3 +257,28 @@ def test_a_job_that_cannot_finish_exits_nonzero_with_the_reason(tmp_path, tiny_m
     assert status == "failed" and "drained after signal SIGUSR1" in reason and f"requeueing job {job} failed" in reason
     assert len(events(run_dir, "slurm_requeue_failed")) == 1
     assert not (run_dir / "rollouts.parquet").exists()  # outputs are written only when complete
+
+
+def test_sbatch_serve_runs_batches_and_serves_on_after_its_warning_signal(tmp_path, tiny_model_dir):
+    """slurm/serve.sh: a batch through the serve's job; its warning signal stops the serve and
+    requeues the job, and a client's next batch goes through while the job starts again."""
+    from seerd.serve.client import Client
+
+    run_dir = tmp_path / "serve"
+    job = sbatch(CPU_JOB, ["--model", str(tiny_model_dir), "--run-dir", str(run_dir), "--workers-per-node", "1",
+                           "--kv-cache-gib", "0.25", "--max-num-seqs", "16", "--chunk-tokens", "16", "--n", "2",
+                           "--max-tokens", "32", "--temperature", "0"], tmp_path, script="serve.sh")
+    log = tmp_path / f"job-{job}.out"
+    client = Client(run_dir, patience_s=400)
+    prompts = [{"id": f"p{g}", "prompt_token_ids": [5 + g, 9, 11, 40 + g]} for g in range(3)]
+    first = client.rollout(prompts)
+    assert len(first) == 6 and json.loads((run_dir / "coordinator.json").read_text())["host"] != "127.0.0.1"
+    assert subprocess.run(["scancel", "--batch", "--signal=USR1", job], timeout=60).returncode == 0
+    second = client.rollout(prompts)  # submitted while the serve stops, or to the requeued job
+    assert [r["token_ids"] for r in second] == [r["token_ids"] for r in first]  # greedy, the same weights
+    text = log.read_text()
+    assert "warning signal SIGUSR1" in text and f"requeued job {job}" in text, text[-3000:]
+    assert "Restarts=1" in scontrol_job(job)
+    assert db_rows(run_dir, "select status from rollouts order by id") == [("finished",), ("finished",)]
+    subprocess.run(["scancel", job], timeout=60)
+    assert wait_job_end(job, timeout=120, log=log)[0] == "CANCELLED"
