@@ -379,6 +379,7 @@ class GroupsReply(msgspec.Struct):
     groups: list[dict]
     cursor: int
     status: str
+    groups_total: int  # the batch's: a client that has them all needs to ask no more
 
 
 # ----------------------------------------------------------------------------- endpoints
@@ -410,6 +411,11 @@ DRAFTS_STATS = Endpoint[None, DraftStats]("GET", f"{API_PREFIX}/drafts/stats", N
 BATCHES = Endpoint("POST", f"{API_PREFIX}/batches", BatchBody, BatchState)
 # GET BATCHES.path/{batch}: its BatchState; GET BATCHES.path/{batch}/groups?after=N: a GroupsReply.
 BATCH_GROUPS_AFTER = "after"
+BATCH_GROUPS_WAIT = "wait"  # seconds to hold the call while nothing new ended (at most BATCH_WAIT_MAX_S)
+# `seerd serve`: a worker's GET CONFIG.path?after_batch=N&wait=S is held until a batch other than N
+# runs (or S seconds), so that it starts the next batch as soon as it is mounted.
+CONFIG_AFTER_BATCH = "after_batch"
+BATCH_WAIT_MAX_S = 10.0
 
 
 class BadReply(RuntimeError):

@@ -8,7 +8,9 @@ its coordinator and engines again. Both on the same engines settings and workers
 other (two engines at a time on this machine). Prints, per iteration, the wall time a trainer
 waits for its rows (submit to rows; `seerd run`: the whole command), the generation phase as the
 coordinator measured it (first lease to last report: engine start excluded), and the in-place
-reload time the workers reported; then medians over the iterations after the first and ratios.
+reload time the workers reported, and the generation phase of a second batch on the same weights
+(no reload: the batch after a reload against a warm one); then medians over the iterations after
+the first and ratios.
 
     .venv/bin/python tools/bench_serve.py [--model tools/motif_model/weights] [--iterations 5]
                                           [--groups 16] [--n 4] [--max-tokens 128] [--workers 2]
@@ -85,20 +87,30 @@ def main() -> int:
     log = open(work / "serve.log", "wb")
     serve = subprocess.Popen(seerd("serve", "--model", str(args.model.resolve()), "--run-dir", str(serve_dir), *engine),
                              stdout=log, stderr=subprocess.STDOUT, env=env(), cwd=REPO)
-    served = []
+    served, warm = [], []
     try:
         client = Client(serve_dir, patience_s=600)
-        for i, checkpoint in enumerate(checkpoints):
-            began = started if i == 0 else time.monotonic()  # the first waits for the engines too
-            state = client.submit(prompts, weights=checkpoint, seed=i)
+
+        def batch(checkpoint: Path, seed: int) -> tuple[float, int]:
+            began = time.monotonic()
+            state = client.submit(prompts, weights=checkpoint, seed=seed)
             rows = [row for group in client.groups(state.batch) for row in group["rows"]]
             assert len(rows) == args.groups * args.n
-            served.append((time.monotonic() - began, state.batch))
+            return time.monotonic() - began, state.batch
+
+        for i, checkpoint in enumerate(checkpoints):
+            wall, batch_id = batch(checkpoint, i)
+            served.append((wall + (time.monotonic() - started - wall if i == 0 else 0.0), batch_id))
+            # The same weights again (no reload): what the batch after a reload is compared with.
+            warm.append(batch(checkpoint, 1000 + i)[1])
+        while client.state(warm[-1]).status != "finished":  # its figures are written at its end
+            time.sleep(0.1)
     finally:
         serve.send_signal(signal.SIGTERM)
         serve.wait(timeout=300)
-    served = [(wall, generation_s(serve_dir / "state.db", batch), reload_s(serve_dir / "state.db", batch))
-              for wall, batch in served]
+    db = serve_dir / "state.db"
+    served = [(wall, generation_s(db, batch), reload_s(db, batch)) for wall, batch in served]
+    warm_generation = [generation_s(db, batch) for batch in warm]
 
     runs = []
     for i, checkpoint in enumerate(checkpoints):
@@ -114,10 +126,11 @@ def main() -> int:
 
     print(f"{args.iterations} iterations of {args.groups} groups x {args.n} responses, max {args.max_tokens} tokens, "
           f"{args.workers} workers, model {args.model}")
-    print("| iteration | serve: wall s | serve: generation s | serve: reload s | run: wall s | run: generation s |")
-    print("|---|---|---|---|---|---|")
-    for i, ((s_wall, s_gen, s_reload), (r_wall, r_gen)) in enumerate(zip(served, runs), 1):
-        print(f"| {i} | {s_wall:.2f} | {s_gen:.2f} | {s_reload:.3f} | {r_wall:.2f} | {r_gen:.2f} |")
+    print("| iteration | serve: wall s | serve: generation s | serve: reload s | serve, same weights again: "
+          "generation s | run: wall s | run: generation s |")
+    print("|---|---|---|---|---|---|---|")
+    for i, ((s_wall, s_gen, s_reload), w_gen, (r_wall, r_gen)) in enumerate(zip(served, warm_generation, runs), 1):
+        print(f"| {i} | {s_wall:.2f} | {s_gen:.2f} | {s_reload:.3f} | {w_gen:.2f} | {r_wall:.2f} | {r_gen:.2f} |")
     later = slice(1, None)
     s_wall = statistics.median(w for w, _, _ in served[later])
     r_wall = statistics.median(w for w, _ in runs[later])
@@ -125,7 +138,10 @@ def main() -> int:
     r_gen = statistics.median(g for _, g in runs[later])
     print(f"medians over iterations 2..{args.iterations}: wall serve {s_wall:.2f} s, run {r_wall:.2f} s "
           f"(run / serve {r_wall / s_wall:.2f}x); generation serve {s_gen:.2f} s, run {r_gen:.2f} s "
-          f"(run / serve {r_gen / s_gen:.2f}x); reload {statistics.median(r for _, _, r in served[later]):.3f} s")
+          f"(run / serve {r_gen / s_gen:.2f}x); reload {statistics.median(r for _, _, r in served[later]):.3f} s; "
+          f"the batch after a reload against the same weights again: generation "
+          f"{s_gen:.2f} s / {statistics.median(warm_generation[later]):.2f} s "
+          f"({s_gen / statistics.median(warm_generation[later]):.2f}x)")
     print(f"(work kept in {work})")
     return 0
 

@@ -53,6 +53,9 @@ EXPIRY_INTERVAL_S = 0.5
 # After the last response, keep answering for this long so that every worker hears "done" and
 # says goodbye with its final figures (what `seerd status` and `seerd report` show afterwards).
 DONE_LINGER_S = 5.0
+# `seerd serve` with grouped drafting: the last this many finished batches' responses to the same
+# prompts seed a batch's draft server (its start reads them all: more would slow every start).
+HISTORY_BATCHES = 2
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
@@ -229,18 +232,28 @@ class Coordinator:
         if self.drafts is None:
             return
         self.drafts.seed(await self.control.run(book_sequences, self.book))
-        history = self.config.spec.history_run_dir
-        if history:
+        history, rollouts = self.config.spec.history_run_dir, None
+        if self.serving:  # the serve's earlier batches of the same prompts, from its own database
+            history, rollouts = str(self.run_dir.path), self._earlier_batches()
+        if history and rollouts != []:
             try:
                 seeded = history_sequences(RunDir(Path(history)).db_path, self.run_dir.db_path,
-                                           list(self.book.state.unfinished_groups), ownership=self.ownership)
+                                           list(self.book.state.unfinished_groups), ownership=self.ownership,
+                                           rollouts=rollouts)
             except UnreadableDatabase as exc:  # drafting from history is an accelerator: say so, go on
                 log.warning("--spec-history %s unreadable, drafting without it: %s", history, exc)
                 seeded = {}
             self.drafts.seed(seeded)
             await self.control.run(self.record_event, "spec_history_seeded",
-                                   {"run_dir": history, "groups": len(seeded),
+                                   {"run_dir": history, "groups": len(seeded), "rollouts": rollouts,
                                     "responses": sum(len(v) for v in seeded.values())})
+
+    def _earlier_batches(self) -> list[int]:
+        """`seerd serve`: the finished batches before this one whose responses seed its drafts."""
+        with self.engine.connect() as conn:
+            return list(conn.execute(select(Rollout.id).where(Rollout.id < self.rollout_id,
+                                                              Rollout.status == RolloutStatus.FINISHED)
+                                     .order_by(Rollout.id.desc()).limit(HISTORY_BATCHES)).scalars())
 
     def status_snapshot(self, tail_rows: int, status: StatusReply) -> dict:
         """`seerd status`'s snapshot, read here for a host that may not open the database itself

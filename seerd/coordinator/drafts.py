@@ -93,10 +93,12 @@ def book_sequences(book) -> dict[int, dict[int, list[int]]]:  # noqa: ANN001
 
 
 def history_sequences(history_db: Path, this_db: Path, groups: Sequence[int], *,
-                      ownership: Ownership | None = None) -> dict[int, dict[int, list[int]]]:
+                      ownership: Ownership | None = None,
+                      rollouts: Sequence[int] | None = None) -> dict[int, dict[int, list[int]]]:
     """Responses of an earlier rollout of the same prompts (matched by prompt hash), as extra
     sequences of this run's groups, keyed by negative request ids so they never meet real ones.
     `ownership`: the coordinator's, of this run (its own database is never a remote coordinator's).
+    `rollouts`: only these rollouts of `history_db` (`seerd serve`: its earlier batches, same database).
 
     Raises seerd.db.read.UnreadableDatabase."""
     from seerd.io.codec import unpack_ints
@@ -108,8 +110,8 @@ def history_sequences(history_db: Path, this_db: Path, groups: Sequence[int], *,
             if gid in wanted:
                 by_hash[prompt_hash].append(gid)
     responses: dict[str, dict[int, list[int]]] = defaultdict(dict)
-    with read.reading(history_db) as old:
-        for _, prompt_hash, rid, blob in read.finished_response_chunks(old):
+    with read.reading(history_db, ownership=ownership if history_db == this_db else None) as old:
+        for _, prompt_hash, rid, blob in read.finished_response_chunks(old, rollouts):
             if prompt_hash in by_hash:
                 per_prompt = responses[prompt_hash]
                 if rid in per_prompt or len(per_prompt) < HISTORY_RESPONSES_PER_PROMPT:

@@ -32,7 +32,7 @@ import json
 import os
 import sqlite3
 import urllib.parse
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
@@ -356,13 +356,16 @@ def prompt_hashes(conn: Connection) -> list[Row]:
     return conn.execute(select(Group.id, Group.prompt_hash)).all()
 
 
-def finished_response_chunks(conn: Connection) -> Iterable[Row]:
-    """Every finished response as its done chunks' tokens, request by request, in order:
-    (group_id, prompt_hash, request_id, token_ids), token_ids an int32 blob."""
-    return conn.execute(select(Group.id.label("group_id"), Group.prompt_hash,
-                               Request.id.label("request_id"), Chunk.token_ids)
-                        .select_from(Request)
-                        .join(Group, Group.id == Request.group_id)
-                        .join(Chunk, (Chunk.request_id == Request.id) & (Chunk.status == ChunkStatus.DONE))
-                        .where(Request.status == RequestStatus.FINISHED)
-                        .order_by(Request.id, Chunk.seq))
+def finished_response_chunks(conn: Connection, rollouts: Sequence[int] | None = None) -> Iterable[Row]:
+    """Every finished response (of `rollouts` only, when given) as its done chunks' tokens,
+    request by request, in order: (group_id, prompt_hash, request_id, token_ids), token_ids an
+    int32 blob."""
+    query = (select(Group.id.label("group_id"), Group.prompt_hash, Request.id.label("request_id"), Chunk.token_ids)
+             .select_from(Request)
+             .join(Group, Group.id == Request.group_id)
+             .join(Chunk, (Chunk.request_id == Request.id) & (Chunk.status == ChunkStatus.DONE))
+             .where(Request.status == RequestStatus.FINISHED)
+             .order_by(Request.id, Chunk.seq))
+    if rollouts is not None:
+        query = query.where(Request.rollout_id.in_(list(rollouts)))
+    return conn.execute(query)

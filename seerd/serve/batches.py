@@ -3,8 +3,10 @@
 
 Creation checks a batch as `seerd run` checks a run (launch/prepare.validated: prompts, sampling
 settings by vLLM's rules, context length) against the serve's engine settings, plus that new
-weights are the serve's model (same config.json but for bookkeeping keys): the engines load them in
-place, which only works for the architecture they were started with. The previous finished batch
+weights are the serve's model (same config.json but for bookkeeping keys, the same tensors by name,
+dtype and shape, no truncated file): the engines load them in place, which only works for the
+architecture they were started with, and a checkpoint they fail to load would take the workers
+down rather than the batch. The previous finished batch
 seeds the length estimates (coordinator/prior.py, as `--prior`), so context-aware scheduling
 starts each iteration from the last one's lengths.
 
@@ -16,6 +18,8 @@ with such an event past the cursor" yields each group exactly once, in the order
 from __future__ import annotations
 
 import json
+import os
+import struct
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -80,6 +84,47 @@ def architecture_problem(base_model: str, weights: str) -> str | None:
     return None
 
 
+def tensor_layout(model_dir: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """{tensor name: (dtype, shape)} over the checkpoint's safetensors files, from their headers
+    (ValueError for a file whose header is unreadable or whose data is shorter than it says)."""
+    layout: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for shard in sorted(Path(model_dir).glob("*.safetensors")):
+        with open(shard, "rb") as handle:
+            head = handle.read(8)
+            length = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+            size = os.fstat(handle.fileno()).st_size
+            if not 0 < length <= size - 8:
+                raise ValueError(f"{shard.name} is not a safetensors file")
+            try:
+                header = json.loads(handle.read(length))
+            except ValueError:
+                raise ValueError(f"{shard.name}: unreadable safetensors header") from None
+        header.pop("__metadata__", None)
+        end = max((entry["data_offsets"][1] for entry in header.values()), default=0)
+        if 8 + length + end > size:
+            raise ValueError(f"{shard.name} is truncated: {size} bytes, its header needs {8 + length + end}")
+        layout.update({name: (entry["dtype"], tuple(entry["shape"])) for name, entry in header.items()})
+    return layout
+
+
+def weights_problem(base_model: str, weights: str) -> str | None:
+    """Why the engines could not load `weights` in place of `base_model`'s: another architecture
+    (config.json), other tensors (names, dtypes, shapes), a truncated file; None when they can."""
+    if (problem := architecture_problem(base_model, weights)) is not None:
+        return problem
+    try:
+        ours, theirs = tensor_layout(base_model), tensor_layout(weights)
+    except (OSError, ValueError) as exc:
+        return f"the weights {weights} cannot be read: {exc}"
+    if not theirs:
+        return f"the weights {weights} hold no safetensors files"
+    differ = sorted(name for name in ours.keys() | theirs.keys() if ours.get(name) != theirs.get(name))
+    if differ:
+        return (f"the weights {weights} do not hold the tensors of the serve's model {base_model} "
+                f"(names, dtypes or shapes differ: {', '.join(differ[:5])}{' ...' if len(differ) > 5 else ''})")
+    return None
+
+
 def existing_batch(conn: Connection, key: str) -> int | None:
     """The batch created with this client key, if any (a submission sent again)."""
     for rollout_id, config_json in conn.execute(select(Rollout.id, Rollout.config_json).order_by(Rollout.id)):
@@ -100,7 +145,7 @@ def create_batch(engine: Engine, run_dir: RunDir, base: RunConfig, body: BatchBo
         previous = conn.execute(select(Rollout.id).where(Rollout.status == RolloutStatus.FINISHED)
                                 .order_by(Rollout.id.desc()).limit(1)).scalar()
     config = batch_config(base, body)
-    if body.weights and (problem := architecture_problem(base.model_path, config.model_path)):
+    if body.weights and (problem := weights_problem(base.model_path, config.model_path)):
         raise BatchRefused(problem)
     try:
         new = validated(config, Path(config.input_path), run_dir.path if previous else None, prior_rollout=previous)
@@ -142,6 +187,7 @@ def ended_groups(conn: Connection, batch: int, after: int) -> GroupsReply | None
                            .where(Rollout.id == batch)).first()
     if rollout is None:
         return None
+    total = conn.execute(select(func.count()).where(Group.rollout_id == batch)).scalar_one()
     events = conn.execute(
         select(Event.id, Request.group_id).join(Request, Request.id == Event.request_id)
         .where(Event.rollout_id == batch, Event.kind.in_(END_EVENTS), Event.id > after).order_by(Event.id)).all()
@@ -167,4 +213,4 @@ def ended_groups(conn: Connection, batch: int, after: int) -> GroupsReply | None
     answer = [{"group_index": of[g].group_index, "prompt_id": of[g].prompt_id,
                "prompt_token_ids": unpack_ints(of[g].prompt_token_ids), "rows": by_index.get(of[g].group_index, [])}
               for g in ended]
-    return GroupsReply(answer, cursor, rollout.status.value)
+    return GroupsReply(answer, cursor, rollout.status.value, total)

@@ -25,12 +25,13 @@ from pathlib import Path
 import httpx
 import msgspec
 
-from seerd.protocol import BATCH_GROUPS_AFTER, BATCHES, BatchBody, BatchState, ErrorReply, GroupsReply
+from seerd.protocol import BATCH_GROUPS_AFTER, BATCH_GROUPS_WAIT, BATCHES, BatchBody, BatchState, ErrorReply, GroupsReply
 from seerd.rundir import RunDir, RunDirError, write_private
 from seerd.signing import Signer, call_key, httpx_auth
 
 SAMPLING_OPTIONS = ("n", "max_tokens", "temperature", "top_p", "top_k", "seed")
-POLL_S = 0.25
+POLL_S = 0.25  # between calls the serve did not answer
+GROUPS_WAIT_S = 5.0  # how long the serve may hold a call for groups while none ends
 
 
 class ServeError(RuntimeError):
@@ -59,7 +60,7 @@ class Client:
             try:
                 host, port = self.run_dir.read_address()
                 secret = self.run_dir.read_secret()
-                reply = httpx.request(method, f"http://{host}:{port}{path}", params=params, timeout=30.0,
+                reply = httpx.request(method, f"http://{host}:{port}{path}", params=params, timeout=60.0,
                                       content=None if body is None else msgspec.json.encode(body),
                                       auth=httpx_auth(Signer(call_key(secret, f"{host}:{port}"))))
             except (RunDirError, httpx.HTTPError) as exc:
@@ -95,21 +96,20 @@ class Client:
     def groups(self, batch: int) -> Iterator[dict]:
         """Each group of `batch` once, as soon as its last response ended, until the batch ends:
         {"group_index", "prompt_id", "prompt_token_ids" (as the serve tokenized it), "rows"}. BatchFailed if it fails or the serve stops it."""
-        after = 0
+        after, delivered = 0, 0
         while True:
-            reply = msgspec.json.decode(self._call("GET", f"{BATCHES.path}/{batch}/groups",
-                                                   params={BATCH_GROUPS_AFTER: after}), type=GroupsReply)
+            reply = msgspec.json.decode(self._call("GET", f"{BATCHES.path}/{batch}/groups", params={
+                BATCH_GROUPS_AFTER: after, BATCH_GROUPS_WAIT: GROUPS_WAIT_S}), type=GroupsReply)
             yield from reply.groups
-            moved, after = reply.cursor != after, reply.cursor
-            if moved:
-                continue  # a page, or more may have ended meanwhile: read on at once
-            if reply.status == "finished":
+            delivered += len(reply.groups)
+            if delivered >= reply.groups_total:  # every group ended (the batch may still be exporting)
                 return
+            after = reply.cursor
             if reply.status == "failed":
                 raise BatchFailed(f"batch {batch} failed: {self.state(batch).reason}")
             # "interrupted": the serve is stopping; a serve started again runs the batch on, and
-            # the calls wait for it up to the patience.
-            time.sleep(self.poll_s)
+            # the calls wait for it up to the patience. The serve holds each call while nothing
+            # ends (GROUPS_WAIT_S), so this loop asks again at once.
 
     def stream(self, prompts: Iterable[dict] | str | os.PathLike, weights: str | os.PathLike | None = None,
                **sampling: object) -> Iterator[dict]:

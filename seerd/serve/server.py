@@ -14,6 +14,7 @@ started again runs the unfinished batch first, as `seerd resume` would.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -43,7 +44,10 @@ from seerd.db.transitions import change_one
 from seerd.db.read import UnreadableDatabase, reading
 from seerd.launch.local import WorkerPool
 from seerd.ownership import Ownership
-from seerd.protocol import BATCH_GROUPS_AFTER, BATCHES, CONFIG, BatchBody, EngineSettings, ErrorReply
+from seerd.protocol import (
+    BATCH_GROUPS_AFTER, BATCH_GROUPS_WAIT, BATCH_WAIT_MAX_S, BATCHES, CONFIG, CONFIG_AFTER_BATCH, BatchBody,
+    EngineSettings, ErrorReply, GroupsReply,
+)
 from seerd.rundir import RunDir
 from seerd.serve.batches import BatchRefused, batch_dir, batch_state, create_batch, ended_groups, next_batch
 
@@ -66,15 +70,37 @@ class Dispatch:
         self.batches = batches
         self.idle = msgspec.json.encode(idle_settings)
         self.batch_app: Starlette | None = None
+        self.batch: int | None = None
+        self.changed = asyncio.Event()  # replaced (and set) at every change: batch mounted, group ended
 
-    def mount(self, app: Starlette | None) -> None:
-        self.batch_app = app
+    def mount(self, app: Starlette | None, batch: int | None = None) -> None:
+        self.batch_app, self.batch = app, batch
+        self.notify()
+
+    def notify(self) -> None:
+        """Wake the calls held for a change (on the event loop)."""
+        changed, self.changed = self.changed, asyncio.Event()
+        changed.set()
+
+    async def _wait_for_batch(self, scope) -> None:  # noqa: ANN001
+        """A worker's `CONFIG_AFTER_BATCH` call: held until another batch is mounted, or its wait."""
+        query = dict(pair.split("=", 1) for pair in scope["query_string"].decode().split("&") if "=" in pair)
+        try:
+            after, wait = int(query[CONFIG_AFTER_BATCH]), min(float(query.get(BATCH_GROUPS_WAIT, "0")), BATCH_WAIT_MAX_S)
+        except (KeyError, ValueError):
+            return
+        deadline = time.monotonic() + wait
+        while (self.batch_app is None or self.batch == after) and time.monotonic() < deadline:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.changed.wait(), deadline - time.monotonic())
 
     async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001
         if scope["type"] != "http":
             return None
         if scope["path"].startswith(BATCHES.path):
             return await self.batches(scope, receive, send)
+        if scope["path"] == CONFIG.path and scope["query_string"]:
+            await self._wait_for_batch(scope)
         app = self.batch_app
         if app is not None:
             return await app(scope, receive, send)
@@ -127,13 +153,25 @@ class Server:
             return await self._state(request.path_params["batch"])
 
         async def groups(request: Request) -> Response:
-            after = request.query_params.get(BATCH_GROUPS_AFTER, "0")
-            if not (after.isascii() and after.isdigit()):
-                return _json(ErrorReply(f"{BATCH_GROUPS_AFTER} must be a non-negative integer"), 422)
-            reply = await self._read(ended_groups, request.path_params["batch"], int(after))
-            if reply is None:
-                return _json(ErrorReply(f"no batch {request.path_params['batch']}"), 404)
-            return _json(reply)
+            after, wait = request.query_params.get(BATCH_GROUPS_AFTER, "0"), request.query_params.get(BATCH_GROUPS_WAIT, "0")
+            try:
+                wait_s = min(float(wait), BATCH_WAIT_MAX_S)
+            except ValueError:
+                wait_s = -1.0
+            if not (after.isascii() and after.isdigit()) or not wait_s >= 0:
+                return _json(ErrorReply(f"{BATCH_GROUPS_AFTER} must be a non-negative integer, {BATCH_GROUPS_WAIT} "
+                                        f"a number of seconds"), 422)
+            deadline = time.monotonic() + wait_s
+            while True:  # held while nothing new ended: the client hears of a group when it ends
+                changed = self.dispatch.changed
+                reply = await self._read(ended_groups, request.path_params["batch"], int(after))
+                if reply is None:
+                    return _json(ErrorReply(f"no batch {request.path_params['batch']}"), 404)
+                if (not isinstance(reply, GroupsReply) or reply.groups or reply.cursor != int(after)
+                        or reply.status in ("finished", "failed") or time.monotonic() >= deadline):
+                    return _json(reply)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(changed.wait(), deadline - time.monotonic())
 
         return Starlette(routes=[Route(BATCHES.path, submit, methods=["POST"]),
                                  Route(BATCHES.path + "/{batch:int}", state, methods=["GET"]),
@@ -244,8 +282,17 @@ class Server:
         self.current = coordinator
         if self.stop_reason is not None:
             coordinator.request_stop(self.stop_reason)
+        loop = asyncio.get_running_loop()
+        ended = coordinator.book.on_group_finished  # the draft server's and the pool's, if any
+
+        def group_ended(group_id: int) -> None:  # on the batch's state thread, after the commit
+            if ended is not None:
+                ended(group_id)
+            loop.call_soon_threadsafe(self.dispatch.notify)
+
+        coordinator.book.on_group_finished = group_ended
         try:
-            result = await coordinator.serve_batch(self.dispatch.mount, secret, address,
+            result = await coordinator.serve_batch(partial(self._mount, batch), secret, address,
                                                    on_tick=lambda _counts: self._supervise())
         except Exception as exc:
             log.exception("batch %d failed", batch)
@@ -253,11 +300,15 @@ class Server:
             return None
         finally:
             self.current = None
+            self.dispatch.notify()  # its status changed: held group calls answer at once
         self.batches_run += 1
         if self.pool.exhausted:
             coordinator.mark_failed(result.reason or "workers exited")
         log.info("batch %d: %s", batch, result.status.value)
         return result
+
+    def _mount(self, batch: int, app: Starlette | None) -> None:
+        self.dispatch.mount(app, batch if app is not None else None)
 
     def _fail(self, batch: int, reason: str) -> None:
         log.error("batch %d cannot run: %s", batch, reason)

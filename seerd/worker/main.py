@@ -27,8 +27,9 @@ from seerd.drafts.drafter import drafter_stats
 from seerd.event_loop import run_event_loop
 from seerd.kvpool.pool import pool_stats
 from seerd.protocol import (
-    CONFIG, HEARTBEAT, LEASE, LEASE_LONG_POLL_S, REGISTER, RELEASE, REPORT, ChunkGrant, ChunkReport, EngineSettings,
-    HeartbeatBody, LeaseBody, RegisterBody, ReleaseBody, ReportBody, ReportReply, lease_key, parse_engine_id,
+    BATCH_GROUPS_WAIT, CONFIG, CONFIG_AFTER_BATCH, HEARTBEAT, LEASE, LEASE_LONG_POLL_S, REGISTER, RELEASE, REPORT,
+    ChunkGrant, ChunkReport, Endpoint, EngineSettings, HeartbeatBody, LeaseBody, RegisterBody, ReleaseBody, ReportBody,
+    ReportReply, lease_key, parse_engine_id,
 )
 from seerd.rundir import RunDir
 from seerd.worker.client import (
@@ -408,14 +409,18 @@ async def amain(run_dir: RunDir, rank: int, patience_s: float, address_timeout_s
     return 0
 
 
-BATCH_POLL_S = 0.2
+BATCH_POLL_S = 0.2  # between two calls for the next batch when the serve answered at once
+BATCH_WAIT_S = 5.0  # how long the serve may hold one
 
 
 async def next_batch(client: CoordinatorClient, after: int | None) -> EngineSettings:
     """The engine settings of the rollout to run: at once for `seerd run`; under `seerd serve`,
     once a batch other than `after` runs (the serve answers `batch` None between batches)."""
+    # Held by the serve until another batch runs (protocol.CONFIG_AFTER_BATCH); `after` None asks at once.
+    held = CONFIG if after is None else Endpoint(
+        "GET", f"{CONFIG.path}?{CONFIG_AFTER_BATCH}={after}&{BATCH_GROUPS_WAIT}={BATCH_WAIT_S}", None, EngineSettings)
     while True:
-        settings = await client.call_until_answered(CONFIG)
+        settings = await client.call_until_answered(held)
         if not settings.serving or (settings.batch is not None and settings.batch != after):
             return settings
         await asyncio.sleep(BATCH_POLL_S)

@@ -78,7 +78,10 @@ def test_batches_under_new_weights_stream_and_match_a_fresh_run(tiny_model_dir, 
         with pytest.raises(ServeError, match="outside|vocab"):
             client.submit(tmp_path / "bad.jsonl")
         assert db_rows(run_dir, "select count(*) from rollouts")[0][0] == 2
-        assert (run_dir / "batches" / str(state.batch) / "rollouts.jsonl").exists()
+        # The client has every group once they ended; the batch's export follows.
+        output = wait_for(lambda: client.state(state.batch).output, 60, "batch 2's export")
+        assert output == str(run_dir / "batches" / str(state.batch) / "rollouts.jsonl")
+        assert len(Path(output).read_text().splitlines()) == 8
     finally:
         code = stop(serve)
     assert code == 0, (tmp_path / "serve.log").read_text()[-3000:]
@@ -125,6 +128,7 @@ def test_a_killed_serve_resumes_its_batch_and_the_client_gets_every_group_once(t
         serve.wait(timeout=60)
         serve = start_serve(tiny_model_dir, run_dir, tmp_path / "serve-2.log")
         seen.extend(groups)  # the same iterator, across the restart
+        wait_for(lambda: client.state(state.batch).status == "finished", 60, "the batch's end")
     finally:
         code = stop(serve)
     assert code == 0, (tmp_path / "serve-2.log").read_text()[-3000:]

@@ -31,7 +31,7 @@ MESSAGES = [
                    "model/@0123456789abcdef", True, 3),
     BatchBody("/data/prompts.jsonl", "k1", "/ckpt/step-3", 8, 256, 1.0, 0.9, 50, 7),
     BatchState(3, "running", "/ckpt/step-3@0123456789abcdef", 4, 1, 32, 9, "why", "/run/batches/3/rollouts.jsonl"),
-    GroupsReply([{"group_index": 0, "prompt_id": "p0", "rows": [{"token_ids": [1, 2]}]}], 41, "running"),
+    GroupsReply([{"group_index": 0, "prompt_id": "p0", "rows": [{"token_ids": [1, 2]}]}], 41, "running", 4),
     LeaseBody("w0", 3, 1.0),
     GRANT,
     LeaseReply([GRANT, ChunkGrant(12, 1, 6, [1], 8, {}, 1031.0)], done=False, retry_after_s=0.05),
