@@ -139,3 +139,41 @@ def test_a_killed_serve_resumes_its_batch_and_the_client_gets_every_group_once(t
     assert db_rows(run_dir, "select count(*) from events where kind = 'rollout_resumed'")[0][0] == 1
     long_rows = [r for r in rows if r["prompt_id"] == "long"]
     assert all(len(r["token_ids"]) == LONG for r in long_rows)
+
+
+def test_grouped_drafting_under_serve_draws_on_the_previous_batch(tmp_path):
+    """`--spec grouped` on the motif model (drafts are accepted there): the second batch of the
+    same prompts starts its draft server from the first batch's responses, and drafting changes no
+    greedy output."""
+    import sys
+
+    from tests.integration.harness import REPO_ROOT
+
+    sys.path.insert(0, str(REPO_ROOT / "tools"))
+    from motif_model.corpus import make_prompts
+
+    model = REPO_ROOT / "tools" / "motif_model" / "weights"
+    run_dir = tmp_path / "serve"
+    serve = start_seerd("serve", "--model", str(model), "--run-dir", str(run_dir), "--workers", "1",
+                        "--kv-cache-gib", "0.25", "--max-num-seqs", "32", "--dtype", "float32", "--chunk-tokens", "96",
+                        "--spec", "grouped", "--n", "2", "--max-tokens", "192", "--temperature", "0",
+                        log=tmp_path / "serve.log")
+    try:
+        client = Client(run_dir)
+        prompts = make_prompts(4, seed=5)
+        first, second = client.rollout(prompts), client.rollout(prompts)
+        wait_for(lambda: client.state(2).status == "finished", 60, "the second batch's end")
+    finally:
+        code = stop(serve)
+    assert code == 0, (tmp_path / "serve.log").read_text()[-3000:]
+    assert [r["token_ids"] for r in second] == [r["token_ids"] for r in first]
+    (data,) = db_rows(run_dir, "select data_json from events where kind = 'spec_history_seeded' and rollout_id = 2")[0]
+    seeded = json.loads(data)
+    assert seeded["rollouts"] == [1] and seeded["groups"] == 4 and seeded["responses"] == 8
+    assert not db_rows(run_dir, "select id from events where kind = 'spec_history_seeded' and rollout_id = 1")
+
+    def accepted(batch: int) -> int:  # the worker process's drafter totals, as of the batch's end
+        return max(json.loads(stats)["spec"]["accepted"] for (stats,) in db_rows(
+            run_dir, "select stats_json from workers where rollout_id = ? and stats_json is not null", (batch,)))
+
+    assert accepted(2) > accepted(1) > 0  # drafts were accepted in each batch
