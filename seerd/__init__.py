@@ -21,6 +21,18 @@ def submit(input, model, run_dir, *, cluster=None, folder=None, **options):  # n
     return _submit(input, model, run_dir, cluster=cluster, folder=folder, **options)
 
 
+def submit_serve(model, run_dir, *, cluster=None, folder=None, **options):  # noqa: ANN001, ANN003, ANN201
+    """Submit `seerd serve` as a submitit job; return its handle (`job_id`, `client()` for batches,
+    `done()`, `cancel()`). `model`, `run_dir` and the options are those of `seerd serve` by
+    parameter name (`policy`, `chunk_tokens`, `n`, `max_tokens`, ..., `engine_args`), Slurm
+    resources those of `seerd.submit`. Bad settings raise `seerd.launch.prepare.BadRun` before
+    anything is submitted. The serve runs until the job is cancelled or its time is up (its
+    warning signal requeues it)."""
+    from seerd.serve.launch import submit_serve as _submit_serve
+
+    return _submit_serve(model, run_dir, cluster=cluster, folder=folder, **options)
+
+
 def __getattr__(name: str):  # noqa: ANN202 - `seerd.Client` without importing httpx for every user of seerd
     if name == "Client":
         from seerd.serve.client import Client

@@ -103,6 +103,10 @@ PRIOR_OPTION = click.option(
     help="A finished earlier run of the same prompts: its longest response per prompt seeds each "
          "group's length estimate (matched by a hash of the prompt tokens).")
 ROLLOUT_OPTIONS = [INPUT_OPTION, *ENGINE_OPTIONS, PRIOR_OPTION]
+# `seerd submit`: a rollout (--input), or with --serve a serve (no input: batches come later).
+SUBMIT_OPTIONS = [click.option("--input", "input_path", default=None, type=click.Path(path_type=Path),
+                               help="Prompt file: .jsonl or .parquet (veRL's layout loads); not with --serve."),
+                  *ENGINE_OPTIONS, PRIOR_OPTION]
 
 ENGINE_ARG_OPTION = click.option(
     "--engine-arg", "engine_args", multiple=True, metavar="KEY=VALUE",
@@ -117,6 +121,12 @@ ALLOW_MODEL_CHANGE_OPTION = click.option(
 
 def rollout_options(command: Callable) -> Callable:
     for option in reversed(ROLLOUT_OPTIONS):
+        command = option(command)
+    return command
+
+
+def submit_options(command: Callable) -> Callable:
+    for option in reversed(SUBMIT_OPTIONS):
         command = option(command)
     return command
 

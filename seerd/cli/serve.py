@@ -7,56 +7,43 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from seerd.cli import ui
 from seerd.cli.launching import EXIT_BAD_INPUT, EXIT_INCOMPLETE, EXIT_OK, exit_2_on
 from seerd.cli.options import ENGINE_ARG_OPTION, engine_options
-from seerd.config import ConfigError, RunConfig, build_config
+from seerd.config import ConfigError, RunConfig
 from seerd.launch.prepare import BadRun, own
 from seerd.ownership import Ownership
 from seerd.rundir import RunDir, write_private
 
-
-def serve_config(workers: int, options: dict) -> RunConfig:
-    """The serve's settings, checked as `seerd run` checks a run's (ConfigError otherwise): the
-    engines', and the sampling defaults of batches that name none."""
-    from seerd.io.prompts import ModelDirError, load_model_limits
-    from seerd.launch.engine_rules import SamplingCheck, context_length, with_context_length
-
-    config = build_config(workers=workers, input_path=Path(os.devnull), prior_dir=None, **options)
-    config.validate()
-    if config.engine.api == "sim":
-        raise ConfigError("seerd serve runs vLLM engines: --engine-api sim is for `seerd run` and tools/load.py")
-    if config.kv_pool.mode != "off":
-        raise ConfigError("seerd serve has no KV pool yet (its pool lives as long as one batch): use --kv-pool off")
-    try:
-        context = context_length(config.engine, load_model_limits(config.model_dir))
-    except ModelDirError as exc:
-        raise ConfigError(str(exc)) from None
-    problem = SamplingCheck(config).options_problem()
-    if problem:
-        raise ConfigError(problem)
-    return with_context_length(config, context)
+if TYPE_CHECKING:
+    from seerd.serve.launch import ServeOutcome
 
 
-def _serve_setup(workers: int, options: dict) -> tuple[RunDir, Ownership, RunConfig]:
-    """The serve's settings checked, its run directory owned, its database there (exit 2 otherwise)."""
-    from seerd.db import make_engine
-    from seerd.db.migrate import upgrade
+def _owned_serve(workers: int, options: dict) -> tuple[RunDir, Ownership, RunConfig]:
+    """The serve's settings checked and its run directory owned (exit 2 otherwise)."""
+    from seerd.serve.launch import serve_config
 
     with exit_2_on(BadRun, ConfigError):
         config = serve_config(workers, options)
         rundir = RunDir(options["run_dir"].resolve())
         rundir.path.mkdir(parents=True, exist_ok=True, mode=0o700)
         ownership = own(rundir)
-    if not rundir.exists():
-        rundir.create()
-        engine = make_engine(rundir.db_path)
-        upgrade(engine)
-        engine.dispose()
     return rundir, ownership, config
+
+
+def _report(outcome: ServeOutcome, job_id: str | None = None) -> None:
+    if outcome.requeued:
+        ui.warn(f"serve stopped ({outcome.reason}); requeued job {job_id}: it serves on from the database")
+        raise SystemExit(EXIT_INCOMPLETE)
+    if outcome.requeue_error is not None:
+        ui.error(f"serve stopped ({outcome.reason}); requeueing job {job_id} failed: {outcome.requeue_error}")
+        raise SystemExit(EXIT_INCOMPLETE)
+    ui.info(f"serve stopped: {outcome.reason} ({outcome.batches_run} batches run)")
+    raise SystemExit(EXIT_INCOMPLETE if outcome.workers_exhausted else EXIT_OK)
 
 
 @click.command()
@@ -65,22 +52,14 @@ def _serve_setup(workers: int, options: dict) -> tuple[RunDir, Ownership, RunCon
 def serve(workers: int, **options) -> None:  # noqa: ANN003
     """Keep a coordinator and WORKERS engines up for batch after batch (`seerd rollout`,
     `seerd.Client`): each batch a rollout in one database, new weights loaded in place."""
-    from seerd.event_loop import run_event_loop
-    from seerd.launch.local import WorkerPool
-    from seerd.serve.server import Server
+    from seerd.serve.launch import run_serve
 
-    rundir, ownership, config = _serve_setup(workers, options)
+    rundir, ownership, config = _owned_serve(workers, options)
     with ownership:
-        pool = WorkerPool(rundir, workers)
-        server = Server(rundir, ownership, config, workers=workers, pool=pool)
         ui.info(f"serving {config.model_path} on {workers} workers in {rundir.path}; batches: "
                 f"`seerd rollout --server {rundir.path} --input FILE` or seerd.Client")
-        try:
-            reason = run_event_loop(server.serve(on_ready=pool.start))
-        finally:
-            pool.stop(complete=False)
-    ui.info(f"serve stopped: {reason} ({server.batches_run} batches run)")
-    raise SystemExit(EXIT_INCOMPLETE if pool.exhausted else EXIT_OK)
+        outcome = run_serve(rundir, ownership, config, workers=workers)
+    _report(outcome)
 
 
 @click.command("slurm-serve")
@@ -98,11 +77,8 @@ def slurm_serve(workers_per_node: int | None, gpus_per_worker: int | None, cpus_
     workers as job steps on every node. Its warning signal stops it and requeues the job; the
     requeued job serves on, the batch in flight first."""
     from seerd.cli.slurm import _engine_args
-    from seerd.event_loop import run_event_loop
-    from seerd.serve.server import Server
-    from seerd.launch.slurm import (
-        DRAIN_SIGNALS, LayoutError, NotInAllocation, SlurmWorkerPool, allocation_layout, node_address, requeue_job,
-    )
+    from seerd.launch.slurm import LayoutError, NotInAllocation, allocation_layout
+    from seerd.serve.launch import run_serve
 
     try:
         layout = allocation_layout(os.environ, workers_per_node=workers_per_node, gpus_per_worker=gpus_per_worker,
@@ -112,25 +88,11 @@ def slurm_serve(workers_per_node: int | None, gpus_per_worker: int | None, cpus_
     except (ConfigError, LayoutError, NotInAllocation, click.BadParameter) as exc:
         ui.error(str(exc))
         raise SystemExit(EXIT_BAD_INPUT) from None
-    rundir, ownership, config = _serve_setup(layout.total_workers, options)
+    rundir, ownership, config = _owned_serve(layout.total_workers, options)
     with ownership:
-        pool = SlurmWorkerPool(rundir, layout)
-        server = Server(rundir, ownership, config, workers=layout.total_workers, host=node_address(), pool=pool,
-                        warning_signals=DRAIN_SIGNALS)
         ui.info(f"serving {config.model_path} on {layout.describe()} in {rundir.path}")
-        try:
-            reason = run_event_loop(server.serve(on_ready=pool.start))
-        finally:
-            pool.stop(complete=False)
-    if server.warned:
-        error = requeue_job(layout.job_id)
-        if error is None:
-            ui.warn(f"serve stopped ({reason}); requeued job {layout.job_id}: it serves on from the database")
-            raise SystemExit(EXIT_INCOMPLETE)
-        ui.error(f"serve stopped ({reason}); requeueing job {layout.job_id} failed: {error}")
-        raise SystemExit(EXIT_INCOMPLETE)
-    ui.info(f"serve stopped: {reason} ({server.batches_run} batches run)")
-    raise SystemExit(EXIT_INCOMPLETE if pool.exhausted else EXIT_OK)
+        outcome = run_serve(rundir, ownership, config, workers=layout.total_workers, layout=layout)
+    _report(outcome, layout.job_id)
 
 
 @click.command()

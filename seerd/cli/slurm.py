@@ -12,7 +12,9 @@ import click
 
 from seerd.cli import ui
 from seerd.cli.launching import EXIT_BAD_INPUT, EXIT_INCOMPLETE, exit_2_on, prepare_or_exit, report_result
-from seerd.cli.options import ALLOW_MODEL_CHANGE_OPTION, ENGINE_ARG_OPTION, parse_engine_args, rollout_options
+from seerd.cli.options import (
+    ALLOW_MODEL_CHANGE_OPTION, ENGINE_ARG_OPTION, parse_engine_args, rollout_options, submit_options,
+)
 from seerd.config import DEFAULT_DRAIN_GRACE_S, ConfigError, build_config, number_problem
 from seerd.launch.prepare import BadRun
 
@@ -74,7 +76,9 @@ def slurm_run(workers_per_node: int | None, gpus_per_worker: int | None, cpus_pe
 
 
 @click.command()
-@rollout_options
+@submit_options
+@click.option("--serve", is_flag=True, help="Submit `seerd serve` (batches come later: seerd rollout, seerd.Client) "
+              "instead of one rollout; no --input.")
 @click.option("--nodes", default=1, show_default=True, help="Nodes of the allocation.")
 @click.option("--workers-per-node", type=int, default=None,
               help="vLLM workers per node (default: --gpus-per-node / --gpus-per-worker; 1 for CPU workers).")
@@ -105,7 +109,7 @@ def submit(nodes: int, workers_per_node: int | None, gpus_per_worker: int, gpus_
            cpus_per_worker: int | None, mem_per_worker_mb: int | None, time_min: int, partition: str | None,
            account: str | None, qos: str | None, signal_delay_s: int, drain_grace_s: float, exclusive: bool,
            slurm_args: tuple[str, ...], cluster: str, wait: bool, dry_run: bool, engine_args: tuple[str, ...],
-           allow_model_change: bool, **options) -> None:  # noqa: ANN003
+           allow_model_change: bool, serve: bool, **options) -> None:  # noqa: ANN003
     """Submit a rollout as a submitit job (seerd.submit from the shell): the coordinator in the job,
     workers as steps of the same allocation. Prints the job id."""
     from seerd.launch.submitit_launch import RolloutFailed, SlurmResources, sbatch_script, submit_rollout
@@ -128,6 +132,15 @@ def submit(nodes: int, workers_per_node: int | None, gpus_per_worker: int, gpus_
             folder = options["run_dir"].resolve() / "submitit" / "DRY-RUN"
             click.echo(sbatch_script(resources, folder, shlex.quote(sys.executable)), nl=False)
             return
+        if serve:
+            if wait:
+                raise click.BadParameter("a serve runs until cancelled: --wait is for one rollout")
+            if options["input_path"] is not None or options["prior_dir"] is not None:
+                raise click.BadParameter("a serve takes its prompts batch by batch: no --input or --prior with --serve")
+            _submit_serve(resources, _engine_args(engine_args, gpus_per_worker), cluster, options)
+            return
+        if options["input_path"] is None:
+            raise click.BadParameter("a rollout needs its prompt file: --input (or --serve for a serve)")
         config = build_config(workers=nodes * resources.workers, gpus_per_worker=resources.gpus_per_worker, nodes=nodes,
                               engine_args=_engine_args(engine_args, gpus_per_worker), **options)
         handle = submit_rollout(RunDir(options["run_dir"].resolve()), config, options["input_path"], resources,
@@ -149,3 +162,18 @@ def submit(nodes: int, workers_per_node: int | None, gpus_per_worker: int, gpus_
         ui.error(str(exc))
         raise SystemExit(EXIT_INCOMPLETE) from None
     ui.summary({"responses": done["responses"], "parquet": Path(done["parquet"]), "jsonl": Path(done["jsonl"])})
+
+
+def _submit_serve(resources, engine_args: dict, cluster: str, options: dict) -> None:  # noqa: ANN001
+    """`seerd submit --serve`: print the job id; batches go to it with `seerd rollout --server RUN_DIR`."""
+    from dataclasses import asdict
+
+    from seerd.serve.launch import submit_serve
+
+    settings = {k: v for k, v in options.items() if k not in ("input_path", "prior_dir", "model_path", "run_dir")}
+    slurm = {k: v for k, v in asdict(resources).items() if k != "job_name"}  # the serve's own: seerd-serve
+    handle = submit_serve(options["model_path"], options["run_dir"], cluster=None if cluster == "auto" else cluster,
+                          engine_args=engine_args, **settings, **slurm)
+    click.echo(handle.job_id)
+    ui.info(f"submitted serve job {handle.job_id} in {handle.run_dir}; batches: `seerd rollout --server "
+            f"{handle.run_dir} --input FILE` or seerd.Client; logs in {handle.folder}")

@@ -282,3 +282,23 @@ def test_sbatch_serve_runs_batches_and_serves_on_after_its_warning_signal(tmp_pa
     assert db_rows(run_dir, "select status from rollouts order by id") == [("finished",), ("finished",)]
     subprocess.run(["scancel", job], timeout=60)
     assert wait_job_end(job, timeout=120, log=log)[0] == "CANCELLED"
+
+
+def test_submit_serve_on_the_local_executor_serves_batches_until_cancelled(tmp_path, tiny_model_dir,
+                                                                           job_environment):
+    from seerd.launch.prepare import BadRun
+
+    with pytest.raises(BadRun, match="no KV pool"):  # refused on the submitting host: nothing submitted
+        seerd.submit_serve(tiny_model_dir, tmp_path / "refused", cluster="local", gpus_per_worker=0,
+                           kv_pool_mode="mooncake")
+    assert not (tmp_path / "refused" / "submitit").exists()
+    handle = seerd.submit_serve(tiny_model_dir, tmp_path / "serve", cluster="local", gpus_per_worker=0,
+                                workers_per_node=1, time_min=10, signal_delay_s=120, drain_grace_s=60, chunk_tokens=16, n=2,
+                                max_tokens=24, temperature=0.0, kv_cache_gib=0.25, max_num_seqs=16)
+    client = handle.client(patience_s=300)
+    prompts = [{"id": "a", "prompt_token_ids": [5, 6, 7, 8]}, {"id": "b", "prompt_token_ids": [9, 10]}]
+    first, second = client.rollout(prompts), client.rollout(prompts)
+    assert len(first) == 4 and [r["token_ids"] for r in second] == [r["token_ids"] for r in first]
+    assert not handle.done()  # it serves on
+    handle.cancel()
+    wait_for(handle.done, 120, "the cancelled serve job to end")
