@@ -14,6 +14,7 @@ import click
 from seerd.cli import ui
 from seerd.cli.launching import EXIT_BAD_INPUT, EXIT_INCOMPLETE, EXIT_OK, exit_2_on
 from seerd.cli.options import ENGINE_ARG_OPTION, engine_options
+from seerd.cli.slurm import allocation_options
 from seerd.config import ConfigError, RunConfig
 from seerd.launch.prepare import BadRun, own
 from seerd.ownership import Ownership
@@ -64,12 +65,7 @@ def serve(workers: int, **options) -> None:  # noqa: ANN003
 
 @click.command("slurm-serve")
 @engine_options
-@click.option("--workers-per-node", type=int, default=None,
-              help="vLLM workers on each node (default: the node's GPUs / --gpus-per-worker; 1 without GPUs).")
-@click.option("--gpus-per-worker", type=int, default=None,
-              help="GPUs per worker = its tensor parallel size; 0: CPU workers (default: 1 with GPUs, else 0).")
-@click.option("--cpus-per-worker", type=int, default=None, help="CPUs of each worker step (default: an even share).")
-@click.option("--mem-per-worker", "mem_per_worker_mb", type=int, default=None, help="MB of each worker step.")
+@allocation_options
 @ENGINE_ARG_OPTION
 def slurm_serve(workers_per_node: int | None, gpus_per_worker: int | None, cpus_per_worker: int | None,
                 mem_per_worker_mb: int | None, engine_args: tuple[str, ...], **options) -> None:  # noqa: ANN003

@@ -6,6 +6,7 @@ import os
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import click
@@ -26,15 +27,25 @@ def _engine_args(pairs: tuple[str, ...], gpus_per_worker: int) -> dict:
     return engine_args
 
 
+def allocation_options(command: Callable) -> Callable:
+    """How workers fill the allocation: `seerd slurm-run` and `seerd slurm-serve`."""
+    for option in reversed([
+        click.option("--workers-per-node", type=int, default=None,
+                     help="vLLM workers on each node (default: the node's GPUs / --gpus-per-worker; 1 without GPUs)."),
+        click.option("--gpus-per-worker", type=int, default=None,
+                     help="GPUs per worker = its tensor parallel size; 0: CPU workers (default: 1 with GPUs, else 0)."),
+        click.option("--cpus-per-worker", type=int, default=None,
+                     help="CPUs of each worker step (default: an even share)."),
+        click.option("--mem-per-worker", "mem_per_worker_mb", type=int, default=None,
+                     help="MB of each worker step (default: an even share of the job's memory, if it has any)."),
+    ]):
+        command = option(command)
+    return command
+
+
 @click.command("slurm-run")
 @rollout_options
-@click.option("--workers-per-node", type=int, default=None,
-              help="vLLM workers on each node (default: the node's GPUs / --gpus-per-worker; 1 without GPUs).")
-@click.option("--gpus-per-worker", type=int, default=None,
-              help="GPUs per worker = its tensor parallel size; 0: CPU workers (default: 1 with GPUs, else 0).")
-@click.option("--cpus-per-worker", type=int, default=None, help="CPUs of each worker step (default: an even share).")
-@click.option("--mem-per-worker", "mem_per_worker_mb", type=int, default=None,
-              help="MB of each worker step (default: an even share of the job's memory, if it has any).")
+@allocation_options
 @click.option("--drain-grace", default=DEFAULT_DRAIN_GRACE_S, show_default=True,
               help="After the warning signal, seconds in-flight chunks may still report before the requeue.")
 @ENGINE_ARG_OPTION

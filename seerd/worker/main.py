@@ -366,34 +366,47 @@ async def warm_up(engine) -> None:  # noqa: ANN001
 async def amain(run_dir: RunDir, rank: int, patience_s: float, address_timeout_s: float = 120.0) -> int:
     client = await CoordinatorClient.from_run_dir(run_dir, patience_s=patience_s,
                                                   address_timeout_s=address_timeout_s)
-    settings = await next_batch(client, None)
+    settings = await client.call_until_answered(CONFIG)  # under `seerd serve` between batches: its --model
     started = time.monotonic()
     engine = start_engine(settings.model_path, settings.engine, settings.seed, settings.spec, str(run_dir.path),
                           settings.kv_pool)
     await warm_up(engine)
     log.info("engine ready in %.1fs", time.monotonic() - started)
     weights = LoadedWeights(settings.weights_version, 0.0)
-    worker = Worker(client, engine, rank, weights)
+    worker: Worker | None = None
+    stopping = asyncio.Event()  # a signal: between two batches of `seerd serve` too, not only in one
+
+    def stop(name: str) -> None:
+        stopping.set()
+        if worker is not None:
+            worker.stop(name)
+
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, lambda name=signal.Signals(signum).name: worker.stop(name))
+        loop.add_signal_handler(signum, stop, signal.Signals(signum).name)
     try:
-        while True:
+        ran: int | None = None  # `seerd serve`: the batch this worker ran last
+        while not stopping.is_set():
+            if settings.serving and (settings.batch is None or settings.batch == ran):
+                settings = await until_stopped(next_batch(client, ran), stopping)
+                if settings is None:
+                    break
+            if settings.weights_version != weights.version:  # the engine stays up, loaded with the batch's
+                weights = LoadedWeights(settings.weights_version, await engine.reload_weights(settings.model_path))
+                log.info("loaded %s in %.2fs", weights.version, weights.reload_s)
+            if getattr(engine, "counters", None) is not None:  # the figures are of a rollout only
+                engine.counters.reset()
+            worker = Worker(client, engine, rank, weights)
+            if stopping.is_set():  # during the reload
+                break
             try:
                 await worker.run_to_end()
             except WeightsMismatch as exc:  # `seerd serve` went on to a batch under other weights
                 log.info("%s", exc)
             if worker.stopped_by or worker.fatal is not None or not settings.serving:
                 break
-            # `seerd serve`: the engine stays up for the next batch, loaded with its weights.
             await worker.drop_engine_requests()
-            settings = await next_batch(client, settings.batch)
-            if settings.weights_version != weights.version:
-                weights = LoadedWeights(settings.weights_version, await engine.reload_weights(settings.model_path))
-                log.info("loaded %s in %.2fs", weights.version, weights.reload_s)
-            if getattr(engine, "counters", None) is not None:  # the figures are of a rollout only
-                engine.counters.reset()
-            worker = Worker(client, engine, rank, weights)
+            ran = settings.batch
     except Retired as exc:  # its leases already run elsewhere; its engine may not stop politely
         log.error("exiting: the coordinator took this worker out: %s", exc)
         shutdown_within(engine, ENGINE_SHUTDOWN_S)
@@ -402,11 +415,23 @@ async def amain(run_dir: RunDir, rank: int, patience_s: float, address_timeout_s
     finally:
         engine.shutdown()
         await client.close()
-    if worker.fatal is not None:
+    if worker is not None and worker.fatal is not None:
         log.error("exiting: %s", worker.fatal)
         return 4
-    log.info("done: %d chunks, %d tokens", worker.stats.chunks_done, worker.stats.tokens_out)
+    if worker is not None:
+        log.info("done: %d chunks, %d tokens", worker.stats.chunks_done, worker.stats.tokens_out)
     return 0
+
+
+async def until_stopped(waiting, stopping: asyncio.Event):  # noqa: ANN001, ANN201
+    """`waiting`'s result, or None once `stopping` is set first (the wait is cancelled)."""
+    wait, stop = asyncio.ensure_future(waiting), asyncio.ensure_future(stopping.wait())
+    await asyncio.wait({wait, stop}, return_when=asyncio.FIRST_COMPLETED)
+    stop.cancel()
+    if not wait.done():
+        wait.cancel()
+        return None
+    return wait.result()
 
 
 BATCH_POLL_S = 0.2  # between two calls for the next batch when the serve answered at once
@@ -414,11 +439,10 @@ BATCH_WAIT_S = 5.0  # how long the serve may hold one
 
 
 async def next_batch(client: CoordinatorClient, after: int | None) -> EngineSettings:
-    """The engine settings of the rollout to run: at once for `seerd run`; under `seerd serve`,
-    once a batch other than `after` runs (the serve answers `batch` None between batches)."""
-    # Held by the serve until another batch runs (protocol.CONFIG_AFTER_BATCH); `after` None asks at once.
-    held = CONFIG if after is None else Endpoint(
-        "GET", f"{CONFIG.path}?{CONFIG_AFTER_BATCH}={after}&{BATCH_GROUPS_WAIT}={BATCH_WAIT_S}", None, EngineSettings)
+    """`seerd serve`: the engine settings of the next batch to run, one other than `after` (the
+    serve holds the call until one is mounted: protocol.CONFIG_AFTER_BATCH)."""
+    held = Endpoint("GET", f"{CONFIG.path}?{CONFIG_AFTER_BATCH}={-1 if after is None else after}"
+                           f"&{BATCH_GROUPS_WAIT}={BATCH_WAIT_S}", None, EngineSettings)
     while True:
         settings = await client.call_until_answered(held)
         if not settings.serving or (settings.batch is not None and settings.batch != after):

@@ -42,6 +42,19 @@ def start_serve(model: Path, run_dir: Path, log: Path) -> subprocess.Popen:
                        "--temperature", "0", "--max-tokens", str(SHORT), log=log)
 
 
+def worker_processes(run_dir: Path) -> list[int]:
+    """The serve's worker processes (each leads its own process group; its reaper shares the name)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            if (entry.isdigit() and b"seerd.worker" in (command := Path(f"/proc/{entry}/cmdline").read_bytes())
+                    and str(run_dir).encode() in command and os.getpgid(int(entry)) == int(entry)):
+                found.append(int(entry))
+        except OSError:  # it exited meanwhile
+            continue
+    return found
+
+
 def stop(serve: subprocess.Popen, sig: int = signal.SIGTERM) -> int:
     serve.send_signal(sig)
     return serve.wait(timeout=120)
@@ -163,6 +176,11 @@ def test_grouped_drafting_under_serve_draws_on_the_previous_batch(tmp_path):
         prompts = make_prompts(4, seed=5)
         first, second = client.rollout(prompts), client.rollout(prompts)
         wait_for(lambda: client.state(2).status == "finished", 60, "the second batch's end")
+        # A worker waiting for the next batch still stops on SIGTERM, at once (it once waited
+        # out its patience, a minute, and outlived a cancelled job).
+        (worker,) = worker_processes(run_dir)
+        os.kill(worker, signal.SIGTERM)
+        wait_for(lambda: worker not in worker_processes(run_dir), 30, "the worker to stop on SIGTERM")
     finally:
         code = stop(serve)
     assert code == 0, (tmp_path / "serve.log").read_text()[-3000:]

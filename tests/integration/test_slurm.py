@@ -275,6 +275,7 @@ def test_sbatch_serve_runs_batches_and_serves_on_after_its_warning_signal(tmp_pa
     assert len(first) == 6 and json.loads((run_dir / "coordinator.json").read_text())["host"] != "127.0.0.1"
     assert subprocess.run(["scancel", "--batch", "--signal=USR1", job], timeout=60).returncode == 0
     second = client.rollout(prompts)  # submitted while the serve stops, or to the requeued job
+    wait_for(lambda: client.state(2).status == "finished", 60, "the second batch's end")  # its export follows its rows
     assert [r["token_ids"] for r in second] == [r["token_ids"] for r in first]  # greedy, the same weights
     text = log.read_text()
     assert "warning signal SIGUSR1" in text and f"requeued job {job}" in text, text[-3000:]

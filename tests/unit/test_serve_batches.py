@@ -143,3 +143,51 @@ def test_a_batchs_drafts_are_seeded_with_the_earlier_batches_responses_only(tmp_
     assert sorted(seeded) == sorted(groups) and all(
         len(responses) == 2 and all(tokens == [7] * 3 for tokens in responses.values()) for responses in seeded.values())
     assert history_sequences(db, db, groups, rollouts=[second.rollout_id]) == {}  # its own: none finished
+
+
+def test_a_batch_is_created_once_per_key_checked_as_a_run_and_seeded_by_the_previous_batch(tmp_path,
+                                                                                          tiny_model_dir):
+    from seerd.config import RunConfig
+    from seerd.coordinator.book import LeaseBook
+    from seerd.db import RolloutStatus, make_engine, make_sessionmaker
+    from seerd.db.migrate import upgrade
+    from seerd.protocol import BatchBody
+    from seerd.rundir import RunDir
+    from seerd.scheduler import make_policy
+    from seerd.serve.batches import BatchRefused, create_batch
+    from tests.unit.helpers import VOCAB_SIZE
+
+    rundir = RunDir(tmp_path)
+    engine = make_engine(rundir.db_path, synchronous="NORMAL")
+    upgrade(engine)
+    base = RunConfig(input_path="", model_path=str(tiny_model_dir), n=2, max_tokens=40, chunk_tokens=64)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt_token_ids": [5 + i, 6, 7]}) + "\n" for i in range(3)))
+    first = create_batch(engine, rundir, base, BatchBody(str(prompts), "key-1"))
+    assert create_batch(engine, rundir, base, BatchBody(str(prompts), "key-1")) == first  # sent again: the same
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "x", "prompt_token_ids": [1, 2, 99999]}\n')
+    with pytest.raises(BatchRefused, match="out of range"):
+        create_batch(engine, rundir, base, BatchBody(str(bad), "key-bad"))
+    with pytest.raises(BatchRefused, match="needs a key"):
+        create_batch(engine, rundir, base, BatchBody(str(prompts), ""))
+    with pytest.raises(BatchRefused, match="cannot read"):
+        create_batch(engine, rundir, base, BatchBody(str(prompts), "key-w", weights=str(tmp_path / "nowhere")))
+    # The first batch runs: its responses end at 3, 9 and 17 tokens, one group each.
+    book = LeaseBook(make_sessionmaker(engine), first, make_policy("divided"), chunk_tokens=64, lease_ttl_s=30,
+                     seed=0, vocab_size=VOCAB_SIZE)
+    book.load(NOW)
+    book.set_rollout_status(RolloutStatus.RUNNING, NOW)
+    book.register(rank=0, address="x", max_chunks=100, kv_capacity_tokens=10**6, worker_id="w0", now=NOW)
+    index_of = {gid: i for i, gid in enumerate(sorted({r.group_id for r in book.state.requests.values()}))}
+    for grant in book.lease("w0", 100, NOW):  # each group's two responses: its length, and one less
+        length = (3, 9, 17)[index_of[book.state.requests[grant.request_id].group_id]] - grant.request_id % 2
+        book.report_many("w0", [ChunkReport(grant.chunk_id, grant.epoch, [7] * length, [-0.5] * length, "stop")], NOW)
+    book.set_rollout_status(RolloutStatus.FINISHED, NOW)
+    book.close()
+    second = create_batch(engine, rundir, base, BatchBody(str(prompts), "key-2"))
+    assert second == first + 1
+    with engine.connect() as conn:
+        estimates = [e for (e,) in conn.exec_driver_sql(
+            "select length_estimate from prompt_groups where rollout_id = ? order by group_index", (second,))]
+    assert estimates == [3, 9, 17]  # each prompt's longest response of the previous batch
