@@ -35,6 +35,7 @@ from seerd.config import RunConfig
 from seerd.coordinator.api import BodyLimitMiddleware, CoordinatorControl
 from seerd.coordinator.auth import BodyDigestMismatch, SignedCalls, body_mismatch
 from seerd.coordinator.daemon import Coordinator, CoordinatorResult, listening_socket, open_database
+from seerd.coordinator.heap import HeapKeeper
 from seerd.coordinator.guard import ConnectionGuard, api_server, limits_for, raise_open_files_limit
 from seerd.coordinator.model_identity import ModelChanged, fingerprint_json, model_fingerprint, weight_version
 from seerd.coordinator.statements import INSERT_EVENT, ROLLOUTS
@@ -124,6 +125,7 @@ class Server:
         self.pool = pool or WorkerPool(run_dir, workers, simulated=False)
         self.engine: Engine = open_database(run_dir)
         self.control = CoordinatorControl()  # the serve's own calls: creation on its state thread, reads
+        self.heap = HeapKeeper()  # the process's collector, for every batch (coordinator/heap.py)
         self.batch_ready = asyncio.Event()
         self.current: Coordinator | None = None
         self.stop_reason: str | None = None
@@ -232,6 +234,7 @@ class Server:
         self.run_dir.write_address(host, port, os.getpid())
         if on_ready:
             on_ready(host, port)
+        self.heap.settle()  # once: the imports out of the collector's way
         try:
             while self.stop_reason is None:
                 batch = await self._next_batch()
@@ -241,6 +244,7 @@ class Server:
             server.should_exit = True
             await server_task
             self.control.close()
+            self.heap.close()
             self.engine.dispose()
             for signum, handler in previous.items():
                 loop.remove_signal_handler(signum)
@@ -275,7 +279,7 @@ class Server:
         try:
             coordinator = Coordinator(self.run_dir, self.ownership, host=self.host, port=self.port,
                                       expected_workers=self.workers, clock=self.clock, rollout_id=batch,
-                                      outputs=batch_dir(self.run_dir, batch), serving=True)
+                                      outputs=batch_dir(self.run_dir, batch), serving=True, heap=self.heap)
         except ModelChanged as exc:  # the checkpoint was rewritten after the batch was submitted
             self._fail(batch, str(exc))
             return None
