@@ -10,6 +10,7 @@ Slurm's warning signal, requeues the job (it serves on from the database).
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import uuid
@@ -24,6 +25,8 @@ from seerd.launch.prepare import BadRun, own
 from seerd.launch.submitit_launch import EXIT_REQUEUED, SlurmResources, submitit_parameters
 from seerd.ownership import Ownership
 from seerd.rundir import RunDir
+
+log = logging.getLogger("seerd.serve")
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,8 @@ def run_serve(rundir: RunDir, ownership: Ownership, config: RunConfig, *, worker
     if server.warned and layout is not None:
         from seerd.launch.slurm import requeue_job
 
+        # Said before the requeue: Slurm signals this job's processes as soon as it is requeued.
+        log.warning("requeueing job %s: %s", layout.job_id, reason)
         error = requeue_job(layout.job_id)
         return ServeOutcome(reason, server.batches_run, pool.exhausted, requeued=error is None, requeue_error=error)
     return outcome
@@ -176,8 +181,7 @@ def submit_serve(model: str | Path, run_dir: str | Path, *, cluster: str | None 
     except ConfigError as exc:
         raise BadRun(str(exc)) from None
     rundir.path.mkdir(parents=True, exist_ok=True, mode=0o700)
-    with own(rundir):  # refused here, on the submitting host, while a live serve has it
-        pass
+    own(rundir).release()  # refused here, on the submitting host, while a live serve has it
     folder = Path(folder) if folder is not None else (
         rundir.path / "submitit" / f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}")
     folder.mkdir(parents=True, mode=0o700, exist_ok=False)

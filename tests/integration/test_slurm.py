@@ -278,7 +278,7 @@ def test_sbatch_serve_runs_batches_and_serves_on_after_its_warning_signal(tmp_pa
     wait_for(lambda: client.state(2).status == "finished", 60, "the second batch's end")  # its export follows its rows
     assert [r["token_ids"] for r in second] == [r["token_ids"] for r in first]  # greedy, the same weights
     text = log.read_text()
-    assert "warning signal SIGUSR1" in text and f"requeued job {job}" in text, text[-3000:]
+    assert "warning signal SIGUSR1" in text and f"requeueing job {job}" in text, text[-3000:]
     assert "Restarts=1" in scontrol_job(job)
     assert db_rows(run_dir, "select status from rollouts order by id") == [("finished",), ("finished",)]
     subprocess.run(["scancel", job], timeout=60)

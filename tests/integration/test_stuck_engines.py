@@ -43,11 +43,14 @@ def serving_worker(run_dir: Path, rank: int) -> tuple[str, int] | None:
     return (rows[0][0], int(rows[0][1].rsplit(":", 1)[1])) if rows else None
 
 
+# --lease-ttl 8: the stall bound. At 3 s, a loaded machine's first AsyncLLM steps after registration
+# (engines that took 28 s to start) held chunks past it with nothing stopped: a worker taken out
+# before the fault (the full suite, 2026-11-29).
 def test_a_stopped_engine_core_and_a_dead_one_end_their_workers_and_the_run_completes(tiny_model_dir, tmp_path):
     prompts = write_token_prompts(tmp_path / "prompts.jsonl", groups=GROUPS, seed=11)
     run_dir = tmp_path / "run"
     proc = start_seerd("run", "--input", str(prompts), "--model", str(tiny_model_dir), "--run-dir", str(run_dir),
-                       "--workers", "2", "--engine-api", "async", "--wait-for-workers", "--lease-ttl", "3",
+                       "--workers", "2", "--engine-api", "async", "--wait-for-workers", "--lease-ttl", "8",
                        "--chunk-tokens", "16", "--n", str(N), "--max-tokens", "512", "--temperature", "0",
                        "--kv-cache-gib", "0.25", "--max-num-seqs", "16", "--no-progress", log=tmp_path / "run.log")
     stopped = None
