@@ -264,10 +264,8 @@ class Server:
             self._supervise()
             if self.ownership.lost is not None:
                 self.request_stop(f"this serve lost the run: {self.ownership.lost}")
-            try:
+            with contextlib.suppress(asyncio.TimeoutError):  # a tick: the workers looked after again
                 await asyncio.wait_for(self.batch_ready.wait(), IDLE_TICK_S)
-            except asyncio.TimeoutError:
-                pass
         return None
 
     def _supervise(self) -> None:
