@@ -94,8 +94,9 @@ class Client:
         return msgspec.json.decode(self._call("GET", f"{BATCHES.path}/{batch}"), type=BatchState)
 
     def groups(self, batch: int) -> Iterator[dict]:
-        """Each group of `batch` once, as soon as its last response ended, until the batch ends:
-        {"group_index", "prompt_id", "prompt_token_ids" (as the serve tokenized it), "rows"}. BatchFailed if it fails or the serve stops it."""
+        """Each group of `batch` once, as soon as its last response ended, until every group has:
+        {"group_index", "prompt_id", "prompt_token_ids" (as the serve tokenized it), "rows"}.
+        BatchFailed if the batch fails."""
         after, delivered = 0, 0
         while True:
             reply = msgspec.json.decode(self._call("GET", f"{BATCHES.path}/{batch}/groups", params={
