@@ -22,12 +22,12 @@ of unfinished requests in memory; the ORM models still define the schema.
 from __future__ import annotations
 
 import json
-from array import array
 from collections.abc import Callable, Collection, Iterable, Sequence
 
-from sqlalchemy import Connection, Engine, bindparam, select, update
+from sqlalchemy import Connection, Engine, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
+from seerd.coordinator.leases import read_tokens, write_leases
 from seerd.coordinator.liveness import WorkerLiveness, chunk_done, chunk_failed, refuted_reason
 from seerd.coordinator.records import (
     Failure, GroupInputs, LeaseTerms, ReportCall, RequestProgress, Requeue, RetiredWorker, UnknownWorker,
@@ -38,8 +38,7 @@ from seerd.coordinator.reports import (
 )
 from seerd.coordinator.saved import read_saved_rollout
 from seerd.coordinator.statements import (
-    BIND_GROUP, CHUNKS, DONE_TOKENS, FIRST_START, GROUP_FORECAST, INSERT_EVENT, REQUESTS, ROLLOUTS, WORKER_FIGURES,
-    WORKERS,
+    CHUNKS, GROUP_FORECAST, INSERT_EVENT, REQUESTS, ROLLOUTS, WORKER_FIGURES, WORKERS,
 )
 from seerd.cpu import CpuSnapshot
 from seerd.db import ChunkStatus, RequestStatus, RolloutStatus, WorkerStatus
@@ -47,12 +46,11 @@ from seerd.db import driver
 from seerd.db.base import Writer
 from seerd.db.event import event_row
 from seerd.db.transitions import (
-    ROW_EPOCH, ROW_ID, change_one, change_status, insert_many_returning_ids, insert_with_status,
+    ROW_EPOCH, ROW_ID, change_one, change_status, insert_with_status,
 )
-from seerd.io.codec import unpack_ints
 from seerd.protocol import ChunkGrant, ChunkReport, EngineProgress, UnreadableReport
 from seerd.scheduler.state import SchedulerState
-from seerd.scheduler.views import Plan, Policy
+from seerd.scheduler.views import Policy
 
 # Failed chunks of one request before the request ends failed (a poison request: every engine
 # refuses it, or its output is never right). The retries go to other workers' engines where there are.
@@ -246,7 +244,8 @@ class LeaseBook:
         self.state.check_plan(plan, worker_id)
         deadline = now + self.lease_ttl_s
         with self.writer.begin(durable=False) as conn:
-            chunk_ids, epochs = self._write_leases(conn, worker_id, plan, now, deadline, continuing)
+            chunk_ids, epochs = write_leases(conn, self.rollout_id, self.progress, worker_id, plan, now, deadline,
+                                             continuing)
         # Committed: now the state follows.
         leases = self.state.apply_leases(worker_id, plan, chunk_ids)
         if self.first_lease_at is None:
@@ -261,60 +260,12 @@ class LeaseBook:
                                       continues=lease.request_id in continuing))
         return grants
 
-    def _write_leases(self, conn: Connection, worker_id: str, plan: Plan, now: float,
-                      deadline: float, continuing: Collection[int] = ()) -> tuple[list[int], list[int]]:
-        """The rows of a checked plan, in the caller's transaction: each assignment's chunk row
-        (new, or the one an ended lease left queued, epoch + 1) leased, its request running.
-        Returns the chunk ids and lease epochs, in assignment order."""
-        driver.executemany(conn, BIND_GROUP, [{"gid": gid, "worker": w} for gid, w in plan.new_bindings.items()])
-        chunk_ids: list[int | None] = []
-        epochs, reused, fresh = [], [], []
-        for assignment in plan.assignments:
-            progress = self.progress[assignment.request_id]
-            if progress.tokens is None:  # a request's first chunk has none to read
-                progress.tokens = array("i") if not progress.num_chunks else self._read_tokens(conn, assignment.request_id)
-            if progress.open_chunk is not None:
-                chunk_id, epoch = progress.open_chunk
-                reused.append({ROW_ID: chunk_id, ROW_EPOCH: epoch, "budget": assignment.max_tokens})
-                chunk_ids.append(chunk_id)
-                epochs.append(epoch + 1)
-            else:
-                fresh.append({"request_id": assignment.request_id, "seq": progress.num_chunks,
-                              "max_tokens": assignment.max_tokens, "lease_holder": worker_id,
-                              "lease_deadline": deadline, "lease_epoch": 1, "attempt": 1, "created_at": now,
-                              "leased_at": now, "num_tokens": 0})
-                chunk_ids.append(None)
-                epochs.append(1)
-        new_ids = iter(insert_many_returning_ids(conn, CHUNKS, ChunkStatus.LEASED, fresh))
-        chunk_ids = [next(new_ids) if chunk_id is None else chunk_id for chunk_id in chunk_ids]
-        if reused:  # (its values hold SQL expressions, built for the call: rare)
-            change_status(conn, CHUNKS, ChunkStatus.QUEUED, ChunkStatus.LEASED, reused, guard_epoch=True, values={
-                "max_tokens": bindparam("budget"), "lease_holder": worker_id, "lease_deadline": deadline,
-                "lease_epoch": CHUNKS.c.lease_epoch + 1, "attempt": CHUNKS.c.attempt + 1, "leased_at": now})
-        request_rows = [{ROW_ID: a.request_id} for a in plan.assignments]
-        change_status(conn, REQUESTS, RequestStatus.QUEUED, RequestStatus.RUNNING, request_rows,
-                      values={"last_worker": worker_id})
-        if request_rows:
-            driver.executemany(conn, FIRST_START, [{**row, "now": now} for row in request_rows])
-            driver.executemany(conn, INSERT_EVENT, [
-                event_row(self.rollout_id, now, "chunk_leased", worker_id, a.request_id, chunk_id,
-                          {"seq": self.progress[a.request_id].num_chunks, "epoch": epoch, "max_tokens": a.max_tokens,
-                           **({"in_place": True} if a.request_id in continuing else {})})
-                for a, chunk_id, epoch in zip(plan.assignments, chunk_ids, epochs)])
-        return chunk_ids, epochs
-
-    def _read_tokens(self, conn: Connection, request_id: int) -> array:
-        tokens = array("i")
-        for blob in conn.execute(DONE_TOKENS, {"rid": request_id}).scalars():
-            tokens.extend(unpack_ints(blob))
-        return tokens
-
     def response_tokens(self, conn: Connection, request_id: int) -> list[int]:
         """A request's tokens so far: from memory while it runs, else from its done chunks."""
         progress = self.progress[request_id]
         if progress.tokens is not None and not self.state.requests[request_id].finished:
             return list(progress.tokens)
-        return list(self._read_tokens(conn, request_id))
+        return list(read_tokens(conn, request_id))
 
     def _grant(self, chunk_id: int, request_id: int, max_tokens: int, *, continues: bool = False) -> ChunkGrant:
         request = self.state.requests[request_id]

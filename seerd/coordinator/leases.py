@@ -1,0 +1,70 @@
+"""The rows a lease writes: a checked plan's chunks leased and requests running, in the lease
+book's transaction (as `reports.write_results` is for reports). Pure of the book's state but the
+requests' progress it is handed: the book applies the plan to its state after the commit."""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Collection, Mapping
+
+from sqlalchemy import Connection, bindparam
+
+from seerd.coordinator.records import RequestProgress
+from seerd.coordinator.statements import BIND_GROUP, CHUNKS, DONE_TOKENS, FIRST_START, INSERT_EVENT, REQUESTS
+from seerd.db import ChunkStatus, RequestStatus, driver
+from seerd.db.event import event_row
+from seerd.db.transitions import ROW_EPOCH, ROW_ID, change_status, insert_many_returning_ids
+from seerd.io.codec import unpack_ints
+from seerd.scheduler.views import Plan
+
+
+def write_leases(conn: Connection, rollout_id: int, progress_of: Mapping[int, RequestProgress], worker_id: str,
+                 plan: Plan, now: float, deadline: float,
+                 continuing: Collection[int] = ()) -> tuple[list[int], list[int]]:
+    """The rows of a checked plan, in the caller's transaction: each assignment's chunk row
+    (new, or the one an ended lease left queued, epoch + 1) leased, its request running.
+    Returns the chunk ids and lease epochs, in assignment order."""
+    driver.executemany(conn, BIND_GROUP, [{"gid": gid, "worker": w} for gid, w in plan.new_bindings.items()])
+    chunk_ids: list[int | None] = []
+    epochs, reused, fresh = [], [], []
+    for assignment in plan.assignments:
+        progress = progress_of[assignment.request_id]
+        if progress.tokens is None:  # a request's first chunk has none to read
+            progress.tokens = array("i") if not progress.num_chunks else read_tokens(conn, assignment.request_id)
+        if progress.open_chunk is not None:
+            chunk_id, epoch = progress.open_chunk
+            reused.append({ROW_ID: chunk_id, ROW_EPOCH: epoch, "budget": assignment.max_tokens})
+            chunk_ids.append(chunk_id)
+            epochs.append(epoch + 1)
+        else:
+            fresh.append({"request_id": assignment.request_id, "seq": progress.num_chunks,
+                          "max_tokens": assignment.max_tokens, "lease_holder": worker_id,
+                          "lease_deadline": deadline, "lease_epoch": 1, "attempt": 1, "created_at": now,
+                          "leased_at": now, "num_tokens": 0})
+            chunk_ids.append(None)
+            epochs.append(1)
+    new_ids = iter(insert_many_returning_ids(conn, CHUNKS, ChunkStatus.LEASED, fresh))
+    chunk_ids = [next(new_ids) if chunk_id is None else chunk_id for chunk_id in chunk_ids]
+    if reused:  # (its values hold SQL expressions, built for the call: rare)
+        change_status(conn, CHUNKS, ChunkStatus.QUEUED, ChunkStatus.LEASED, reused, guard_epoch=True, values={
+            "max_tokens": bindparam("budget"), "lease_holder": worker_id, "lease_deadline": deadline,
+            "lease_epoch": CHUNKS.c.lease_epoch + 1, "attempt": CHUNKS.c.attempt + 1, "leased_at": now})
+    request_rows = [{ROW_ID: a.request_id} for a in plan.assignments]
+    change_status(conn, REQUESTS, RequestStatus.QUEUED, RequestStatus.RUNNING, request_rows,
+                  values={"last_worker": worker_id})
+    if request_rows:
+        driver.executemany(conn, FIRST_START, [{**row, "now": now} for row in request_rows])
+        driver.executemany(conn, INSERT_EVENT, [
+            event_row(rollout_id, now, "chunk_leased", worker_id, a.request_id, chunk_id,
+                      {"seq": progress_of[a.request_id].num_chunks, "epoch": epoch, "max_tokens": a.max_tokens,
+                       **({"in_place": True} if a.request_id in continuing else {})})
+            for a, chunk_id, epoch in zip(plan.assignments, chunk_ids, epochs)])
+    return chunk_ids, epochs
+
+
+def read_tokens(conn: Connection, request_id: int) -> array:
+    """A request's tokens from its done chunks, in order."""
+    tokens = array("i")
+    for blob in conn.execute(DONE_TOKENS, {"rid": request_id}).scalars():
+        tokens.extend(unpack_ints(blob))
+    return tokens
