@@ -112,12 +112,13 @@ class ChunkGrant(msgspec.Struct, frozen=True):
     run_on: bool = False
     response_remaining: int = 0
     continues: bool = False
+    batch: int = 0  # the rollout (`seerd serve`: the batch) the chunk belongs to
 
     @property
     def identity(self) -> ChunkIdentity:
         """What the chunk's engine request id carries to the drafter and the KV connector."""
         return ChunkIdentity(self.chunk_id, self.epoch, self.group_id, self.request_id, self.prompt_len,
-                             self.is_probe)
+                             self.is_probe, self.batch)
 
 
 class LeaseReply(msgspec.Struct):
@@ -435,10 +436,11 @@ def decode_reply(endpoint: Endpoint[Any, ReplyT], content: bytes) -> ReplyT:
 # the engine-core process under AsyncLLM); the KV connector sees request ids too. So a chunk's
 # engine request id carries what they need: the chunk and lease epoch (the worker's own key), the
 # group whose siblings it drafts from, the database request id, where the response starts in the
-# token row, and whether it is its group's probe (high priority for draft depth).
+# token row, whether it is its group's probe (high priority for draft depth), and the rollout (under
+# `seerd serve`, the batch) it belongs to: the KV pool scopes its keys by it (b0: none named).
 
 # vLLM 0.32 appends "-<8 random hex>" to every request id inside the engine (the runner sees that).
-_ENGINE_ID = re.compile(r"^c(\d+)e(\d+)g(\d+)r(\d+)p(\d+)(h?)(?:-[0-9a-zA-Z]+)?$")
+_ENGINE_ID = re.compile(r"^c(\d+)e(\d+)(?:b(\d+))?g(\d+)r(\d+)p(\d+)(h?)(?:-[0-9a-zA-Z]+)?$")
 
 
 @dataclass(frozen=True)
@@ -449,10 +451,12 @@ class ChunkIdentity:
     request_id: int
     prompt_len: int  # response tokens start here in the engine's token row
     is_probe: bool
+    batch: int = 0  # the rollout's id (0 in ids that name none)
 
     @property
     def engine_id(self) -> str:
-        return (f"c{self.chunk_id}e{self.epoch}g{self.group_id}r{self.request_id}p{self.prompt_len}"
+        batch = f"b{self.batch}" if self.batch else ""
+        return (f"c{self.chunk_id}e{self.epoch}{batch}g{self.group_id}r{self.request_id}p{self.prompt_len}"
                 f"{'h' if self.is_probe else ''}")
 
     @property
@@ -470,5 +474,6 @@ def parse_engine_id(engine_id: str) -> ChunkIdentity | None:
     match = _ENGINE_ID.match(engine_id)
     if match is None:
         return None
-    chunk, epoch, group, request, prompt_len, probe = match.groups()
-    return ChunkIdentity(int(chunk), int(epoch), int(group), int(request), int(prompt_len), probe == "h")
+    chunk, epoch, batch, group, request, prompt_len, probe = match.groups()
+    return ChunkIdentity(int(chunk), int(epoch), int(group), int(request), int(prompt_len), probe == "h",
+                         int(batch or 0))

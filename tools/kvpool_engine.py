@@ -60,11 +60,11 @@ def exposure() -> dict:
 
 
 def pool_keys(driver, ask: dict) -> list[str]:  # noqa: ANN001
-    from seerd.kvpool.keys import BlockKeys
+    from seerd.protocol import ChunkIdentity
 
     connector = driver.llm.engine_core.engine_core.scheduler.connector
-    keys = BlockKeys(connector._namespace, connector._run_tag, ask["group"], ask["request"], ask["prompt_len"],
-                     connector._block_size)
+    keys = connector.block_keys(ChunkIdentity(0, 0, ask["group"], ask["request"], ask["prompt_len"], False,
+                                              ask.get("batch", 0)))
     tokens = ask["keys_of"]
     return list(keys.extend(tokens, len(tokens)))
 

@@ -286,7 +286,7 @@ class LeaseBook:
                           None if target is None else target - request.generated,
                           group_id=request.group_id, prompt_len=group.prompt_len, is_probe=request.is_probe,
                           run_on=self.in_place and max_tokens < remaining, response_remaining=remaining,
-                          continues=continues)
+                          continues=continues, batch=self.rollout_id)
 
     # ----------------------------------------------------------------- reports
     def report(self, worker_id: str, report: ChunkReport | UnreadableReport, now: float) -> ReportOutcome:

@@ -30,7 +30,7 @@ from seerd.coordinator.drafts import REFRESH_S, DraftHost, book_sequences, histo
 from seerd.coordinator.guard import ConnectionGuard, api_server, limits_for, raise_open_files_limit
 from seerd.coordinator.heap import HeapKeeper
 from seerd.coordinator.latency import watch_loop_lag
-from seerd.coordinator.kvpool import PoolHost, model_revision, queued_longest, run_tag
+from seerd.coordinator.kvpool import PoolHost, host_pool, queued_longest, run_tag
 from seerd.coordinator.model_identity import verify_model, weight_version
 from seerd.cpu import CpuSnapshot
 from seerd.db import Rollout, RolloutStatus, WorkerStatus, add_event, make_engine, make_sessionmaker
@@ -107,11 +107,12 @@ class Coordinator:
                  expected_workers: int | None = None, clock: Callable[[], float] = time.time,
                  drain_signals: tuple[signal.Signals, ...] = (), drain_grace_s: float = 120.0,
                  rollout_id: int | None = None, outputs: RunDir | None = None, serving: bool = False,
-                 heap: HeapKeeper | None = None) -> None:
+                 heap: HeapKeeper | None = None, pool: PoolHost | None = None) -> None:
         """ModelChanged (model_identity.py) when the run's checkpoint changed, unless allowed.
-        `seerd serve` runs one per batch: its `rollout_id`, exported to `outputs`, `serving`, and
-        the serve's `heap` (settled once for the process: a full collection with vLLM imported took
-        0.36 s of every batch's start, on the event loop)."""
+        `seerd serve` runs one per batch: its `rollout_id`, exported to `outputs`, `serving`, the
+        serve's `heap` (settled once for the process: a full collection with vLLM imported took
+        0.36 s of every batch's start, on the event loop) and the serve's KV `pool`, if any (it
+        lives across batches; this coordinator scopes it to its batch and cleans the batch's keys)."""
         if not run_dir.exists():
             raise RunNotFound(f"no run at {run_dir.path} (no {run_dir.db_path.name})")
         ownership.require(run_dir.path)
@@ -150,7 +151,11 @@ class Coordinator:
         if self.drafts is not None:
             self.book.on_committed_tokens = self.drafts.committed
         # The job's global KV pool (Mooncake master + metadata server), when workers use it.
-        self.pool = self._make_pool(run_dir, rollout) if self.config.kv_pool.mode == "mooncake" else None
+        self._own_pool = pool is None
+        if pool is None and self.config.kv_pool.mode == "mooncake":
+            pool = host_pool(run_dir, self.config.kv_pool, host=host, tag=run_tag(run_dir.path, rollout.created_at),
+                             model_path=self.config.model_path)
+        self.pool = pool
         if self.pool is not None:
             self.book.on_request_finished = self.pool.request_finished
         listeners = [host.group_finished for host in (self.drafts, self.pool) if host is not None]
@@ -177,14 +182,6 @@ class Coordinator:
     def _owns_run(self) -> bool:
         """False once another coordinator has taken the run over: this one then writes nothing more."""
         return self.ownership.lost is None
-
-    def _make_pool(self, run_dir: RunDir, rollout: Rollout) -> PoolHost:
-        from seerd.kvpool.service import PoolService
-
-        pool = self.config.kv_pool
-        service = PoolService(run_dir.path, self.host, protocol=pool.protocol, devices=pool.devices,
-                              log_dir=run_dir.logs)
-        return PoolHost(service, run_tag(run_dir.path, rollout.created_at), local_host=self.host)
 
     # A policy that binds every group once waits for the expected workers (or a timeout).
     def _gate(self) -> bool:
@@ -224,8 +221,7 @@ class Coordinator:
         return actions
 
     def engine_settings(self) -> EngineSettings:
-        kv_pool = None if self.pool is None else {**asdict(self.config.kv_pool), "run_tag": self.pool.tag,
-                                                  "model_revision": model_revision(self.config.model_path)}
+        kv_pool = None if self.pool is None else self.pool.engine_settings
         return EngineSettings(self.config.model_path, self.config.engine.__dict__, self.config.seed,
                               asdict(self.config.spec), kv_pool, weights_version=self.weights_version,
                               serving=self.serving, batch=self.rollout_id)
@@ -347,6 +343,8 @@ class Coordinator:
         """The draft server and the KV pool, before workers can learn the coordinator's address."""
         await self._start_drafts()
         if self.pool is not None:
+            self.pool.begin_batch(self.rollout_id)
+        if self.pool is not None and self._own_pool:
             address = await asyncio.get_running_loop().run_in_executor(None, self.pool.start)
             await self.control.run(self.record_event, "kv_pool_started",
                                    {"master": address.master, "generation": address.generation})
@@ -371,10 +369,12 @@ class Coordinator:
         self.book.close()  # the state thread's kept connection (a later write opens its own)
         if self.drafts is not None:
             self.drafts.close()
-        if self.pool is not None:
-            figures = await asyncio.get_running_loop().run_in_executor(
-                None, partial(self.pool.close, run_finished=self.book.is_complete()))
-            self.record_event("kv_pool_stopped", figures)  # the state thread is closed: ours now
+        if self.pool is not None:  # the serve's pool outlives its batch: only the batch's keys go
+            ended = partial(self.pool.close, run_finished=self.book.is_complete()) if self._own_pool \
+                else self.pool.end_batch
+            figures = await asyncio.get_running_loop().run_in_executor(None, ended)
+            # The state thread is closed: the events are ours now.
+            self.record_event("kv_pool_stopped" if self._own_pool else "kv_pool_batch_ended", figures)
 
     async def _watch(self, on_tick: Callable[[dict], None] | None) -> CoordinatorResult:
         run = self.control.run

@@ -4,8 +4,8 @@ watched, restarted and stopped with the job by `PoolService`) and the pool's cle
 Everything that may block (process starts, store calls) runs on the `seerd-kvpool` thread, never
 on the event loop or the lease book's state thread. The book tells it when a request or a group
 finished; it then removes that request's blocks (and, at the group's end, the group's prompt
-blocks) by the key scopes of `seerd.kvpool.keys`, and at the end of a finished run every key of
-the run. A restarted master has lost every key anyway: workers recompute meanwhile and repopulate
+blocks) by the key scopes of `seerd.kvpool.keys`, at the end of a `seerd serve` batch every key
+of the batch, and at the end of a finished run (or serve) every key of the run. A restarted master has lost every key anyway: workers recompute meanwhile and repopulate
 it, which is why `check()` only restarts and records the fact.
 
 The pool's budget: finished requests' blocks go at once; when the pool still fills past
@@ -26,14 +26,16 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 
+from seerd.config import KVPoolConfig
 from seerd.coordinator.records import WaitingRequest
 from seerd.kvpool.address import read_pool_address
-from seerd.kvpool.keys import group_pattern, request_pattern, run_pattern
+from seerd.kvpool.keys import batch_scope, group_pattern, request_pattern, run_pattern
 from seerd.kvpool.store import PoolUnavailable, close_quietly, open_store
+from seerd.rundir import RunDir
 from seerd.scheduler.state import SchedulerState
 
 log = logging.getLogger("seerd.coordinator")
@@ -89,6 +91,16 @@ def model_revision(model_path: str) -> str:
     return digest.hexdigest()
 
 
+def host_pool(run_dir: RunDir, kv_pool: KVPoolConfig, *, host: str, tag: str, model_path: str) -> PoolHost:
+    """The pool a coordinator (or a serve) runs, not started yet; its engines' settings name `tag`
+    and `model_path`'s revision."""
+    from seerd.kvpool.service import PoolService
+
+    service = PoolService(run_dir.path, host, protocol=kv_pool.protocol, devices=kv_pool.devices, log_dir=run_dir.logs)
+    settings = {**asdict(kv_pool), "run_tag": tag, "model_revision": model_revision(model_path)}
+    return PoolHost(service, tag, local_host=host, engine_settings=settings)
+
+
 @dataclass
 class TrimBudget:
     """How far one trim must bring the pool's usage down, and how far it has brought it.
@@ -118,9 +130,15 @@ class TrimBudget:
 
 
 class PoolHost:
-    def __init__(self, service, tag: str, *, local_host: str) -> None:  # noqa: ANN001
+    """The pool as one coordinator (`seerd run`) or one serve (`seerd serve`, across its batches)
+    hosts it: `tag` names the run's keys, `scope` the running batch's (`begin_batch`), which the
+    book's removals and the trims use; `engine_settings` is what the engines' connectors start with."""
+
+    def __init__(self, service, tag: str, *, local_host: str, engine_settings: dict | None = None) -> None:  # noqa: ANN001
         self.service = service  # seerd.kvpool.service.PoolService
         self.tag = tag
+        self.scope = tag  # until a batch begins (tests of the cleaning alone)
+        self.engine_settings = engine_settings or {}
         self.local_host = local_host
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="seerd-kvpool")
         self._store = None
@@ -137,6 +155,7 @@ class PoolHost:
         # request anew), so it holds at most what the engine of a lease that expired saved.
         self._trimmed_through: WaitingRequest | None = None
         self.latest: dict = {}  # pool figures as of the last check (what /v1/status serves)
+        self._counted_before: dict = {}  # the counters when the running batch began
 
     async def run(self, fn, *args):  # noqa: ANN001, ANN002, ANN201
         return await asyncio.get_running_loop().run_in_executor(self._thread, partial(fn, *args))
@@ -159,12 +178,37 @@ class PoolHost:
             log.warning("KV pool: no cleaning client (%s)", exc)
             self._store = None
 
+    # ------------------------------------------------------------------ a batch (a rollout) at a time
+    def begin_batch(self, batch: int) -> None:
+        """The rollout whose keys the book's removals and the trims name from now on (before its
+        book hands out work: the engines scope a chunk's keys by its rollout, from its engine id)."""
+        self.scope = batch_scope(self.tag, batch)
+        self._trimmed_through = None
+        self._counted_before = self._counters()
+
+    def end_batch(self) -> dict:
+        """`seerd serve`, after a batch: remove every key left in its scope (blocks saved after
+        their group's removal; a batch that did not finish runs again only after a serve restart,
+        with a new pool); returns the pool's figures after, its counters the batch's own."""
+        def finish() -> dict:
+            self._remove(run_pattern(self.scope), "batch")
+            before = self._counted_before
+            return {**self._figures(), **{name: count - before.get(name, 0) for name, count in self._counters().items()}}
+
+        return self._thread.submit(finish).result()
+
+    def _counters(self) -> dict:
+        return {"restarts": self.restarts, "removed_requests": self.removed_requests,
+                "removed_groups": self.removed_groups, "remove_errors": self.remove_errors,
+                "trimmed_requests": self.trimmed_requests, "trimmed_blocks": self.trimmed_blocks,
+                "trimmed_bytes": self.trimmed_bytes}
+
     # ------------------------------------------------------------------ from the lease book (state thread)
     def request_finished(self, group_id: int, request_id: int) -> None:
-        self._thread.submit(self._remove, request_pattern(self.tag, group_id, request_id), "request")
+        self._thread.submit(self._remove, request_pattern(self.scope, group_id, request_id), "request")
 
     def group_finished(self, group_id: int) -> None:
-        self._thread.submit(self._remove, group_pattern(self.tag, group_id), "group")
+        self._thread.submit(self._remove, group_pattern(self.scope, group_id), "group")
 
     def _remove(self, pattern: str, scope: str, *, force: bool = True) -> int:
         """Remove the keys `pattern` matches; returns how many went (-1: the store failed)."""
@@ -227,7 +271,7 @@ class PoolHost:
                 break
             # Unforced: if the request was leased since the book named it, a block an engine is
             # reading right now keeps its read lease and stays.
-            removed = self._remove(request_pattern(self.tag, request.group_id, request.request_id),
+            removed = self._remove(request_pattern(self.scope, request.group_id, request.request_id),
                                    "trim", force=False)
             if removed < 0:
                 break  # the master is gone or failing: the next check restarts it
@@ -240,10 +284,7 @@ class PoolHost:
         return self._figures()
 
     def _figures(self) -> dict:
-        return {**self.service.stats(), "restarts": self.restarts, "removed_requests": self.removed_requests,
-                "removed_groups": self.removed_groups, "remove_errors": self.remove_errors,
-                "trimmed_requests": self.trimmed_requests, "trimmed_blocks": self.trimmed_blocks,
-                "trimmed_bytes": self.trimmed_bytes}
+        return {**self.service.stats(), **self._counters()}
 
     def close(self, *, run_finished: bool) -> dict:
         """Remove a finished run's keys, stop the pool; returns its last figures (after the

@@ -7,7 +7,10 @@ worker side (the copies); on the stepped engine both live in the worker's proces
 store client (`pool.py`).
 
 - Keys (`keys.py`): a digest chained over the block's tokens and all before it, from a namespace of
-  the run, the model's revision, and the KV layout this engine really has.
+  the run, the model's revision at engine start, and the KV layout this engine really has; scoped
+  by the chunk's batch (its engine id's rollout). Under `seerd serve` the engine outlives its first
+  weights: a batch runs under one set only, so its scope, not the revision, keeps other weights'
+  blocks from matching.
 - Lookup: only for seerd's own requests (`c..e..g..r..p..` ids: the group and request scope the
   keys); the leading run of existing blocks past the local prefix-cache hit, never the block of
   the last token (vLLM must compute at least one).
@@ -58,9 +61,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 
-from seerd.kvpool.keys import BlockKeys, namespace_digest
+from seerd.kvpool.keys import BlockKeys, batch_scope, namespace_digest
 from seerd.kvpool.pool import PoolClient, pool_client
-from seerd.protocol import parse_engine_id
+from seerd.protocol import ChunkIdentity, parse_engine_id
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -217,10 +220,14 @@ class SeerdPoolConnector(KVConnectorBase_V1):
         identity = parse_engine_id(request.request_id)
         if identity is None or not self._client.usable():
             return None  # not a seerd chunk, or no pool now: plain vLLM
-        keys = BlockKeys(self._namespace, self._run_tag, identity.group_id, identity.request_id,
-                         identity.prompt_len, self._block_size)
-        tracked = self._tracked[request.request_id] = _Tracked(request, keys)
+        tracked = self._tracked[request.request_id] = _Tracked(request, self.block_keys(identity))
         return tracked
+
+    def block_keys(self, identity: ChunkIdentity) -> BlockKeys:
+        """The pool keys of a chunk's blocks: scoped by the run and the chunk's batch (its rollout),
+        so a serve's batch under other weights never matches, and its keys go with it."""
+        return BlockKeys(self._namespace, batch_scope(self._run_tag, identity.batch), identity.group_id,
+                         identity.request_id, identity.prompt_len, self._block_size)
 
     # ---------------------------------------------------------------- worker side
 

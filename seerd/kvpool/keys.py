@@ -6,11 +6,16 @@ layout the engine really has). So two blocks share a digest only if everything t
 KV is the same; another model, dtype, block size or run never matches.
 
 The key's text also says whose block it is, so the coordinator removes a finished request's
-blocks, a finished group's prompt blocks and a finished run's everything with one
-`remove_by_regex` each, without knowing any digest:
+blocks, a finished group's prompt blocks, a finished batch's and a finished run's everything with
+one `remove_by_regex` each, without knowing any digest:
 
-    seerd-kv/<run>/g<group>/p/<digest>         blocks made only of prompt tokens (shared by the group)
-    seerd-kv/<run>/g<group>/r<request>/<digest>  blocks holding any response token
+    seerd-kv/<run>/b<batch>/g<group>/p/<digest>         blocks made only of prompt tokens (the group's)
+    seerd-kv/<run>/b<batch>/g<group>/r<request>/<digest>  blocks holding any response token
+
+`<run>/b<batch>` is the scope (`batch_scope`): the pool's run tag, then the rollout the chunk
+belongs to, from its engine request id. Under `seerd serve` one pool lives across batches, each
+batch runs under one set of weights (strictly on-policy) and its own rollout id, so a block
+computed under other weights never matches, and a batch's keys go with it.
 
 Blocks of identical responses in one group (greedy n > 1) are stored once per request: the cost is
 pool space, and it lets a finished request drop its blocks without reference counts.
@@ -35,6 +40,11 @@ def namespace_digest(parts: dict) -> bytes:
     return hashlib.blake2b(canonical.encode(), digest_size=DIGEST_BYTES).digest()
 
 
+def batch_scope(run_tag: str, batch: int) -> str:
+    """The scope of one rollout's (one serve batch's) keys; what the patterns below take as `run_tag`."""
+    return f"{run_tag}/b{batch}"
+
+
 def run_prefix(run_tag: str) -> str:
     return f"{KEY_ROOT}/{run_tag}/"
 
@@ -50,6 +60,7 @@ def request_pattern(run_tag: str, group_id: int, request_id: int) -> str:
 
 
 def run_pattern(run_tag: str) -> str:
+    """Every key under `run_tag`: a run's (its tag) or a batch's (its `batch_scope`)."""
     return f"^{KEY_ROOT}/{_re(run_tag)}/"
 
 

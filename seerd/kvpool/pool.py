@@ -202,3 +202,10 @@ def pool_stats() -> dict | None:
     """This process's pool counters, or None when no connector made a client here."""
     return None if _CLIENT is None else _CLIENT.stats.to_dict()
 
+
+def reset_pool_stats() -> None:
+    """Counters from zero (`seerd serve`: a worker's figures are of its batch); between batches,
+    while no request runs in the engine."""
+    if _CLIENT is not None:
+        _CLIENT.stats = PoolStats(generation=_CLIENT.stats.generation)
+

@@ -49,8 +49,6 @@ def serve_config(workers: int, options: dict) -> RunConfig:
     config.validate()
     if config.engine.api == "sim":
         raise ConfigError("seerd serve runs vLLM engines: --engine-api sim is for `seerd run` and tools/load.py")
-    if config.kv_pool.mode != "off":
-        raise ConfigError("seerd serve has no KV pool yet (its pool lives as long as one batch): use --kv-pool off")
     try:
         context = context_length(config.engine, load_model_limits(config.model_dir))
     except ModelDirError as exc:
@@ -82,11 +80,11 @@ def run_serve(rundir: RunDir, ownership: Ownership, config: RunConfig, *, worker
 
     prepare_serve_dir(rundir)
     if layout is None:
-        pool, host, warning_signals = WorkerPool(rundir, workers), "127.0.0.1", ()
+        pool, host, warning_signals = WorkerPool(rundir, workers, kv_pool=config.kv_pool), "127.0.0.1", ()
     else:
         from seerd.launch.slurm import DRAIN_SIGNALS, SlurmWorkerPool, node_address
 
-        pool, host, warning_signals = SlurmWorkerPool(rundir, layout), node_address(), DRAIN_SIGNALS
+        pool, host, warning_signals = SlurmWorkerPool(rundir, layout, kv_pool=config.kv_pool), node_address(), DRAIN_SIGNALS
     server = Server(rundir, ownership, config, workers=workers, host=host, pool=pool, warning_signals=warning_signals)
     try:
         reason = run_event_loop(server.serve(on_ready=pool.start))

@@ -36,6 +36,7 @@ from seerd.coordinator.api import BodyLimitMiddleware, CoordinatorControl
 from seerd.coordinator.auth import BodyDigestMismatch, SignedCalls, body_mismatch
 from seerd.coordinator.daemon import Coordinator, CoordinatorResult, listening_socket, open_database
 from seerd.coordinator.heap import HeapKeeper
+from seerd.coordinator.kvpool import host_pool, run_tag
 from seerd.coordinator.guard import ConnectionGuard, api_server, limits_for, raise_open_files_limit
 from seerd.coordinator.model_identity import ModelChanged, fingerprint_json, model_fingerprint, weight_version
 from seerd.coordinator.statements import INSERT_EVENT, ROLLOUTS
@@ -130,8 +131,13 @@ class Server:
         self.current: Coordinator | None = None
         self.stop_reason: str | None = None
         self.batches_run = 0
+        # The job's KV pool, when the serve has one, lives as long as the serve: each batch's
+        # coordinator scopes it to the batch (the engines' keys name their chunk's batch).
+        self.kv_pool = None if base.kv_pool.mode != "mooncake" else host_pool(
+            run_dir, base.kv_pool, host=host, tag=run_tag(run_dir.path, clock()), model_path=base.model_path)
         fingerprint = fingerprint_json(model_fingerprint(base.model_dir))
-        self.idle_settings = EngineSettings(base.model_path, base.engine.__dict__, base.seed, asdict(base.spec), None,
+        self.idle_settings = EngineSettings(base.model_path, base.engine.__dict__, base.seed, asdict(base.spec),
+                                            None if self.kv_pool is None else self.kv_pool.engine_settings,
                                             weights_version=weight_version(base.model_path, fingerprint),
                                             serving=True, batch=None)
 
@@ -228,6 +234,9 @@ class Server:
         previous = {signum: signal.getsignal(signum) for signum in actions}
         for signum, action in actions.items():
             loop.add_signal_handler(signum, action)
+        if self.kv_pool is not None:  # before the workers (and the pool's holders) learn the address
+            pool_address = await loop.run_in_executor(None, self.kv_pool.start)
+            log.info("KV pool: master %s, generation %d", pool_address.master, pool_address.generation)
         server_task = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started and not server_task.done():
             await asyncio.sleep(0.01)
@@ -246,6 +255,8 @@ class Server:
             self.control.close()
             self.heap.close()
             self.engine.dispose()
+            if self.kv_pool is not None:  # every key of the serve's, then the master and metadata server
+                await loop.run_in_executor(None, partial(self.kv_pool.close, run_finished=True))
             for signum, handler in previous.items():
                 loop.remove_signal_handler(signum)
                 signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
@@ -262,6 +273,8 @@ class Server:
             if batch is not None:
                 return batch
             self._supervise()
+            if self.kv_pool is not None:
+                await self.kv_pool.check()  # a dead master restarted between batches too
             if self.ownership.lost is not None:
                 self.request_stop(f"this serve lost the run: {self.ownership.lost}")
             with contextlib.suppress(asyncio.TimeoutError):  # a tick: the workers looked after again
@@ -277,7 +290,8 @@ class Server:
         try:
             coordinator = Coordinator(self.run_dir, self.ownership, host=self.host, port=self.port,
                                       expected_workers=self.workers, clock=self.clock, rollout_id=batch,
-                                      outputs=batch_dir(self.run_dir, batch), serving=True, heap=self.heap)
+                                      outputs=batch_dir(self.run_dir, batch), serving=True, heap=self.heap,
+                                      pool=self.kv_pool)
         except ModelChanged as exc:  # the checkpoint was rewritten after the batch was submitted
             self._fail(batch, str(exc))
             return None

@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 from seerd.drafts.drafter import drafter_stats
 from seerd.event_loop import run_event_loop
-from seerd.kvpool.pool import pool_stats
+from seerd.kvpool.pool import pool_stats, reset_pool_stats
 from seerd.protocol import (
     BATCH_GROUPS_WAIT, CONFIG, CONFIG_AFTER_BATCH, HEARTBEAT, LEASE, LEASE_LONG_POLL_S, REGISTER, RELEASE, REPORT,
     ChunkGrant, ChunkReport, Endpoint, EngineSettings, HeartbeatBody, LeaseBody, RegisterBody, ReleaseBody, ReportBody,
@@ -396,6 +396,7 @@ async def amain(run_dir: RunDir, rank: int, patience_s: float, address_timeout_s
                 log.info("loaded %s in %.2fs", weights.version, weights.reload_s)
             if getattr(engine, "counters", None) is not None:  # the figures are of a rollout only
                 engine.counters.reset()
+            reset_pool_stats()
             worker = Worker(client, engine, rank, weights)
             if stopping.is_set():  # during the reload
                 break

@@ -11,9 +11,11 @@ import signal
 from pathlib import Path
 
 import pytest
+from perturb import perturbed_copy  # tools/ (on the path in tests/conftest.py)
 
 from seerd.report.metrics import continuation_cache_figures
 from seerd.report.source import load_run
+from seerd.serve.client import Client
 from tests.integration.harness import (
     REPO_ROOT, assert_complete_output, db_rows, done_chunks, run_seerd, start_seerd, wait_for,
 )
@@ -146,3 +148,46 @@ def test_a_pool_smaller_than_the_rollouts_kv_trims_and_every_response_completes(
     assert stopped["capacity_bytes"] == 64 << 20, stopped
     assert stopped["trimmed_requests"] > 0 and stopped["trimmed_blocks"] > 0, stopped
     assert stopped["remove_errors"] == 0 and stopped["keys"] == 0, stopped
+
+
+def test_a_serve_keeps_one_pool_across_batches_and_each_batch_loads_and_leaves_only_its_own_keys(
+        prompts, without_pool, tmp_path):
+    """`seerd serve --kv-pool mooncake` (issue 18): the pool starts once with the serve; in each batch
+    chunks that move load their context from it; the second batch, under new weights loaded in place,
+    scopes its keys by its batch (blocks computed under the first weights never match) and equals a
+    fresh run on those weights; at each batch's end no key is left; the pool stops with the serve."""
+    new_weights = perturbed_copy(MODEL, tmp_path / "step-1", seed=1)
+    run_dir = tmp_path / "serve"
+    engine = [arg for arg in COMMON[2:] if arg != "--no-progress"]
+    serve = start_seerd("serve", "--model", str(MODEL), "--run-dir", str(run_dir), "--kv-pool", "mooncake", *engine,
+                        log=tmp_path / "serve.log")
+    try:
+        client = Client(run_dir)
+        first = client.rollout(prompts)
+        second = client.rollout(prompts, weights=new_weights)
+        pool_generation = json.loads((run_dir / "kvpool.json").read_text())["generation"]
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        code = serve.wait(timeout=120)
+    assert code == 0, (tmp_path / "serve.log").read_text()[-3000:]
+    assert {(r["group_index"], r["response_index"]): r["token_ids"] for r in first} == without_pool
+    assert pool_generation == 1  # one pool for both batches, never restarted
+    batches = [batch for (batch,) in db_rows(run_dir, "select id from rollouts order by id")]
+    assert len(batches) == 2
+    for batch in batches:
+        stats = [json.loads(s) for (s,) in db_rows(run_dir, "select stats_json from workers where rollout_id = ?",
+                                                   (batch,)) if s]
+        pools = [s["kv_pool"] for s in stats if "kv_pool" in s]
+        assert sum(p["blocks_loaded"] for p in pools) > 0 and sum(p["load_failures"] for p in pools) == 0, pools
+        ((ended,),) = db_rows(run_dir, "select data_json from events where kind = 'kv_pool_batch_ended' "
+                                       "and rollout_id = ?", (batch,))
+        ended = json.loads(ended)
+        assert (ended["removed_requests"], ended["removed_groups"], ended["remove_errors"]) == (16, 8, 0), ended
+        assert ended["keys"] == 0 and ended["bytes_used"] == 0, ended
+    assert db_rows(run_dir, "select count(*) from events where kind = 'kv_pool_started'")[0][0] == 0
+    assert not _pool_processes(run_dir)
+
+    fresh = run_seerd("run", "--input", str(prompts), "--run-dir", str(tmp_path / "fresh"), "--model",
+                      str(new_weights), *COMMON[2:])
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    assert {(r["group_index"], r["response_index"]): r["token_ids"] for r in second} == outputs(tmp_path / "fresh")

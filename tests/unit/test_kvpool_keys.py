@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from seerd.kvpool.keys import BlockKeys, group_pattern, namespace_digest, request_pattern, run_pattern
+from seerd.kvpool.keys import BlockKeys, batch_scope, group_pattern, namespace_digest, request_pattern, run_pattern
 
 
 def keys_of(tokens, *, namespace=b"n" * 16, group=5, request=7, prompt_len=300, block=128, run="run1"):  # noqa: ANN001, ANN201
@@ -60,3 +60,20 @@ def test_cleanup_patterns_cover_exactly_their_scope():
     assert all(group.match(k) for k in mine + sibling) and not any(group.match(k) for k in other_group + other_run)
     run = re.compile(run_pattern("run1"))
     assert all(run.match(k) for k in mine + other_group) and not any(run.match(k) for k in other_run)
+
+
+def test_a_batch_scope_sits_inside_its_run_and_apart_from_every_other_batch():
+    """`seerd serve`: one pool across batches. A batch's keys never equal another batch's (each ran
+    under its own weights), its pattern takes only its own, the run's takes them all."""
+    tokens = list(range(600))
+    batch1, batch2 = (keys_of(tokens, run=batch_scope("run1", b)) for b in (1, 2))
+    batch12 = keys_of(tokens, run=batch_scope("run1", 12))
+    assert all(k.startswith("seerd-kv/run1/b1/g5/") for k in batch1)
+    assert not set(batch1) & set(batch2)
+    one = re.compile(run_pattern(batch_scope("run1", 1)))
+    assert all(one.match(k) for k in batch1) and not any(one.match(k) for k in batch2 + batch12)
+    request = re.compile(request_pattern(batch_scope("run1", 1), 5, 7))
+    assert [bool(request.match(k)) for k in batch1] == [False, False, True, True]
+    assert not any(request.match(k) for k in batch2)
+    run = re.compile(run_pattern("run1"))
+    assert all(run.match(k) for k in batch1 + batch2 + batch12)

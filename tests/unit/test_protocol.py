@@ -78,7 +78,7 @@ def test_grant_and_report_keep_their_wire_names():
     grant = json.loads(msgspec.json.encode(GRANT))
     assert list(grant) == ["chunk_id", "epoch", "request_id", "prompt_token_ids", "max_tokens", "sampling",
                            "deadline", "target_remaining", "group_id", "prompt_len", "is_probe", "run_on",
-                           "response_remaining", "continues"]
+                           "response_remaining", "continues", "batch"]
     assert grant["prompt_token_ids"] == [1, 2, 3, 9] and grant["target_remaining"] == 4
     report = json.loads(msgspec.json.encode(REPORT))
     assert report == {"chunk_id": 11, "epoch": 2, "token_ids": [9, 8], "logprobs": [-0.5, -1.25],
@@ -144,6 +144,11 @@ def test_engine_ids_round_trip():
     for foreign in ("0_c12e3g7r99p31", "c1e2", "cmpl-abc", ""):
         assert parse_engine_id(foreign) is None
     assert GRANT.identity == ChunkIdentity(11, 2, 3, 5, 3, True)
+    # The rollout (a serve's batch) a chunk belongs to: the KV pool scopes its keys by it.
+    in_batch = ChunkIdentity(12, 3, 7, 99, 31, True, batch=4)
+    assert in_batch.engine_id == "c12e3b4g7r99p31h"
+    assert parse_engine_id(in_batch.engine_id + "-94554842") == in_batch
+    assert parse_engine_id("c12e3b4g7r99p31").lease_key == "c12e3"
 
 
 def test_the_protocol_imports_nothing_else_of_seerd_and_nothing_heavy():
