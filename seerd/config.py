@@ -105,6 +105,9 @@ class EngineConfig:
     extra_args: dict = field(default_factory=dict)  # passed to AsyncEngineArgs as given
     sim_preset: str = "cpu-tiny"  # api "sim": the `seerd sim` preset whose engine model (costs, KV) runs
     time_scale: float = 1.0  # api "sim": modelled engine seconds per wall second
+    # GPUs per worker (its tensor parallel size): local workers each see their own (rank r: GPUs
+    # r*g .. r*g+g-1 of the node's visible ones); 0: CPU workers, or devices left as they are.
+    gpus_per_worker: int = 0
 
 
 @dataclass(frozen=True)
@@ -166,9 +169,6 @@ class KVPoolConfig:
             found.append("--kv-pool-protocol rdma needs --kv-pool-devices (e.g. mlx5_0,mlx5_1)")
         if self.segment_bytes is not None and self.segment_bytes < (64 << 20):
             found.append(f"--kv-pool-size must be at least 64MiB (got {self.segment_bytes} bytes)")
-        if self.mode == "mooncake" and self.gpu_workers:
-            found.append("--kv-pool mooncake: seerd's KV connector copies CPU KV caches only; GPU workers run "
-                         "without the pool for now (--kv-pool off or auto; see docs/kvpool.md)")
         if self.mode == "mooncake" and importlib.util.find_spec("mooncake") is None:
             found.append("--kv-pool mooncake needs mooncake-transfer-engine in the workers' environment "
                          "(tools/setup.sh installs it); use --kv-pool off to run without the pool")
@@ -179,15 +179,16 @@ class KVPoolConfig:
         """`auto`: the pool when chunks can move between workers on different nodes (more than
         one node, a policy that moves requests); the `group` baseline (veRL) binds each group to
         one worker, so it runs without (as does an unknown policy, which `validate` reports).
-        One node runs without it: there it measured break-even in throughput while its copies
-        took up to a quarter of an engine's stepping thread, and it opens unauthenticated
-        listeners (docs/kvpool.md). GPU workers run without it for now: seerd's connector copies
-        CPU KV caches only."""
+        One node of CPU workers runs without it: there it measured break-even in throughput while
+        its copies took up to a quarter of an engine's stepping thread, and it opens
+        unauthenticated listeners (docs/kvpool.md). GPU workers use it on one node too: there a
+        moved chunk's recomputed context costs GPU time the copy does not (docs/gpu.md; not run on
+        a GPU here: `tools/gpu_check.sh` is what to run first)."""
         if mode != "auto":
             return mode
         entry = DAEMON_POLICIES.get(policy)
         moves_requests = entry is not None and entry.traits.moves_requests
-        return "mooncake" if nodes > 1 and workers > 1 and moves_requests and not gpus_per_worker else "off"
+        return "mooncake" if workers > 1 and moves_requests and (nodes > 1 or gpus_per_worker > 0) else "off"
 
 
 @dataclass(frozen=True)
@@ -349,8 +350,8 @@ def build_config(*, workers: int, input_path: Path, model_path: Path, policy: st
         workers=workers, chunk_tokens=chunk_tokens, n=n, max_tokens=max_tokens, seed=seed,
         sampling=SamplingDefaults(temperature=temperature, top_p=top_p, top_k=top_k),
         engine=EngineConfig(kv_cache_gib=kv_cache_gib, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                            dtype=dtype, api=engine_api, extra_args=dict(engine_args or {}),
-                            sim_preset=sim_preset, time_scale=time_scale),
+                            dtype=dtype, api=engine_api, extra_args=_parallel_args(engine_args, gpus_per_worker),
+                            sim_preset=sim_preset, time_scale=time_scale, gpus_per_worker=gpus_per_worker),
         lease_ttl_s=lease_ttl, wait_for_workers=wait_for_workers, in_place=in_place,
         prior_run_dir=_absolute(prior_dir),
         spec=SpecConfig(mode=spec_mode, gamma_max=spec_depth, probe_weight=spec_probe_weight,
@@ -362,6 +363,13 @@ def build_config(*, workers: int, input_path: Path, model_path: Path, policy: st
                              protocol=kv_pool_protocol, devices=kv_pool_devices,
                              segment_bytes=_pool_size(kv_pool_size), gpu_workers=bool(gpus_per_worker)),
     )
+
+
+def _parallel_args(engine_args: dict | None, gpus_per_worker: int) -> dict:
+    args = dict(engine_args or {})
+    if gpus_per_worker > 1:  # a worker's GPUs are one tensor-parallel vLLM instance
+        args.setdefault("tensor_parallel_size", gpus_per_worker)
+    return args
 
 
 def _absolute(path: str | Path | None) -> str | None:

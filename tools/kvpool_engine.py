@@ -55,8 +55,8 @@ def exposure() -> dict:
     connector = get_kv_transfer_group()
     connector._client.usable()
     return {"segment": connector._client._store.get_hostname(),
-            "staging": [connector._staging.ctypes.data, connector._staging.nbytes],
-            "kv_cache": [[layer.ctypes.data, layer.nbytes] for layer in connector._layers]}
+            "staging": [connector._io.staging.ctypes.data, connector._io.staging.nbytes],
+            "kv_cache": [[layer.blocks.data_ptr(), layer.blocks.numel()] for layer in connector._io.copier.layers]}
 
 
 def pool_keys(driver, ask: dict) -> list[str]:  # noqa: ANN001

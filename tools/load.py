@@ -31,6 +31,7 @@ worker taken out, as well as the waits), "report_p99_ms",
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sqlite3
@@ -71,9 +72,10 @@ def write_workload(path: Path, preset_name: str, requests: int, seed: int) -> tu
 class ProcessSampler(threading.Thread):
     """The coordinator process's CPU seconds, RSS, open files and the database's size, every `interval_s`."""
 
-    def __init__(self, pid: int, db_path: Path, interval_s: float = 0.5) -> None:
+    def __init__(self, pid: int, db_path: Path, interval_s: float = 0.5, hosts_nice: int = 0) -> None:
         super().__init__(daemon=True)
         self.pid, self.db_path, self.interval_s = pid, db_path, interval_s
+        self.hosts_nice = hosts_nice
         self.samples: list[dict] = []
         self.host_cpu_s: dict[int, float] = {}  # the simulated workers' processes: pid -> CPU seconds
         self.stopped = threading.Event()
@@ -88,7 +90,12 @@ class ProcessSampler(threading.Thread):
             except OSError:
                 return
             rss_kb = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0)
-            self.host_cpu_s.update(simulated_hosts_cpu())
+            hosts = simulated_hosts_cpu()
+            if self.hosts_nice:
+                for pid in hosts.keys() - self.host_cpu_s.keys():  # new ones (a restarted host too)
+                    with contextlib.suppress(OSError):
+                        os.setpriority(os.PRIO_PROCESS, pid, self.hosts_nice)
+            self.host_cpu_s.update(hosts)
             db_bytes = sum(p.stat().st_size for p in self.db_path.parent.glob(self.db_path.name + "*") if p.exists())
             self.samples.append({"t": time.monotonic() - started,
                                  "cpu_s": (int(fields[11]) + int(fields[12])) / CLOCK_TICKS,
@@ -205,7 +212,7 @@ def run(args: argparse.Namespace, work: Path) -> dict:
     started = time.monotonic()
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-        sampler = ProcessSampler(process.pid, run_dir / "state.db")
+        sampler = ProcessSampler(process.pid, run_dir / "state.db", hosts_nice=args.hosts_nice)
         sampler.start()
         code = process.wait()
         sampler.stopped.set()
@@ -249,7 +256,7 @@ def run(args: argparse.Namespace, work: Path) -> dict:
         "model_total_s": max(finishes) * args.time_scale,
         "model_tail_s": (max(finishes) - tail_start(finishes)) * args.time_scale,
         "settings": {"preset": args.preset, "time_scale": args.time_scale, "policy": args.policy,
-                     "seed": args.seed},
+                     "seed": args.seed, "hosts_nice": args.hosts_nice},
     }
 
 
@@ -330,6 +337,9 @@ def main() -> int:
     parser.add_argument("--work-dir", type=Path, help="keep the run here (default: a temporary directory)")
     parser.add_argument("--compare-sim", action="store_true",
                         help="also run `seerd sim` on the same workload and cluster, and set them side by side")
+    parser.add_argument("--hosts-nice", type=int, default=0,
+                        help="run the simulated workers' processes at this nice value: the load generator "
+                             "yields the cores to the coordinator, as workers on other nodes would")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="seerd-load-"))

@@ -45,6 +45,9 @@ def cli(verbose: bool) -> None:
 @cli.command()
 @rollout_options
 @click.option("--workers", default=2, show_default=True, help="Local vLLM worker processes.")
+@click.option("--gpus-per-worker", default=0, show_default=True, type=click.IntRange(min=0),
+              help="GPUs of each local worker (its tensor parallel size); each worker sees only its own. "
+                   "0: CPU workers.")
 @click.option("--progress/--no-progress", default=None, help="Progress bar (default: when on a terminal).")
 @ALLOW_MODEL_CHANGE_OPTION
 def run(workers: int, progress: bool | None, allow_model_change: bool, **options) -> None:  # noqa: ANN003

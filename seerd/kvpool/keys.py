@@ -40,6 +40,21 @@ def namespace_digest(parts: dict) -> bytes:
     return hashlib.blake2b(canonical.encode(), digest_size=DIGEST_BYTES).digest()
 
 
+def shard_key(key: str, shard: tuple[int, int], shards: tuple[int, int]) -> str:
+    """The store's name of one rank's shard of a block: a tensor- or pipeline-parallel engine keeps
+    each rank's part of a block under its own name, `key@tp<rank>.pp<rank>` (`shard` is the
+    (tensor, pipeline) rank, `shards` the sizes). One rank alone: the key itself. The sizes are
+    in every key's namespace digest, so another parallel layout never matches."""
+    if shards == (1, 1):
+        return key
+    return f"{key}@tp{shard[0]}.pp{shard[1]}"
+
+
+def shard_keys(key: str, shards: tuple[int, int]) -> list[str]:
+    """Every rank's name of a block (a block is in the pool when every rank's shard is)."""
+    return [shard_key(key, (tp, pp), shards) for pp in range(shards[1]) for tp in range(shards[0])]
+
+
 def batch_scope(run_tag: str, batch: int) -> str:
     """The scope of one rollout's (one serve batch's) keys; what the patterns below take as `run_tag`."""
     return f"{run_tag}/b{batch}"

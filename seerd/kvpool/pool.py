@@ -21,6 +21,7 @@ from pathlib import Path
 
 from seerd.kvpool.address import POOL_FILE, PoolAddress, PoolAddressError, read_pool_address
 from seerd.kvpool.holder import local_address_towards
+from seerd.kvpool.keys import shard_keys
 from seerd.kvpool.store import PoolUnavailable, close_quietly, open_store
 from seerd.rundir import RunDir, RunDirError
 from seerd.signing import block_key
@@ -148,22 +149,23 @@ class PoolClient:
 
     # ---------------------------------------------------------------- operations
 
-    def leading_present(self, keys: list[str]) -> int:
-        """How many of `keys`, from the first, are in the pool (0 when it is unreachable)."""
+    def leading_present(self, keys: list[str], shards: tuple[int, int] = (1, 1)) -> int:
+        """How many of `keys`, from the first, are in the pool with every parallel rank's shard
+        (`keys.shard_keys`; 0 when the pool is unreachable)."""
         if not keys or not self.usable():
             return 0
+        names = [name for key in keys for name in shard_keys(key, shards)]
         try:
-            found = self._store.batch_is_exist(keys)
+            found = self._store.batch_is_exist(names)
         except Exception as exc:  # noqa: BLE001
             self._failed("batch_is_exist", exc)
             return 0
         if any(code < 0 for code in found):
             self._failed("batch_is_exist", found)
         self._failures = 0 if all(code >= 0 for code in found) else self._failures
+        per_block = len(names) // len(keys)
         count = 0
-        for code in found:
-            if code != 1:
-                break
+        while count < len(keys) and all(code == 1 for code in found[count * per_block:(count + 1) * per_block]):
             count += 1
         return count
 

@@ -46,9 +46,10 @@ class WorkerPool:
     process i is rank i."""
 
     def __init__(self, run_dir: RunDir, count: int, *, kv_pool: KVPoolConfig | None = None,
-                 simulated: bool = False) -> None:
+                 simulated: bool = False, gpus_per_worker: int = 0) -> None:
         self.run_dir = run_dir
         self.simulated = simulated
+        self.gpus_per_worker = gpus_per_worker
         per_process = SIM_WORKERS_PER_PROCESS if simulated else 1
         self.hosted = {i: range(first, min(count, first + per_process))
                        for i, first in enumerate(range(0, count, per_process))}
@@ -99,14 +100,27 @@ class WorkerPool:
         return worker_env()
 
     def _spawn(self, rank: int) -> None:
-        self.procs[rank] = self._popen(self.command(rank), self.log_path(rank))
+        self.procs[rank] = self._popen(self.command(rank), self.log_path(rank), self._devices(rank))
 
-    def _popen(self, command: list[str], log_path: Path) -> subprocess.Popen:
+    def _devices(self, rank: int) -> dict[str, str]:
+        """Local GPU workers: rank r sees its own GPUs only (of those this process sees)."""
+        if not self.gpus_per_worker:
+            return {}
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        devices = visible.split(",") if visible else [str(i) for i in range(self.count * self.gpus_per_worker)]
+        mine = devices[rank * self.gpus_per_worker:(rank + 1) * self.gpus_per_worker]
+        if len(mine) < self.gpus_per_worker:
+            raise ValueError(f"worker {rank} needs GPUs {rank * self.gpus_per_worker}-"
+                             f"{(rank + 1) * self.gpus_per_worker - 1}; this node shows {len(devices)}")
+        return {"CUDA_VISIBLE_DEVICES": ",".join(mine)}
+
+    def _popen(self, command: list[str], log_path: Path, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
         with open(log_path, "ab") as log_file:
             os.chmod(log_path, 0o600)
             return subprocess.Popen(
                 command,
-                stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.environment(),
+                stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env={**self.environment(), **(extra_env or {})},
                 preexec_fn=_die_with_parent,  # never outlive the coordinator (kill -9 included)
                 # Its own process group: vLLM's engine-core processes outlive a killed frontend
                 # (they are re-parented, never exit), so we reap the whole group.
@@ -172,7 +186,8 @@ def run_local(coordinator: Coordinator, workers: int, on_tick: Callable[[dict], 
     """`coordinator` in this process, its workers supervised by `pool` (local processes by
     default; the Slurm launcher passes a pool of job steps)."""
     pool = pool or WorkerPool(coordinator.run_dir, workers, kv_pool=coordinator.config.kv_pool,
-                              simulated=coordinator.config.engine.api == "sim")
+                              simulated=coordinator.config.engine.api == "sim",
+                              gpus_per_worker=coordinator.config.engine.gpus_per_worker)
 
     def tick(counts: dict) -> None:
         reason = pool.supervise(counts["requests_done"] == counts["requests_total"])

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from seerd.kvpool.connector import FIELDS, HEADER, HEADER_BYTES
+from seerd.kvpool.transfer import FIELDS, HEADER, HEADER_BYTES, block_mac
 from seerd.rundir import RunDir
 from seerd.signing import block_key
 
@@ -145,11 +145,7 @@ def _rewrite_block(store, key: str, *, flip_payload: bool, mac_key: bytes | None
                    truncate: bool = False) -> None:
     """Change a stored block as someone who can reach the pool can: its payload, and (with
     `mac_key`) a MAC made for the change with that key, as the connector makes one."""
-    from types import SimpleNamespace
-
     import numpy as np
-
-    from seerd.kvpool.connector import SeerdPoolConnector
 
     blob = bytearray(store.get(key))
     assert len(blob) > HEADER_BYTES, f"{key} is not in the pool"
@@ -157,10 +153,9 @@ def _rewrite_block(store, key: str, *, flip_payload: bool, mac_key: bytes | None
         for i in range(HEADER_BYTES, min(len(blob), HEADER_BYTES + 4096), 4):
             blob[i:i + 4] = struct.pack("<f", 3.0 * (1 if (i // 4) % 2 else -1))
     if mac_key is not None:
-        layers, size = HEADER.unpack_from(blob)[2], HEADER.unpack_from(blob)[4]
-        payload = np.frombuffer(bytes(blob[HEADER_BYTES:]), dtype=np.uint8).reshape(layers, 1, size // layers)
+        payload = np.frombuffer(bytes(blob[HEADER_BYTES:]), dtype=np.uint8)
         fields = bytes(blob[:FIELDS.size])
-        mac = SeerdPoolConnector._block_mac(SimpleNamespace(_layers=list(payload)), mac_key, key, fields, 0)
+        mac = block_mac(mac_key, key, fields, payload)
         blob[:HEADER.size] = fields + mac
     if truncate:
         blob = blob[: len(blob) // 2]

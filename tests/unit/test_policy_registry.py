@@ -44,7 +44,11 @@ def test_kv_pool_auto_follows_whether_requests_move():
     assert KVPoolConfig.resolve_mode("auto", workers=4, policy="group", nodes=2) == "off"
     assert KVPoolConfig.resolve_mode("auto", workers=1, policy="seer", nodes=2) == "off"
     assert KVPoolConfig.resolve_mode("auto", workers=4, policy="fastest", nodes=2) == "off"
-    assert KVPoolConfig.resolve_mode("auto", workers=4, policy="seer", nodes=2, gpus_per_worker=1) == "off"
+    # GPU workers: the pool on one node too (recomputing a moved chunk's context costs GPU time).
+    assert KVPoolConfig.resolve_mode("auto", workers=4, policy="seer", nodes=2, gpus_per_worker=1) == "mooncake"
+    assert KVPoolConfig.resolve_mode("auto", workers=8, policy="divided", gpus_per_worker=1) == "mooncake"
+    assert KVPoolConfig.resolve_mode("auto", workers=1, policy="seer", gpus_per_worker=8) == "off"
+    assert KVPoolConfig.resolve_mode("auto", workers=8, policy="group", gpus_per_worker=1) == "off"
     with pytest.raises(ConfigError, match="--policy must be one of seer, divided, group"):
         RunConfig(input_path="p", model_path="m", policy="fastest").validate()
 
