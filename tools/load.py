@@ -16,6 +16,7 @@ the database's size, and commits per second (durable ones are fsyncs).
 
     .venv/bin/python tools/load.py --workers 512 --requests 100000 [--preset cpu-tiny] [--time-scale 20]
                                    [--policy seer] [--chunk-tokens N] [--max-num-seqs N] [--compare-sim] [--json]
+                                   [--hosts-nice N]
 
 `--compare-sim` also runs `seerd sim` on the same workload and cluster and prints both runs'
 makespan, tail and chunks in modelled engine seconds: the engines are the same model, so what

@@ -75,7 +75,7 @@ class BlockCopier:
         self.payload_bytes = sum(layer.block_bytes for layer in self.layers)
         self.signature = layout_signature(caches, self.layers)
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self._pinned: torch.Tensor | None = None
+        self._pinned: list[torch.Tensor] = []
 
     def gather(self, block_ids: list[int], out: np.ndarray) -> None:
         """Blocks `block_ids` into `out[:len(block_ids)]` (host, `[rows, payload_bytes]` uint8)."""
@@ -83,22 +83,19 @@ class BlockCopier:
         host = torch.from_numpy(out[:count])
         if self._stream is None:
             ids = torch.tensor(block_ids, dtype=torch.long)
-            offset = 0
-            for layer in self.layers:
-                host[:, offset:offset + layer.block_bytes] = layer.blocks.index_select(0, ids).reshape(count, -1)
-                offset += layer.block_bytes
+            for layer, (start, stop) in zip(self.layers, self._spans()):
+                host[:, start:stop] = layer.blocks.index_select(0, ids).reshape(count, -1)
             return
-        pinned = self._pinned_rows(count)
+        pinned = self._pinned_layers(count)
+        compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self._stream):
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))  # the step's writes first
-            ids = torch.tensor(block_ids, dtype=torch.long).to(self.device, non_blocking=True)
-            offset = 0
-            for layer in self.layers:
-                picked = layer.blocks.index_select(0, ids).reshape(count, -1)
-                pinned[:, offset:offset + layer.block_bytes].copy_(picked, non_blocking=True)
-                offset += layer.block_bytes
+            self._stream.wait_stream(compute)  # the step's writes to these blocks first
+            ids = torch.tensor(block_ids, dtype=torch.long).to(self.device)
+            for layer, staged in zip(self.layers, pinned):
+                staged.copy_(layer.blocks.index_select(0, ids).reshape(count, -1), non_blocking=True)
         self._stream.synchronize()
-        host.copy_(pinned)
+        for staged, (start, stop) in zip(pinned, self._spans()):
+            host[:, start:stop] = staged
 
     def scatter(self, block_ids: list[int], rows: np.ndarray) -> None:
         """`rows[:len(block_ids)]` (host) into blocks `block_ids` of every layer."""
@@ -106,30 +103,37 @@ class BlockCopier:
         host = torch.from_numpy(rows[:count])
         if self._stream is None:
             ids = torch.tensor(block_ids, dtype=torch.long)
-            offset = 0
-            for layer in self.layers:
-                part = host[:, offset:offset + layer.block_bytes].reshape(count, *layer.blocks.shape[1:])
-                layer.blocks.index_copy_(0, ids, part)
-                offset += layer.block_bytes
+            for layer, (start, stop) in zip(self.layers, self._spans()):
+                layer.blocks.index_copy_(0, ids, host[:, start:stop].reshape(count, *layer.blocks.shape[1:]))
             return
-        pinned = self._pinned_rows(count)
-        pinned.copy_(host)
+        pinned = self._pinned_layers(count)
+        for staged, (start, stop) in zip(pinned, self._spans()):
+            staged.copy_(host[:, start:stop])
+        compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self._stream):
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
-            ids = torch.tensor(block_ids, dtype=torch.long).to(self.device, non_blocking=True)
-            offset = 0
-            for layer in self.layers:
-                part = pinned[:, offset:offset + layer.block_bytes].to(self.device, non_blocking=True)
-                layer.blocks.index_copy_(0, ids, part.reshape(count, *layer.blocks.shape[1:]))
-                offset += layer.block_bytes
-        # The forward that reads these blocks runs on the compute stream: it waits for the copies.
-        torch.cuda.current_stream(self.device).wait_stream(self._stream)
-        self._stream.synchronize()  # the pinned rows are reused by the next batch
+            self._stream.wait_stream(compute)  # nothing of the step still reads these blocks
+            ids = torch.tensor(block_ids, dtype=torch.long).to(self.device)
+            for layer, staged in zip(self.layers, pinned):
+                part = staged.to(self.device, non_blocking=True).reshape(count, *layer.blocks.shape[1:])
+                layer.blocks.index_copy_(0, ids, part)
+        compute.wait_stream(self._stream)  # the forward that reads the blocks waits for the copies
+        self._stream.synchronize()  # the pinned buffers are reused by the next batch
 
-    def _pinned_rows(self, count: int) -> torch.Tensor:
-        if self._pinned is None or self._pinned.shape[0] < count:
-            self._pinned = torch.empty((count, self.payload_bytes), dtype=torch.uint8, pin_memory=True)
-        return self._pinned[:count]
+    def _spans(self) -> list[tuple[int, int]]:
+        """Each layer's bytes within a host row."""
+        spans, offset = [], 0
+        for layer in self.layers:
+            spans.append((offset, offset + layer.block_bytes))
+            offset += layer.block_bytes
+        return spans
+
+    def _pinned_layers(self, count: int) -> list[torch.Tensor]:
+        """Per layer, `count` contiguous rows of pinned host memory (copies with the device are
+        asynchronous only to and from pinned, contiguous memory)."""
+        if not self._pinned or self._pinned[0].shape[0] < count:
+            self._pinned = [torch.empty((count, layer.block_bytes), dtype=torch.uint8, pin_memory=True)
+                            for layer in self.layers]
+        return [staged[:count] for staged in self._pinned]
 
 
 def layout_signature(caches: dict[str, torch.Tensor], layers: list[LayerBlocks]) -> int:
