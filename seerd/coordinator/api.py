@@ -37,6 +37,7 @@ from seerd.coordinator.drafts import DraftHost, append_items
 from seerd.coordinator.latency import VAIN_SCOPE_KEY, WAITED_SCOPE_KEY, CallLatencies, PlansPerCall, SlowTurns
 from seerd.coordinator.metrics import RefusalCollector, RolloutCollector, metrics_registry
 from seerd.coordinator.reports import ReportOutcome
+from seerd.db.base import CommitTimes
 from seerd.db.read import UnreadableDatabase
 from seerd.drafts.server import DraftError
 from seerd.protocol import (
@@ -185,14 +186,18 @@ class CoordinatorControl:
             self._commit_queued = False
             started = time.perf_counter()
             self.turns.add("reports waited", started - self._reports_since)
+        transactions = CommitTimes.durable + CommitTimes.relaxed, CommitTimes.total_s
         try:
             answers = book.report_calls([call for call, _ in batch], clock())
         except Exception as exc:  # noqa: BLE001 - the commit failed (disk): every call of it answers 5xx
             answers = [exc] * len(batch)
         self.report_commits += 1
         self.reports_committed += len(batch)
+        # Of the turn, its transactions (begin to commit: the fsync among them): the disk's share.
         self._turn_ran("reports", started, len(batch),
-                       {"report_calls": [len(batch), time.perf_counter() - started]})
+                       {"report_calls": [len(batch), time.perf_counter() - started],
+                        "transactions": [CommitTimes.durable + CommitTimes.relaxed - transactions[0],
+                                         CommitTimes.total_s - transactions[1]]})
         loop.call_soon_threadsafe(_settle_all, [(future, answer) for (_, future), answer in zip(batch, answers)])
 
     def close(self) -> None:

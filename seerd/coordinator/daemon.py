@@ -452,6 +452,8 @@ class Coordinator:
                 "server_calls": self.control.latencies.figures(), "state_turns": self.control.turns.figures(),
                 "largest_state_turn": self.control.largest_turn,
                 "slowest_state_turns": self.control.slow_turns.figures(),
+                "slow_checkpoints": [{"at_s": round(self.control.slow_turns.since_first(at), 2), "ms": round(1e3 * s, 1)}
+                                     for at, s in self.book.writer.slow_checkpoints],
                 "lease_plans": self.control.lease_plans.figures(), **self.heap.figures()}
 
     def record_event(self, kind: str, data: dict) -> None:

@@ -77,6 +77,10 @@ class SlowTurns:
         if window not in self._by_window or ran_s > self._by_window[window][0]:
             self._by_window[window] = entry
 
+    def since_first(self, moment: float) -> float:
+        """A `time.perf_counter()` moment as these figures' `at_s` (seconds since the first turn)."""
+        return moment - (self._first if self._first is not None else moment)
+
     def figures(self) -> dict[str, list[dict]]:
         return {"slowest": [_turn(e) for e in sorted(self._slowest, key=lambda e: -e[0])],
                 "by_window": [_turn(self._by_window[w]) for w in sorted(self._by_window)]}

@@ -6,6 +6,7 @@ the caller owns the transaction (Prefect's habit).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
@@ -43,6 +44,7 @@ class CommitTimes:
     slow = 0
     durable = 0
     relaxed = 0
+    total_s = 0.0  # every transaction's time: a slow turn of the state thread tells its share by it
 
     @classmethod
     def record(cls, seconds: float, durable: bool) -> None:
@@ -50,6 +52,7 @@ class CommitTimes:
             cls.durable += 1
         else:
             cls.relaxed += 1
+        cls.total_s += seconds
         cls.longest_s = max(cls.longest_s, seconds)
         if seconds > SLOW_COMMIT_S:
             cls.slow += 1
@@ -150,6 +153,7 @@ class Writer:
     CHECKPOINT_WAL_BYTES = 4 << 20  # SQLite's own default: 1000 pages of 4 KiB
     INLINE_CHECKPOINT_WAL_BYTES = 64 << 20
     CHECK_EVERY = 32  # commits between looks at the WAL's size
+    SLOW_CHECKPOINT_S = 0.05
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -161,6 +165,9 @@ class Writer:
         self._commits = 0
         self._checkpointer: threading.Thread | None = None
         self.checkpoints = 0
+        # (perf_counter at its start, seconds) of checkpoints over SLOW_CHECKPOINT_S: whether a
+        # slow commit ran beside one (the checkpoint's fsync of the database file).
+        self.slow_checkpoints: collections.deque[tuple[float, float]] = collections.deque(maxlen=200)
 
     @contextmanager
     def begin(self, *, durable: bool = True) -> Iterator[Connection]:
@@ -197,10 +204,13 @@ class Writer:
 
     def _checkpoint(self, conn: Connection | None = None) -> None:
         """A PASSIVE checkpoint on `conn` (outside a transaction), or on a connection of its own."""
+        started = time.perf_counter()
         try:
             with contextlib.nullcontext(conn) if conn is not None else self.engine.connect() as on:
                 on.connection.driver_connection.execute("PRAGMA wal_checkpoint(PASSIVE)")
             self.checkpoints += 1
+            if time.perf_counter() - started > self.SLOW_CHECKPOINT_S:
+                self.slow_checkpoints.append((started, time.perf_counter() - started))
         except Exception:  # noqa: BLE001 - the next one retries; a failed copy never risks the data
             log.exception("WAL checkpoint failed")
 
