@@ -18,7 +18,7 @@ from seerd.cli.launching import (
     EXIT_BAD_INPUT, EXIT_FAILED_REQUESTS, EXIT_INCOMPLETE, EXIT_OK, exit_2_on, own_or_exit, prepare_or_exit,
     report_result,
 )
-from seerd.cli.options import ALLOW_MODEL_CHANGE_OPTION, rollout_options
+from seerd.cli.options import ALLOW_MODEL_CHANGE_OPTION, LOCAL_GPUS_OPTION, rollout_options
 from seerd.cli.serve import rollout, serve, slurm_serve
 from seerd.cli.sim import sim
 from seerd.cli.slurm import slurm_run, submit
@@ -45,9 +45,7 @@ def cli(verbose: bool) -> None:
 @cli.command()
 @rollout_options
 @click.option("--workers", default=2, show_default=True, help="Local vLLM worker processes.")
-@click.option("--gpus-per-worker", default=0, show_default=True, type=click.IntRange(min=0),
-              help="GPUs of each local worker (its tensor parallel size); each worker sees only its own. "
-                   "0: CPU workers.")
+@LOCAL_GPUS_OPTION
 @click.option("--progress/--no-progress", default=None, help="Progress bar (default: when on a terminal).")
 @ALLOW_MODEL_CHANGE_OPTION
 def run(workers: int, progress: bool | None, allow_model_change: bool, **options) -> None:  # noqa: ANN003

@@ -148,3 +148,8 @@ def parse_engine_args(pairs: tuple[str, ...]) -> dict:
         except ValueError:
             parsed[key.strip()] = value
     return parsed
+
+
+LOCAL_GPUS_OPTION = click.option(
+    "--gpus-per-worker", default=0, show_default=True, type=click.IntRange(min=0),
+    help="GPUs of each local worker (its tensor parallel size); each worker sees only its own. 0: CPU workers.")

@@ -13,7 +13,7 @@ import click
 
 from seerd.cli import ui
 from seerd.cli.launching import EXIT_BAD_INPUT, EXIT_INCOMPLETE, EXIT_OK, exit_2_on
-from seerd.cli.options import ENGINE_ARG_OPTION, engine_options
+from seerd.cli.options import ENGINE_ARG_OPTION, LOCAL_GPUS_OPTION, engine_options
 from seerd.cli.slurm import allocation_options
 from seerd.config import ConfigError, RunConfig
 from seerd.launch.prepare import BadRun, own
@@ -50,6 +50,7 @@ def _report(outcome: ServeOutcome, job_id: str | None = None) -> None:
 @click.command()
 @engine_options
 @click.option("--workers", default=2, show_default=True, help="Local vLLM worker processes.")
+@LOCAL_GPUS_OPTION
 def serve(workers: int, **options) -> None:  # noqa: ANN003
     """Keep a coordinator and WORKERS engines up for batch after batch (`seerd rollout`,
     `seerd.Client`): each batch a rollout in one database, new weights loaded in place."""

@@ -80,7 +80,8 @@ def run_serve(rundir: RunDir, ownership: Ownership, config: RunConfig, *, worker
 
     prepare_serve_dir(rundir)
     if layout is None:
-        pool, host, warning_signals = WorkerPool(rundir, workers, kv_pool=config.kv_pool), "127.0.0.1", ()
+        pool = WorkerPool(rundir, workers, kv_pool=config.kv_pool, gpus_per_worker=config.engine.gpus_per_worker)
+        host, warning_signals = "127.0.0.1", ()
     else:
         from seerd.launch.slurm import DRAIN_SIGNALS, SlurmWorkerPool, node_address
 

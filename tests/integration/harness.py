@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -9,6 +10,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -125,3 +127,30 @@ def live_processes() -> dict[int, list[str]]:
         if fields[0] not in ("Z", "X"):
             found[int(entry)] = fields
     return found
+
+
+@contextlib.contextmanager
+def kv_pool(run_dir: Path, segment_bytes: int) -> Iterator[object]:
+    """A real KV pool for `run_dir`: a fresh secret (engines key their blocks' MACs by it), the
+    Mooncake master and metadata server, and one holder giving it `segment_bytes`; yields the
+    `PoolService` once the holder's memory is mounted (not after a guessed sleep)."""
+    from seerd.kvpool.service import PoolService
+    from seerd.rundir import RunDir
+
+    RunDir(run_dir).rotate_secret()
+    service = PoolService(run_dir, "127.0.0.1", log_dir=run_dir)
+    service.start()
+    with open(run_dir / "holder.log", "ab") as log:
+        holder = subprocess.Popen([sys.executable, "-m", "seerd.kvpool.holder", "--run-dir", str(run_dir),
+                                   "--segment-bytes", str(segment_bytes)], stdout=log, stderr=subprocess.STDOUT,
+                                  env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    try:
+        deadline = time.monotonic() + 60
+        while not service.stats().get("capacity_bytes"):
+            assert holder.poll() is None and time.monotonic() < deadline, "the holder gave the pool no memory"
+            time.sleep(0.2)
+        yield service
+    finally:
+        holder.terminate()
+        holder.wait(timeout=30)
+        service.stop()

@@ -18,6 +18,7 @@ import pytest
 from seerd.kvpool.transfer import FIELDS, HEADER, HEADER_BYTES, block_mac
 from seerd.rundir import RunDir
 from seerd.signing import block_key
+from tests.integration.harness import kv_pool
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mooncake]
 
@@ -78,21 +79,9 @@ class EngineProcess:
 
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory):
-    from seerd.kvpool.service import PoolService
-
     run_dir = tmp_path_factory.mktemp("kvpool-run")
-    RunDir(run_dir).rotate_secret()  # as a coordinator does before its pool starts: engines key blocks by it
-    service = PoolService(run_dir, "127.0.0.1", log_dir=run_dir)
-    service.start()
-    holder = subprocess.Popen([sys.executable, "-m", "seerd.kvpool.holder", "--run-dir", str(run_dir),
-                               "--segment-bytes", str(512 << 20)],
-                              stdout=open(run_dir / "holder.log", "ab"), stderr=subprocess.STDOUT,  # noqa: SIM115
-                              env={**os.environ, "PYTHONPATH": str(ROOT)})
-    time.sleep(2)
-    yield run_dir, service
-    holder.terminate()
-    holder.wait(timeout=30)
-    service.stop()
+    with kv_pool(run_dir, 512 << 20) as service:
+        yield run_dir, service
 
 
 @pytest.fixture(scope="module")

@@ -10,12 +10,8 @@ dtype or rank never loads.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,11 +19,10 @@ import torch
 from seerd.kvpool.blocks import BlockCopier, layer_blocks
 from seerd.kvpool.pool import PoolClient
 from seerd.kvpool.transfer import HEADER_BYTES, BlockIO, BlockTransfer
-from seerd.rundir import RunDir
+from tests.integration.harness import kv_pool
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(180)]
 
-ROOT = Path(__file__).resolve().parents[2]
 BLOCKS, LAYERS, TOKENS, HEADS, HEAD = 12, 3, 16, 2, 8  # small blocks: the layouts are the point
 GENERATOR = torch.Generator().manual_seed(0)
 
@@ -83,24 +78,9 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def pool_dir(tmp_path_factory):
-    from seerd.kvpool.service import PoolService
-
     run_dir = tmp_path_factory.mktemp("kvpool-layouts")
-    RunDir(run_dir).rotate_secret()  # blocks are authenticated with a key from the run's secret
-    service = PoolService(run_dir, "127.0.0.1", log_dir=run_dir)
-    service.start()
-    holder = subprocess.Popen([sys.executable, "-m", "seerd.kvpool.holder", "--run-dir", str(run_dir),
-                               "--segment-bytes", str(256 << 20)],
-                              stdout=open(run_dir / "holder.log", "ab"), stderr=subprocess.STDOUT,  # noqa: SIM115
-                              env={**os.environ, "PYTHONPATH": str(ROOT)})
-    deadline = time.monotonic() + 60
-    while not service.stats().get("capacity_bytes"):  # until the holder's segment is mounted
-        assert holder.poll() is None and time.monotonic() < deadline, "the holder gave the pool no memory"
-        time.sleep(0.2)
-    yield run_dir
-    holder.terminate()
-    holder.wait(timeout=30)
-    service.stop()
+    with kv_pool(run_dir, 256 << 20):
+        yield run_dir
 
 
 @pytest.fixture
