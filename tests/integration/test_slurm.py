@@ -289,9 +289,9 @@ def test_submit_serve_on_the_local_executor_serves_batches_until_cancelled(tmp_p
                                                                            job_environment):
     from seerd.launch.prepare import BadRun
 
-    with pytest.raises(BadRun, match="no KV pool"):  # refused on the submitting host: nothing submitted
+    with pytest.raises(BadRun, match="seerd serve runs vLLM engines"):  # refused here: nothing submitted
         seerd.submit_serve(tiny_model_dir, tmp_path / "refused", cluster="local", gpus_per_worker=0,
-                           kv_pool_mode="mooncake")
+                           engine_api="sim")
     assert not (tmp_path / "refused" / "submitit").exists()
     handle = seerd.submit_serve(tiny_model_dir, tmp_path / "serve", cluster="local", gpus_per_worker=0,
                                 workers_per_node=1, time_min=10, signal_delay_s=120, drain_grace_s=60, chunk_tokens=16, n=2,
