@@ -19,14 +19,18 @@ physical order never reaches the pool, and two engines whose logical shapes agre
 whatever their physical layouts. What must agree (head slots, tokens, content bytes, dtype, kernel
 split) is `signature`, which goes into every block's header and is checked on load.
 
-On a GPU the copies are batched (one gather and one device-to-host copy per layer per batch of
-blocks) into pinned host memory on a side stream that first waits for the compute stream, and
-synchronize before the host reads them; on the CPU they are plain tensor copies.
+The copies are batched: one gather and one copy into a contiguous host buffer per layer per batch
+of blocks (one copy and one scatter back). On a GPU the buffers are pinned and the copies run on a
+side stream that first waits for the compute stream (and the compute stream waits for loads); on
+the CPU the same code runs with those steps as no-ops, so the tests on CPU tensors cover every line
+but the CUDA calls.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -75,49 +79,50 @@ class BlockCopier:
         self.payload_bytes = sum(layer.block_bytes for layer in self.layers)
         self.signature = layout_signature(caches, self.layers)
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self._pinned: list[torch.Tensor] = []
+        self._buffers: list[torch.Tensor] = []
 
+    # One path for every device: on the CPU the stream steps are no-ops and the host buffers are not
+    # pinned, so the tests on CPU tensors run every line but the CUDA calls themselves.
     def gather(self, block_ids: list[int], out: np.ndarray) -> None:
         """Blocks `block_ids` into `out[:len(block_ids)]` (host, `[rows, payload_bytes]` uint8)."""
         count = len(block_ids)
-        host = torch.from_numpy(out[:count])
-        if self._stream is None:
-            ids = torch.tensor(block_ids, dtype=torch.long)
-            for layer, (start, stop) in zip(self.layers, self._spans()):
-                host[:, start:stop] = layer.blocks.index_select(0, ids).reshape(count, -1)
-            return
-        pinned = self._pinned_layers(count)
-        compute = torch.cuda.current_stream(self.device)
-        with torch.cuda.stream(self._stream):
-            self._stream.wait_stream(compute)  # the step's writes to these blocks first
+        buffers = self._host_buffers(count)
+        with self._side_stream():
             ids = torch.tensor(block_ids, dtype=torch.long).to(self.device)
-            for layer, staged in zip(self.layers, pinned):
-                staged.copy_(layer.blocks.index_select(0, ids).reshape(count, -1), non_blocking=True)
-        self._stream.synchronize()
-        for staged, (start, stop) in zip(pinned, self._spans()):
-            host[:, start:stop] = staged
+            for layer, buffer in zip(self.layers, buffers):
+                buffer.copy_(layer.blocks.index_select(0, ids).reshape(count, -1), non_blocking=True)
+        if self._stream is not None:
+            self._stream.synchronize()  # the host reads the buffers next
+        host = torch.from_numpy(out[:count])
+        for buffer, (start, stop) in zip(buffers, self._spans()):
+            host[:, start:stop] = buffer
 
     def scatter(self, block_ids: list[int], rows: np.ndarray) -> None:
         """`rows[:len(block_ids)]` (host) into blocks `block_ids` of every layer."""
         count = len(block_ids)
+        buffers = self._host_buffers(count)
         host = torch.from_numpy(rows[:count])
-        if self._stream is None:
-            ids = torch.tensor(block_ids, dtype=torch.long)
-            for layer, (start, stop) in zip(self.layers, self._spans()):
-                layer.blocks.index_copy_(0, ids, host[:, start:stop].reshape(count, *layer.blocks.shape[1:]))
-            return
-        pinned = self._pinned_layers(count)
-        for staged, (start, stop) in zip(pinned, self._spans()):
-            staged.copy_(host[:, start:stop])
-        compute = torch.cuda.current_stream(self.device)
-        with torch.cuda.stream(self._stream):
-            self._stream.wait_stream(compute)  # nothing of the step still reads these blocks
+        for buffer, (start, stop) in zip(buffers, self._spans()):
+            buffer.copy_(host[:, start:stop])
+        with self._side_stream():
             ids = torch.tensor(block_ids, dtype=torch.long).to(self.device)
-            for layer, staged in zip(self.layers, pinned):
-                part = staged.to(self.device, non_blocking=True).reshape(count, *layer.blocks.shape[1:])
+            for layer, buffer in zip(self.layers, buffers):
+                part = buffer.to(self.device, non_blocking=True).reshape(count, *layer.blocks.shape[1:])
                 layer.blocks.index_copy_(0, ids, part)
-        compute.wait_stream(self._stream)  # the forward that reads the blocks waits for the copies
-        self._stream.synchronize()  # the pinned buffers are reused by the next batch
+        if self._stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._stream)  # the forward reads them after
+            self._stream.synchronize()  # the buffers are reused by the next batch
+
+    @contextlib.contextmanager
+    def _side_stream(self) -> Iterator[None]:
+        """On a GPU: the copies on a stream of their own, after the compute stream's work so far
+        (the step's writes to the blocks, its reads of blocks about to be overwritten)."""
+        if self._stream is None:
+            yield
+            return
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            yield
 
     def _spans(self) -> list[tuple[int, int]]:
         """Each layer's bytes within a host row."""
@@ -127,13 +132,14 @@ class BlockCopier:
             offset += layer.block_bytes
         return spans
 
-    def _pinned_layers(self, count: int) -> list[torch.Tensor]:
-        """Per layer, `count` contiguous rows of pinned host memory (copies with the device are
+    def _host_buffers(self, count: int) -> list[torch.Tensor]:
+        """Per layer, `count` contiguous host rows, pinned on a GPU (copies with the device are
         asynchronous only to and from pinned, contiguous memory)."""
-        if not self._pinned or self._pinned[0].shape[0] < count:
-            self._pinned = [torch.empty((count, layer.block_bytes), dtype=torch.uint8, pin_memory=True)
-                            for layer in self.layers]
-        return [staged[:count] for staged in self._pinned]
+        if not self._buffers or self._buffers[0].shape[0] < count:
+            pinned = self._stream is not None
+            self._buffers = [torch.empty((count, layer.block_bytes), dtype=torch.uint8, pin_memory=pinned)
+                             for layer in self.layers]
+        return [buffer[:count] for buffer in self._buffers]
 
 
 def layout_signature(caches: dict[str, torch.Tensor], layers: list[LayerBlocks]) -> int:
