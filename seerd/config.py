@@ -350,7 +350,7 @@ def build_config(*, workers: int, input_path: Path, model_path: Path, policy: st
         workers=workers, chunk_tokens=chunk_tokens, n=n, max_tokens=max_tokens, seed=seed,
         sampling=SamplingDefaults(temperature=temperature, top_p=top_p, top_k=top_k),
         engine=EngineConfig(kv_cache_gib=kv_cache_gib, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                            dtype=dtype, api=engine_api, extra_args=_parallel_args(engine_args, gpus_per_worker),
+                            dtype=dtype, api=engine_api, extra_args=parallel_engine_args(engine_args, gpus_per_worker),
                             sim_preset=sim_preset, time_scale=time_scale, gpus_per_worker=gpus_per_worker),
         lease_ttl_s=lease_ttl, wait_for_workers=wait_for_workers, in_place=in_place,
         prior_run_dir=_absolute(prior_dir),
@@ -365,7 +365,8 @@ def build_config(*, workers: int, input_path: Path, model_path: Path, policy: st
     )
 
 
-def _parallel_args(engine_args: dict | None, gpus_per_worker: int) -> dict:
+def parallel_engine_args(engine_args: dict | None, gpus_per_worker: int) -> dict:
+    """The engine arguments with a worker's GPUs as its tensor parallel size (unless set)."""
     args = dict(engine_args or {})
     if gpus_per_worker > 1:  # a worker's GPUs are one tensor-parallel vLLM instance
         args.setdefault("tensor_parallel_size", gpus_per_worker)

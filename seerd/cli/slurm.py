@@ -16,15 +16,12 @@ from seerd.cli.launching import EXIT_BAD_INPUT, EXIT_INCOMPLETE, exit_2_on, prep
 from seerd.cli.options import (
     ALLOW_MODEL_CHANGE_OPTION, ENGINE_ARG_OPTION, parse_engine_args, rollout_options, submit_options,
 )
-from seerd.config import DEFAULT_DRAIN_GRACE_S, ConfigError, build_config, number_problem
+from seerd.config import DEFAULT_DRAIN_GRACE_S, ConfigError, build_config, number_problem, parallel_engine_args
 from seerd.launch.prepare import BadRun
 
 
 def _engine_args(pairs: tuple[str, ...], gpus_per_worker: int) -> dict:
-    engine_args = parse_engine_args(pairs)
-    if gpus_per_worker > 1:  # a worker's GPUs are one tensor-parallel vLLM instance
-        engine_args.setdefault("tensor_parallel_size", gpus_per_worker)
-    return engine_args
+    return parallel_engine_args(parse_engine_args(pairs), gpus_per_worker)
 
 
 def allocation_options(command: Callable) -> Callable:
