@@ -34,7 +34,9 @@ from seerd.config import EngineConfig
 from seerd.coordinator.auth import BodyDigestMismatch, SignedCalls, body_mismatch
 from seerd.coordinator.book import LeaseBook, ReportCall, RetiredWorker, UnknownWorker
 from seerd.coordinator.drafts import DraftHost, append_items
-from seerd.coordinator.latency import VAIN_SCOPE_KEY, WAITED_SCOPE_KEY, CallLatencies, PlansPerCall, SlowTurns
+from seerd.coordinator.latency import (
+    VAIN_SCOPE_KEY, WAITED_SCOPE_KEY, CallLatencies, Laps, PlansPerCall, SlowTurns, ThreadClock,
+)
 from seerd.coordinator.metrics import RefusalCollector, RolloutCollector, metrics_registry
 from seerd.coordinator.reports import ReportOutcome
 from seerd.db.base import CommitTimes
@@ -134,6 +136,7 @@ class CoordinatorControl:
             self._calls_queued = False
             started = time.perf_counter()
             self.turns.add("calls waited", started - self._calls_since)
+        cpu_at_start = ThreadClock.now()
         answers = []
         held: dict[str, list] = {}  # what the turn ran: call name -> [count, seconds]
         for call, future in batch:
@@ -145,11 +148,15 @@ class CoordinatorControl:
             spent = held.setdefault(getattr(call.func, "__name__", "?"), [0, 0.0])
             spent[0] += 1
             spent[1] += time.perf_counter() - began
-        self._turn_ran("calls", started, len(batch), held)
+        self._turn_ran("calls", started, len(batch), held, cpu_at_start)
         loop.call_soon_threadsafe(_settle_all, answers)
 
-    def _turn_ran(self, kind: str, started: float, calls: int, held: dict[str, list]) -> None:
+    def _turn_ran(self, kind: str, started: float, calls: int, held: dict[str, list],
+                  cpu_at_start: float) -> None:
         ran = time.perf_counter() - started
+        # Of the turn's wall time, the thread's CPU: the rest it waited (the GIL, a core, the
+        # disk), which tells a turn with too much work from one kept waiting.
+        held["thread cpu"] = [1, ThreadClock.now() - cpu_at_start]
         self.turns.add(f"{kind} ran", ran)
         self.largest_turn[kind] = max(self.largest_turn[kind], calls)
         self.slow_turns.add(started, ran, held)
@@ -187,17 +194,19 @@ class CoordinatorControl:
             started = time.perf_counter()
             self.turns.add("reports waited", started - self._reports_since)
         transactions = CommitTimes.durable + CommitTimes.relaxed, CommitTimes.total_s
+        cpu_at_start = ThreadClock.now()
+        held: dict[str, list] = {}  # the phases of `report_calls`, then the whole
         try:
-            answers = book.report_calls([call for call, _ in batch], clock())
+            answers = book.report_calls([call for call, _ in batch], clock(), laps=Laps(held))
         except Exception as exc:  # noqa: BLE001 - the commit failed (disk): every call of it answers 5xx
             answers = [exc] * len(batch)
         self.report_commits += 1
         self.reports_committed += len(batch)
+        held["report_calls"] = [len(batch), time.perf_counter() - started]
         # Of the turn, its transactions (begin to commit: the fsync among them): the disk's share.
-        self._turn_ran("reports", started, len(batch),
-                       {"report_calls": [len(batch), time.perf_counter() - started],
-                        "transactions": [CommitTimes.durable + CommitTimes.relaxed - transactions[0],
-                                         CommitTimes.total_s - transactions[1]]})
+        held["transactions"] = [CommitTimes.durable + CommitTimes.relaxed - transactions[0],
+                                CommitTimes.total_s - transactions[1]]
+        self._turn_ran("reports", started, len(batch), held, cpu_at_start)
         loop.call_soon_threadsafe(_settle_all, [(future, answer) for (_, future), answer in zip(batch, answers)])
 
     def close(self) -> None:

@@ -27,6 +27,7 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from sqlalchemy import Connection, Engine, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
+from seerd.coordinator.latency import Laps
 from seerd.coordinator.leases import read_tokens, write_leases
 from seerd.coordinator.liveness import WorkerLiveness, chunk_done, chunk_failed, refuted_reason
 from seerd.coordinator.records import (
@@ -301,7 +302,7 @@ class LeaseBook:
         return outcomes
 
     def _report_calls(self, calls: Sequence[tuple[str, Sequence[ChunkReport | UnreadableReport]]],
-                      now: float) -> list[list[ReportOutcome] | UnknownWorker]:
+                      now: float, laps: Laps | None = None) -> list[list[ReportOutcome] | UnknownWorker]:
         """Commit every acceptable report of every call in one durable transaction (group commit:
         one fsync for all the calls that queued meanwhile), then acknowledge; per call its
         outcomes, or the `UnknownWorker` its worker is (that call alone fails).
@@ -309,6 +310,7 @@ class LeaseBook:
         A report that cannot be right (`report_problem`, or unreadable) is rejected alone: in the
         same transaction its lease ends, with an event saying why, and its chunk runs again; the
         rest of the batch is committed."""
+        laps = laps or Laps({})
         answers: list[list[ReportOutcome | None] | UnknownWorker] = []
         for worker_id, reports in calls:
             try:
@@ -320,6 +322,7 @@ class LeaseBook:
         accepted, results, rejected = sort_reports(known, self.state, self.terms, self.progress,
                                                    self.worker_only_targets, self.vocab_size)
         prepared = self.state.prepare_results(results, now)
+        laps.lap("sort and prepare")
         failures = []
         if results or rejected:
             with self.writer.begin(durable=True) as conn:
@@ -327,8 +330,10 @@ class LeaseBook:
                     write_results(conn, self.rollout_id, prepared, accepted, now)
                 failures = [self._write_failure(conn, calls[c][1][i].chunk_id, f"report rejected: {problem}", now,
                                                 kind="report_rejected") for c, i, problem in rejected]
+        laps.lap("commit")
         # Committed: now the state follows.
         self.state.apply_results(prepared)
+        laps.lap("apply")
         if self.completed_at is None and self.state.is_complete():
             self.completed_at, self.completed_cpu = now, CpuSnapshot.now()
         for failure in failures:
@@ -357,6 +362,7 @@ class LeaseBook:
         for (c, i, problem), failure in zip(rejected, failures):
             again = "its request failed" if failure.fatal else "the chunk runs again"
             answers[c][i] = ReportOutcome(False, reason=f"rejected, {again}: {problem}", rerun=not failure.fatal)
+        laps.lap("listeners")
         if refuted:
             self._retire(list(refuted.values()), now, refuted_reason)
         unleased = [(c, i) for c, outcomes in enumerate(answers) if not isinstance(outcomes, UnknownWorker)
@@ -375,7 +381,7 @@ class LeaseBook:
             raise answer
         return answer
 
-    def report_calls(self, calls: Sequence[ReportCall], now: float
+    def report_calls(self, calls: Sequence[ReportCall], now: float, laps: Laps | None = None,
                      ) -> list[tuple[list[ReportOutcome], list[ChunkGrant]] | UnknownWorker]:
         """Report calls that queued together: their reports in one durable commit (`_report_calls`),
         then, call by call in the same state-thread call (no other lease can come between), a
@@ -391,7 +397,9 @@ class LeaseBook:
         running_on = [{r.chunk_id: request_of[r.chunk_id] for r in call.reports if self.in_place
                        and getattr(r, "running_on", False) and r.chunk_id in request_of
                        and self.state.leases[r.chunk_id].worker_id == call.worker_id} for call in calls]
-        answers = self._report_calls([(call.worker_id, call.reports) for call in calls], now)
+        laps = laps or Laps({})  # where the time of the calls goes, phase by phase
+        answers = self._report_calls([(call.worker_id, call.reports) for call in calls], now, laps)
+        laps.lap("refuted and unleased")
         replies: list[tuple[list[ReportOutcome], list[ChunkGrant]] | UnknownWorker] = []
         for call, held, outcomes in zip(calls, running_on, answers):
             if isinstance(outcomes, UnknownWorker):
@@ -407,9 +415,11 @@ class LeaseBook:
                 except UnknownWorker:  # taken out by a report of this batch (refuted): its reports stand
                     grants = []
             replies.append((outcomes, grants))
+        laps.lap("leases")
         for call, reply in zip(calls, replies):  # what still waits, once every call has leased
             if not isinstance(reply, UnknownWorker):
                 reply[0][:] = with_queued_contexts(call.reports, reply[0], request_of, self.state)
+        laps.lap("queued contexts")
         return replies
 
     def release(self, worker_id: str, chunk_id: int, epoch: int, reason: str, now: float,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import math
+import time
 
 BUCKET_RATIO = 1.05
 FLOOR_S = 1e-5
@@ -90,6 +91,31 @@ def _turn(entry: tuple[float, float, int, dict[str, list]]) -> dict:
     ran, at, _, held = entry
     return {"at_s": round(at, 2), "ran_ms": round(1e3 * ran, 1),
             "held": {name: [count, round(1e3 * seconds, 1)] for name, (count, seconds) in held.items()}}
+
+
+class ThreadClock:
+    """The calling thread's CPU time (`time.thread_time`: one clock call). Of a slow turn's
+    wall time, what is not its CPU the thread spent waiting: for the GIL, for a core, for the
+    disk. (Reading the run-queue wait from /proc/thread-self/schedstat as well cost an eighth of
+    the state thread's samples under load, py-spy: opening a procfs file is slow.)"""
+
+    now = staticmethod(time.thread_time)
+
+
+class Laps:
+    """Time spent per named phase of one piece of work, into `held` (name -> [count, seconds]),
+    as `SlowTurns` keeps it: `lap(name)` charges the time since the previous lap to `name`."""
+
+    def __init__(self, held: dict[str, list]) -> None:
+        self.held = held
+        self._last = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        spent = self.held.setdefault(name, [0, 0.0])
+        spent[0] += 1
+        spent[1] += now - self._last
+        self._last = now
 
 
 class PlansPerCall:

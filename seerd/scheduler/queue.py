@@ -4,14 +4,18 @@ The lease book (and the simulator) update it incrementally: a request enters whe
 its next chunk and leaves when leased. Besides first-come-first-served order, a policy can ask for
 its own order by name and key (`ordered`); the index is built once and then kept up to date on
 every put and remove, so a lease call costs O(log n + k) rather than a sort of every queued request.
+Orders are `SortedList`s (sortedcontainers): a put or remove is O(log n) where a plain list's
+insort moved every entry after it (~35 us at 80,000 queued; the first chunk boundaries of 512
+engines re-queue thousands of requests and their siblings at once: 0.4 s of one state-thread
+turn in tools/load.py).
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left, bisect_right, insort
 from collections.abc import Callable, Iterable, Iterator
-from itertools import islice
 from typing import Any
+
+from sortedcontainers import SortedList
 
 from seerd.scheduler.views import QueuedRequest
 
@@ -23,7 +27,7 @@ class StaleSnapshot(RuntimeError):
 class RequestQueue:
     def __init__(self) -> None:
         self._items: dict[int, QueuedRequest] = {}
-        self._fcfs: list[tuple[float, int]] = []  # (queued_at, request_id), ascending
+        self._fcfs: SortedList = SortedList()  # (queued_at, request_id)
         self._indexes: dict[str, _Index] = {}
 
     @classmethod
@@ -37,14 +41,13 @@ class RequestQueue:
         if request.request_id in self._items:
             self.remove(request.request_id)
         self._items[request.request_id] = request
-        insort(self._fcfs, (request.queued_at, request.request_id))
+        self._fcfs.add((request.queued_at, request.request_id))
         for index in self._indexes.values():
             index.put(request)
 
     def remove(self, request_id: int) -> QueuedRequest:
         request = self._items.pop(request_id)
-        index = bisect_left(self._fcfs, (request.queued_at, request_id))
-        del self._fcfs[index]
+        self._fcfs.remove((request.queued_at, request_id))
         for index in self._indexes.values():
             index.remove(request)
         return request
@@ -52,7 +55,10 @@ class RequestQueue:
     def ordered(self, name: str, key: Callable[[QueuedRequest], Any], version: Any = None,
                 versioned: Callable[[QueuedRequest], bool] | None = None) -> Iterator[QueuedRequest]:
         """Queued requests ascending by `key`, ties by request id; the index named `name` is
-        built on first use and maintained from then on. `key` must depend on the request only
+        built on first use and maintained from then on. `key` returns a tuple (keys that agree on
+        their first element of one length): the index keeps it with the id appended, flat, which
+        sorts twice as fast as a (key, id) pair (70,000 entries: 58 against 129 ms; ints first
+        are compared natively). `key` must depend on the request only
         (not on the clock) and behave the same for as long as `version` does not change; a new
         version (say, of a table the key reads) re-keys the index with the key given then: every
         request, or with `versioned` only those it says may have a new key (the rest keep theirs:
@@ -63,7 +69,8 @@ class RequestQueue:
             index = self._indexes[name] = _Index(key, version, versioned, self._items.values())
         elif index.version != version:
             index.rekey(key, version, versioned, self._items)
-        for _, request_id in index.order:
+        for entry in index.order:
+            request_id = entry[-1]
             yield self._items[request_id]
 
     def get(self, request_id: int) -> QueuedRequest:
@@ -72,8 +79,8 @@ class RequestQueue:
     def fcfs(self, after: tuple[float, int] | None = None) -> Iterator[QueuedRequest]:
         """Oldest first; ties by request id. With `after` (a queued_at and request id), only the
         requests queued after it in that order."""
-        start = 0 if after is None else bisect_right(self._fcfs, after)
-        for _, request_id in islice(self._fcfs, start, None):
+        start = 0 if after is None else self._fcfs.bisect_right(after)
+        for _, request_id in self._fcfs.islice(start):
             yield self._items[request_id]
 
     def __iter__(self) -> Iterator[QueuedRequest]:
@@ -87,7 +94,8 @@ class RequestQueue:
 
 
 class _Index:
-    """One order of the queue: [(key, request_id)] ascending, kept as requests come and go, and
+    """One order of the queue: its entries, each a request's key (a tuple) with its id appended,
+    ascending, kept as requests come and go, and
     the ids of the requests whose key may change with the next version (`versioned`)."""
 
     __slots__ = ("key", "version", "versioned", "order", "volatile")
@@ -95,20 +103,20 @@ class _Index:
     def __init__(self, key: Callable[[QueuedRequest], Any], version: Any,
                  versioned: Callable[[QueuedRequest], bool] | None, requests: Iterable[QueuedRequest]) -> None:
         self.key, self.version, self.versioned = key, version, versioned
-        self.order = sorted((key(r), r.request_id) for r in requests)
+        self.order = SortedList(key(r) + (r.request_id,) for r in requests)
         self.volatile = set() if versioned is None else {r.request_id for r in requests if versioned(r)}
 
     def put(self, request: QueuedRequest) -> None:
-        insort(self.order, (self.key(request), request.request_id))
+        self.order.add(self.key(request) + (request.request_id,))
         if self.versioned is not None and self.versioned(request):
             self.volatile.add(request.request_id)
 
     def remove(self, request: QueuedRequest) -> None:
-        at = bisect_left(self.order, (self.key(request), request.request_id))
-        if at == len(self.order) or self.order[at][1] != request.request_id:
+        try:
+            self.order.remove(self.key(request) + (request.request_id,))
+        except ValueError:
             raise RuntimeError(f"request {request.request_id} is not where its key puts it: its key changed "
-                               "while it was queued (a key that reads the version must be `versioned`)")
-        del self.order[at]
+                               "while it was queued (a key that reads the version must be `versioned`)") from None
         self.volatile.discard(request.request_id)
 
     def rekey(self, key: Callable[[QueuedRequest], Any], version: Any,
@@ -117,11 +125,10 @@ class _Index:
             self.__init__(key, version, versioned, items.values())
             return
         volatile = self.volatile
-        kept = [entry for entry in self.order if entry[1] not in volatile]
-        rekeyed = sorted((key(items[rid]), rid) for rid in volatile)
-        kept += rekeyed
-        kept.sort()  # two sorted runs: timsort merges them in linear time
-        self.key, self.version, self.versioned, self.order = key, version, versioned, kept
+        kept = [entry for entry in self.order if entry[-1] not in volatile]
+        kept += sorted(key(items[rid]) + (rid,) for rid in volatile)
+        # Two sorted runs: the sort in SortedList's constructor (timsort) merges them in linear time.
+        self.key, self.version, self.versioned, self.order = key, version, versioned, SortedList(kept)
 
 
 class QueueView:

@@ -11,7 +11,7 @@ from seerd.scheduler import (
     DividedPolicy, GroupPolicy, QueuedRequest, RequestQueue, SeerPolicy, Snapshot, WorkerLoad,
 )
 from seerd.scheduler.forecast import GrowthRatios, expected_remaining, group_forecast
-from seerd.scheduler.seer import seer_key
+from seerd.scheduler.seer import SeerKey, seer_key
 
 
 def req(rid, gid, gidx, generated=0, max_tokens=100, prompt_len=10, queued_at=0.0, resp=0):
@@ -244,31 +244,38 @@ def test_queue_indexes_stay_sorted_under_random_puts_and_removes():
                 live.values(), key=lambda r: (r.queued_at, r.request_id))]
 
 
-def test_seers_index_re_keys_only_what_reads_the_growth_table_and_equals_a_fresh_sort():
+@pytest.mark.parametrize("memo_limit", [SeerKey.MEMO_LIMIT, 4])
+def test_seers_index_re_keys_only_what_reads_the_growth_table_and_equals_a_fresh_sort(monkeypatch, memo_limit):
     # A new growth table re-keys only the requests `reads_growth` names (the others' keys cannot
-    # change); after random puts, removes and table changes the order is a full sort's.
+    # change); after random puts, removes and table changes the order is a full sort's. The
+    # index keys with `SeerKey`, as the policy does (forecasts kept per group state, forgotten
+    # past the memo's limit), the full sort with `seer_key`.
     from seerd.scheduler.seer import reads_growth
+
+    monkeypatch.setattr(SeerKey, "MEMO_LIMIT", memo_limit)
 
     rng = random.Random(11)
     queue = RequestQueue()
     live: dict[int, QueuedRequest] = {}
     growth = GrowthRatios(0, {})
+    group_state: dict[int, dict] = {}
     for step in range(3000):
         rid = rng.randrange(300)
         if rid in live and rng.random() < 0.3:
             queue.remove(rid)
             del live[rid]
         else:
-            finished = rng.choice([0, 0, 1, 3])
-            live[rid] = seer_req(rid, rid % 23, probe=rng.random() < 0.1, generated=rng.randrange(0, 400, 16),
-                                 estimate=rng.randrange(100, 1000), finished=finished, n=8, queued_at=float(step),
-                                 longest_unfinished=rng.choice([0, 0, rng.randrange(1, 600)]))
+            gid = rid % 23
+            if gid not in group_state or rng.random() < 0.2:  # members mostly share their group's state
+                group_state[gid] = dict(estimate=rng.randrange(100, 1000), finished=rng.choice([0, 0, 1, 3]),
+                                        longest_unfinished=rng.choice([0, 0, rng.randrange(1, 600)]))
+            live[rid] = seer_req(rid, gid, probe=rng.random() < 0.1, generated=rng.randrange(0, 400, 16), n=8,
+                                 queued_at=float(step), **group_state[gid])
             queue.put(live[rid])
         if step % 150 == 0:  # the table changes
             growth = GrowthRatios(growth.version + 1, {(8, k): 1 + rng.random() for k in range(1, 8)})
         if step % 50 == 0:
-            got = [r.request_id for r in queue.ordered("seer", lambda r: seer_key(r, growth), growth.version,
-                                                       reads_growth)]
+            got = [r.request_id for r in queue.ordered("seer", SeerKey(growth), growth.version, reads_growth)]
             assert got == [r.request_id for r in sorted(live.values(), key=lambda r: (seer_key(r, growth),
                                                                                      r.request_id))], step
 
@@ -276,7 +283,7 @@ def test_seers_index_re_keys_only_what_reads_the_growth_table_and_equals_a_fresh
 def test_an_index_whose_key_changed_unannounced_says_so_rather_than_dropping_another_request():
     queue = RequestQueue.of([seer_req(1, 0, estimate=10), seer_req(2, 0, estimate=20)])
     table = {"scale": 1}
-    key = lambda r: r.group_estimate * table["scale"]  # noqa: E731 - reads a table, unannounced
+    key = lambda r: (r.group_estimate * table["scale"],)  # noqa: E731 - reads a table, unannounced
     list(queue.ordered("test", key, 1, lambda _r: False))
     table["scale"] = -1
     list(queue.ordered("test", key, 2, lambda _r: False))  # "no key changes": a broken promise
