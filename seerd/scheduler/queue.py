@@ -12,6 +12,7 @@ turn in tools/load.py).
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -29,6 +30,9 @@ class RequestQueue:
         self._items: dict[int, QueuedRequest] = {}
         self._fcfs: SortedList = SortedList()  # (queued_at, request_id)
         self._indexes: dict[str, _Index] = {}
+        # (context, request id) of every put, a min-heap read lazily: an entry counts while its
+        # request is queued with that context (`shortest_context`); the rest are dropped as met.
+        self._contexts: list[tuple[int, int]] = []
 
     @classmethod
     def of(cls, requests: Iterable[QueuedRequest]) -> RequestQueue:
@@ -42,6 +46,11 @@ class RequestQueue:
             self.remove(request.request_id)
         self._items[request.request_id] = request
         self._fcfs.add((request.queued_at, request.request_id))
+        if len(self._contexts) > 2 * len(self._items) + 64:  # mostly stale: start again from what is queued
+            self._contexts = [(_context(r), r.request_id) for r in self._items.values()]
+            heapq.heapify(self._contexts)
+        else:
+            heapq.heappush(self._contexts, (_context(request), request.request_id))
         for index in self._indexes.values():
             index.put(request)
 
@@ -76,6 +85,18 @@ class RequestQueue:
     def get(self, request_id: int) -> QueuedRequest:
         return self._items[request_id]
 
+    def shortest_context(self) -> int | None:
+        """The fewest tokens (prompt and generated) any queued request has; None if none is queued.
+        A worker without KV room past it can be given nothing (`base.admit`)."""
+        contexts = self._contexts
+        while contexts:
+            context, request_id = contexts[0]
+            request = self._items.get(request_id)
+            if request is not None and _context(request) == context:
+                return context
+            heapq.heappop(contexts)
+        return None
+
     def fcfs(self, after: tuple[float, int] | None = None) -> Iterator[QueuedRequest]:
         """Oldest first; ties by request id. With `after` (a queued_at and request id), only the
         requests queued after it in that order."""
@@ -91,6 +112,10 @@ class RequestQueue:
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._items
+
+
+def _context(request: QueuedRequest) -> int:
+    return request.prompt_len + request.generated
 
 
 class _Index:
@@ -173,3 +198,7 @@ class QueueView:
     def __contains__(self, request_id: object) -> bool:
         self._check()
         return request_id in self._queue
+
+    def shortest_context(self) -> int | None:
+        self._check()
+        return self._queue.shortest_context()

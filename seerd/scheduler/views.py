@@ -58,6 +58,8 @@ class QueueReader(Protocol):
 
     def __contains__(self, request_id: object) -> bool: ...
 
+    def shortest_context(self) -> int | None: ...
+
 
 @dataclass(frozen=True)
 class WorkerLoad:

@@ -476,3 +476,43 @@ def test_a_worker_that_could_not_take_a_request_is_never_given_it():
             plan = make_policy(policy).plan(state.snapshot("w", 3, 0.0))
             assert all(a.request_id != 1 for a in plan.assignments), (case, policy)
     assert refused > 50  # the random cases did try the refusal
+
+
+def test_the_queues_shortest_context_follows_puts_and_removes():
+    rng = random.Random(5)
+    queue = RequestQueue()
+    live: dict[int, QueuedRequest] = {}
+    for step in range(4000):
+        rid = rng.randrange(200)
+        if rid in live and rng.random() < 0.4:
+            queue.remove(rid)
+            del live[rid]
+        else:  # a put, often of a request already queued (a refreshed view, a longer context)
+            live[rid] = req(rid, rid % 17, 0, generated=rng.randrange(0, 500), prompt_len=rng.randrange(1, 50))
+            queue.put(live[rid])
+        expected = min((r.prompt_len + r.generated for r in live.values()), default=None)
+        assert queue.shortest_context() == expected, step
+    assert len(queue._contexts) <= 2 * len(live) + 65  # stale entries do not pile up
+
+
+@pytest.mark.parametrize("policy", [SeerPolicy, DividedPolicy])
+def test_a_worker_without_room_past_the_shortest_context_gets_the_plan_admission_would_give(monkeypatch, policy):
+    # `admit` answers at once when the asking worker has no KV room for a token past the shortest
+    # queued context: the same plan as looking at every request, on tight, blocky KV.
+    from seerd.scheduler import base
+
+    rng = random.Random(8)
+    for case in range(400):
+        block = rng.choice([1, 16, 128])
+        workers = [WorkerLoad(w, i, rng.randrange(0, 4), rng.randrange(0, 6) * block, 4, 6 * block + rng.randrange(3),
+                              block) for i, w in enumerate("abc")]
+        queued = [replace(seer_req(rid, rid // 4, probe=rid % 4 == 0, generated=rng.randrange(0, 3 * block + 1),
+                                   last=rng.choice([None, "a", "b", "c"]), finished=rng.choice([0, 1]),
+                                   queued_at=float(rid)),
+                          prompt_len=rng.randrange(1, 2 * block + 2))
+                  for rid in range(rng.randrange(1, 12))]
+        snapshot = snap("a", workers, queued)
+        quick = policy().plan(snapshot)
+        with monkeypatch.context() as patched:
+            patched.setattr(base, "_room_for_any", lambda _snapshot: True)
+            assert policy().plan(snapshot) == quick, case
