@@ -19,11 +19,12 @@ import msgspec
 API_PREFIX = "/v1"
 
 # How long a lease call waits for work (the simulator answers calls in the daemon's order with these).
-LONG_POLL_MAX_S = 5.0  # the coordinator holds an empty lease call at most this long
+LONG_POLL_MAX_S = 15.0  # the coordinator holds an empty lease call at most this long
 # What a worker asks for. A slot freed meanwhile is filled by its report's reply, and the
-# coordinator wakes waiting calls when work is queued, so a long wait costs nothing; at 1 s,
-# 512 idle workers made 500 empty lease calls a second (tools/load.py).
-LEASE_LONG_POLL_S = 5.0
+# coordinator wakes waiting calls when work is queued (and all of them when it stops), so a long
+# wait costs nothing; at 1 s, 512 idle workers made 500 empty lease calls a second, at 5 s
+# ~65 (three quarters of all lease calls, each a plan and an HTTP round trip: tools/load.py).
+LEASE_LONG_POLL_S = 15.0
 
 
 # What the coordinator budgets for the heartbeats of all its workers together. Past it, each

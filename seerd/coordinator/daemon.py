@@ -198,6 +198,7 @@ class Coordinator:
         if self._stop_reason is None:
             self._stop_reason = reason
             self.control.accepting = False
+            self.control.work_queued()  # long-polling lease calls answer now, not at their deadline
             log.warning("stopping: %s", reason)
 
     def request_drain(self, reason: str) -> None:
@@ -209,6 +210,7 @@ class Coordinator:
             self._drain_deadline = self.clock() + self.drain_grace_s
             self._drain_reason = reason
             self.control.accepting = False
+            self.control.work_queued()
             log.warning("draining (%s): no new leases; waiting up to %.0fs for %d in flight", reason,
                         self.drain_grace_s, len(self.book.state.leases))
 
