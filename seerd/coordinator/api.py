@@ -255,7 +255,7 @@ class CoordinatorControl:
     def _wake(self, count: int, wake: Wake) -> None:
         """Wake the `count` longest waiting calls whose worker could take work of `wake.context`;
         the others keep their place in line."""
-        staying: collections.deque[tuple[asyncio.Future, str]] = collections.deque()
+        staying: list[tuple[asyncio.Future, str]] = []
         while self._waiting and count:
             woken, worker_id = self._waiting.popleft()
             if self.could_take(worker_id, wake.context):  # a hint: read off the state thread
@@ -263,8 +263,7 @@ class CoordinatorControl:
                 count -= 1
             else:
                 staying.append((woken, worker_id))
-        staying.extend(self._waiting)
-        self._waiting = staying
+        self._waiting.extendleft(reversed(staying))  # back at the front, in their order
 
     @property
     def waiting_lease_calls(self) -> int:
