@@ -25,7 +25,7 @@ from starlette.applications import Starlette
 
 from seerd.config import RunConfig
 from seerd.coordinator.api import CoordinatorControl, body_limit, create_app
-from seerd.coordinator.book import LeaseBook
+from seerd.coordinator.book import FORECASTS_PER_TICK, LeaseBook
 from seerd.coordinator.drafts import REFRESH_S, DraftHost, book_sequences, history_sequences
 from seerd.coordinator.guard import ConnectionGuard, api_server, limits_for, raise_open_files_limit
 from seerd.coordinator.heap import HeapKeeper
@@ -386,7 +386,7 @@ class Coordinator:
                                          f"this coordinator lost the run: {self.ownership.lost}")
             if expired := await run(self.book.expire, self.clock()):
                 self.control.work_queued(expired)
-            await run(self.book.persist_soft_state)
+            await run(self.book.persist_soft_state, FORECASTS_PER_TICK)
             await run(self.heap.tick)
             await run(self._refresh_drafts)
             if self.pool is not None and await self.pool.check(partial(run, queued_longest, self.book.state)):

@@ -423,18 +423,21 @@ class SchedulerState:
                                               self._longest_unfinished(group), group.max_tokens),
                               self.growth.current)
 
-    def take_forecasts(self) -> dict[int, int]:
+    def take_forecasts(self, limit: int | None = None) -> dict[int, int]:
         """The groups whose forecast changed since the last call, with the new value (for the book
-        to persist, so that `seerd status` reads the coordinator's own figure)."""
+        to persist, so that `seerd status` reads the coordinator's own figure). With `limit`, at
+        most that many groups are looked at; the rest wait for the next call (a new growth table
+        or a resumed run makes every group's forecast due at once)."""
         if self.growth.current.version != self._forecast_growth_version:
             self._forecast_growth_version = self.growth.current.version
             self._forecast_dirty.update(self.unfinished_groups)
         changed = {}
-        for gid in self._forecast_dirty:
+        dirty = self._forecast_dirty
+        for _ in range(len(dirty) if limit is None else min(limit, len(dirty))):
+            gid = dirty.pop()
             value = self.forecast(gid)
             if self._forecasts_taken.get(gid) != value:
                 changed[gid] = self._forecasts_taken[gid] = value
-        self._forecast_dirty.clear()
         return changed
 
     # ------------------------------------------------------------- internals

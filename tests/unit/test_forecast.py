@@ -137,3 +137,19 @@ def test_the_book_persists_each_groups_forecast_and_status_reads_it(tmp_path):
     snapshot = read_snapshot(tmp_path, now=1002.0)
     # Unfinished: one response of group 1 (forecast 10) and four of groups 2-3 (64 each), none started.
     assert snapshot["output_tokens_expected"] == snapshot["output_tokens"] + 10 + 4 * 64
+
+
+def test_the_tick_writes_a_bounded_number_of_forecasts_and_catches_up_on_later_ticks(tmp_path):
+    """Every group's forecast comes due at once (the first tick, a new growth table); the tick
+    writes at most `forecasts_limit` a call, and the calls together write exactly what one
+    unbounded call would have."""
+    from sqlalchemy import select
+
+    from seerd.db import Group
+
+    book = make_book(tmp_path, policy="seer", chunk_tokens=64, prompt_rows=rows(groups=7, n=2, max_tokens=64))
+    written = [book.persist_soft_state(forecasts_limit=3) for _ in range(4)]
+    assert written == [3, 3, 1, 0]
+    with book.sessions() as session:
+        persisted = dict(session.execute(select(Group.id, Group.forecast_tokens)).all())
+    assert persisted == {gid: book.state.forecast(gid) for gid in book.state.groups} and len(persisted) == 7
