@@ -93,15 +93,6 @@ def _turn(entry: tuple[float, float, int, dict[str, list]]) -> dict:
             "held": {name: [count, round(1e3 * seconds, 1)] for name, (count, seconds) in held.items()}}
 
 
-class ThreadClock:
-    """The calling thread's CPU time (`time.thread_time`: one clock call). Of a slow turn's
-    wall time, what is not its CPU the thread spent waiting: for the GIL, for a core, for the
-    disk. (Reading the run-queue wait from /proc/thread-self/schedstat as well cost an eighth of
-    the state thread's samples under load, py-spy: opening a procfs file is slow.)"""
-
-    now = staticmethod(time.thread_time)
-
-
 class Laps:
     """Time spent per named phase of one piece of work, into `held` (name -> [count, seconds]),
     as `SlowTurns` keeps it: `lap(name)` charges the time since the previous lap to `name`."""
