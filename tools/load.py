@@ -157,42 +157,44 @@ def percentiles(seconds: list[float]) -> dict[str, float | None]:
             "max_ms": 1e3 * ordered[-1], "calls": len(ordered)}
 
 
-def call_times(run_dir: Path) -> dict[str, list[tuple[float, float]]]:
-    """Every answered call the simulated workers timed: endpoint -> [(sent at, seconds)]; lease
-    calls twice, as timed (long-poll waits out) and with rounds woken in vain out as well."""
-    merged: dict[str, list[tuple[float, float]]] = {}
+def call_times(run_dir: Path) -> dict[str, list[tuple[float, float, bool]]]:
+    """Every answered call the simulated workers timed: endpoint -> [(sent at, seconds, its
+    worker's first call of that endpoint)]; lease calls twice, as timed (long-poll waits out)
+    and with rounds woken in vain out as well."""
+    merged: dict[str, list[tuple[float, float, bool]]] = {}
     for path in (run_dir / "logs").glob("sim-calls-*.json"):
         for endpoint, calls in json.loads(path.read_text()).items():
-            merged.setdefault(endpoint, []).extend((sent_at, seconds) for sent_at, seconds, _ in calls)
+            merged.setdefault(endpoint, []).extend((sent_at, seconds, first) for sent_at, seconds, _, first in calls)
             if endpoint == LEASE.path:  # also with long-poll rounds woken in vain taken out
                 merged.setdefault(endpoint + VAIN_SUFFIX, []).extend(
-                    (sent_at, seconds - vain) for sent_at, seconds, vain in calls)
+                    (sent_at, seconds - vain, first) for sent_at, seconds, vain, first in calls)
     return merged
 
 
-def latency_figures(calls: dict[str, list[tuple[float, float]]], window_s: float = 5.0,
+def latency_figures(calls: dict[str, list[tuple[float, float, bool]]], window_s: float = 5.0,
                     settle_s: float = 80.0) -> dict:
-    """Percentiles per endpoint over the whole run, after start-up (once the last worker's
-    registration was answered: before it, 512 workers register and take their first leases at
-    once) and after the first `settle_s` seconds (the first fill and the first chunk boundaries,
-    which engines started together reach together), and the slowest call of every `window_s`
+    """Percentiles per endpoint over the whole run; while serving (every call but each worker's
+    joining ones: its registration and its first lease, which W workers make at once and which
+    hands out the whole first fill, W x max-num-seqs chunks); and after the first `settle_s`
+    seconds (also past the first chunk boundaries, which engines started together reach
+    together). Also the joining leases' own figures and the slowest call of every `window_s`
     window (to line tails up with events)."""
-    registered = [sent + took for sent, took in calls.get("/v1/register", [])]
-    started_up = max(registered, default=0.0)
     every = [call for endpoint_calls in calls.values() for call in endpoint_calls]
-    first = min((sent for sent, _ in every), default=0.0)
+    first_sent = min((sent for sent, _, _ in every), default=0.0)
+    joined = [sent + took for sent, took, first in calls.get(LEASE.path, []) if first]
     worst: dict[int, tuple[float, str]] = {}
     for endpoint, endpoint_calls in calls.items():
-        for sent, took in endpoint_calls:
-            window = int((sent - first) // window_s)
+        for sent, took, _ in endpoint_calls:
+            window = int((sent - first_sent) // window_s)
             worst[window] = max(worst.get(window, (0.0, "")), (took, endpoint))
     return {
-        "calls": {endpoint: percentiles([took for _, took in c]) for endpoint, c in sorted(calls.items())},
-        "calls_after_startup": {endpoint: percentiles([took for sent, took in c if sent > started_up])
-                                for endpoint, c in sorted(calls.items()) if endpoint != "/v1/register"},
-        "calls_after_settling": {endpoint: percentiles([took for sent, took in c if sent - first > settle_s])
+        "calls": {endpoint: percentiles([took for _, took, _ in c]) for endpoint, c in sorted(calls.items())},
+        "calls_serving": {endpoint: percentiles([took for _, took, first in c if not first])
+                          for endpoint, c in sorted(calls.items()) if endpoint != "/v1/register"},
+        "calls_after_settling": {endpoint: percentiles([took for sent, took, _ in c if sent - first_sent > settle_s])
                                  for endpoint, c in sorted(calls.items()) if endpoint != "/v1/register"},
-        "startup_s": started_up - first, "settle_s": settle_s,
+        "joining_leases": percentiles([took for _, took, first in calls.get(LEASE.path, []) if first]),
+        "all_joined_s": max(joined, default=first_sent) - first_sent, "settle_s": settle_s,
         "slowest_by_window": [{"t": window * window_s, "ms": 1e3 * took, "endpoint": endpoint}
                               for window, (took, endpoint) in sorted(worst.items())],
     }
@@ -240,6 +242,8 @@ def run(args: argparse.Namespace, work: Path) -> dict:
         "lease_p99_ms": latency["calls"].get("/v1/lease", percentiles([]))["p99_ms"],
         "lease_rounds_in_vain_out_p99_ms": latency["calls"].get(LEASE.path + VAIN_SUFFIX, percentiles([]))["p99_ms"],
         "report_p99_ms": latency["calls"].get("/v1/report", percentiles([]))["p99_ms"],
+        "serving_lease_p99_ms": latency["calls_serving"].get(LEASE.path, percentiles([]))["p99_ms"],
+        "serving_report_p99_ms": latency["calls_serving"].get("/v1/report", percentiles([]))["p99_ms"],
         "coordinator_cpu_share": load["cpu_share"],
         "coordinator_rss_mb": max((s["rss_mb"] for s in samples), default=None),
         "db_mb": (run_dir / "state.db").stat().st_size / 2**20,
@@ -296,8 +300,12 @@ def print_table(result: dict) -> None:
     print(f"exactly once: {result['exactly_once']}" + "".join(f"\n  {p}" for p in result["problems"]))
     print(f"generation {result['generation_s']:.1f} s (wall {result['wall_s']:.1f} s with start-up)")
     print_latencies(result["calls"], "every call")
-    print_latencies(result["calls_after_startup"], f"after start-up (the last registration, at "
-                                                   f"{result['startup_s']:.1f} s)")
+    joining = result["joining_leases"]
+    if joining["calls"]:
+        print(f"joining: {joining['calls']} first leases (the first fill), p50 {joining['p50_ms']:.0f} ms, "
+              f"p99 {joining['p99_ms']:.0f} ms, max {joining['max_ms']:.0f} ms; every worker had its first "
+              f"answer {result['all_joined_s']:.1f} s after the first call")
+    print_latencies(result["calls_serving"], "serving (every call but each worker's registration and first lease)")
     print_latencies(result["calls_after_settling"], f"after the first {result['settle_s']:.0f} s (the first fill "
                                                     "and the first chunk boundaries past)")
     print_latencies(result["server_calls"], "inside the coordinator (signature check to answer, long-poll waits out)")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import heapq
 import threading
 import time
 from collections.abc import Callable
@@ -94,13 +95,13 @@ class CoordinatorControl:
         self.lease_plans = PlansPerCall()  # plans made for each lease call (long polls woken in vain)
         self._calls_since = self._reports_since = 0.0  # when the oldest queued call was queued
         self.refused: dict[str, int] = {}  # calls refused by the signature check (auth.py), by reason
-        self._waiting: collections.deque[asyncio.Future] = collections.deque()  # lease calls, longest waiting first
+        self._waiting: collections.deque[tuple[asyncio.Future, str, int]] = collections.deque()  # lease calls, longest waiting first
         self._wake_owed = 0  # requests queued since the last wake-up (`work_queued`)
         self._wake_context = NO_CONTEXT  # the shortest context among them
         self._wake_scheduled = False
-        # Whether a worker could take a request of a context (`SchedulerState.could_take`), read
-        # on the event loop as a hint: the state thread's plan decides.
-        self.could_take: Callable[[str, int], bool] = lambda _worker_id, _context: True
+        # A worker's KV room if it could take a request of a context, else None
+        # (`SchedulerState.room_for`), read on the event loop as a hint: the state thread's plan decides.
+        self.room_for: Callable[[str, int], int | None] = lambda _worker_id, _context: 0
         self._reports: list[tuple[ReportCall, asyncio.Future]] = []  # waiting for the next group commit
         self._reports_lock = threading.Lock()  # the loop appends, the state thread takes
         self._commit_queued = False
@@ -130,7 +131,9 @@ class CoordinatorControl:
         return outcome
 
     def _run_calls(self, loop: asyncio.AbstractEventLoop) -> None:
-        """On the state thread: every call queued by now, in order, then their answers at once."""
+        """On the state thread: every call queued by now, in order; their answers handed to the
+        loop together, every `ANSWERS_EVERY_S` of a long turn (the first fill's turns of 256 first
+        leases ran 0.4 s: the first of them waited for the last)."""
         with self._calls_lock:
             batch, self._calls = self._calls, []
             self._calls_queued = False
@@ -138,6 +141,7 @@ class CoordinatorControl:
             self.turns.add("calls waited", started - self._calls_since)
         cpu_at_start = time.thread_time()
         answers = []
+        handed = started
         held: dict[str, list] = {}  # what the turn ran: call name -> [count, seconds]
         for call, future in batch:
             began = time.perf_counter()
@@ -145,9 +149,13 @@ class CoordinatorControl:
                 answers.append((future, (call(), False)))
             except BaseException as exc:  # noqa: BLE001 - the caller's to handle, as if it ran there
                 answers.append((future, (exc, True)))
+            ended = time.perf_counter()
             spent = held.setdefault(getattr(call.func, "__name__", "?"), [0, 0.0])
             spent[0] += 1
-            spent[1] += time.perf_counter() - began
+            spent[1] += ended - began
+            if ended - handed > ANSWERS_EVERY_S:
+                loop.call_soon_threadsafe(_settle_all, answers)
+                answers, handed = [], ended
         self._turn_ran("calls", started, len(batch), held, cpu_at_start)
         loop.call_soon_threadsafe(_settle_all, answers)
 
@@ -217,9 +225,9 @@ class CoordinatorControl:
 
     def work_queued(self, requests: int | None = None, smallest_context: int = 0) -> None:
         """Wake lease calls waiting for work (a chunk was re-queued, a lease expired): for
-        `requests` newly queued, that many of the longest waiting whose worker could take one (a
+        `requests` newly queued, that many of the waiting calls whose worker could take one (a
         free slot and KV room past `smallest_context`, the shortest context among them:
-        `could_take`), once per turn of the event loop however many calls queued work in it;
+        `room_for`), the most room first (`_wake`), once per turn of the event loop however many calls queued work in it;
         None: every one, now (the rollout is done). A woken call its plan gives nothing hands
         the wake-up on (`pass_on`), at most `EXTRA_WAKE_UPS` times for all the calls woken
         together: a worker may leave a request to the worker that ran it before, or another
@@ -255,27 +263,44 @@ class CoordinatorControl:
             self._wake(1, wake)
 
     def _wake(self, count: int, wake: Wake) -> None:
-        """Wake the `count` longest waiting calls whose worker could take work of `wake.context`;
-        the others keep their place in line."""
-        staying: list[tuple[asyncio.Future, str]] = []
-        while self._waiting and count:
-            woken, worker_id = self._waiting.popleft()
-            if self.could_take(worker_id, wake.context):  # a hint: read off the state thread
-                _settle(woken, wake)
-                count -= 1
+        """Wake the `count` waiting calls whose worker could take work of `wake.context`: those
+        woken in vain the fewest times, of these the workers with the most KV room, of equals the
+        longest waiting; the others keep their place in line.
+
+        Most room first: admission leaves a request that does not fit the asking worker to the
+        worker with the most room (`base.admit`), so that worker's plan is the one that takes it.
+        Woken oldest first, a KV-bound worker passed over the work it was woken for and handed
+        the wake-up on, up to 66 plans for one lease call (tools/load.py, 512 workers). Fewest
+        rounds in vain before that: a worker with room that its plan still gives nothing (the
+        balance between workers, a request left to the worker that ran it) was otherwise woken
+        first again for each batch of work, hundreds of milliseconds of rounds in vain per call
+        at the first chunk boundaries of 512 engines."""
+        candidates = []
+        for place, (_, worker_id, vain_rounds) in enumerate(self._waiting):
+            room = self.room_for(worker_id, wake.context)  # a hint: read off the state thread
+            if room is not None:
+                candidates.append((-vain_rounds, room, -place))
+        if not candidates:
+            return
+        chosen = {-place for *_, place in heapq.nlargest(count, candidates)}
+        staying: collections.deque[tuple[asyncio.Future, str, int]] = collections.deque()
+        for place, entry in enumerate(self._waiting):
+            if place in chosen:
+                _settle(entry[0], wake)
             else:
-                staying.append((woken, worker_id))
-        self._waiting.extendleft(reversed(staying))  # back at the front, in their order
+                staying.append(entry)
+        self._waiting = staying
 
     @property
     def waiting_lease_calls(self) -> int:
         return len(self._waiting)
 
-    async def wait_for_work(self, timeout_s: float, worker_id: str = "") -> Wake | None:
-        """Wait in line for `work_queued` to wake this call of `worker_id`: the wake-up, or None
-        if `timeout_s` passed first."""
+    async def wait_for_work(self, timeout_s: float, worker_id: str = "", vain_rounds: int = 0) -> Wake | None:
+        """Wait in line for `work_queued` to wake this call of `worker_id`, which has been woken
+        for work its plan did not give it `vain_rounds` times: the wake-up, or None if `timeout_s`
+        passed first."""
         woken = asyncio.get_running_loop().create_future()
-        entry = (woken, worker_id)
+        entry = (woken, worker_id, vain_rounds)
         self._waiting.append(entry)
         try:
             return await asyncio.wait_for(woken, max(0.0, timeout_s))
@@ -295,6 +320,8 @@ class Wake(NamedTuple):
     context: int
 
 
+# How long a state-thread turn runs calls before it hands the answers so far to the loop (`_run_calls`).
+ANSWERS_EVERY_S = 0.02
 # How many times a wake-up is handed on from a woken call that got nothing (`work_queued`).
 EXTRA_WAKE_UPS = 4
 NO_CONTEXT = 1 << 62  # no work queued since the last wake-up: nothing to fit
@@ -386,7 +413,7 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
             return _json(ErrorReply(f"worker {exc} was taken out: {exc.reason}; exit", WORKER_RETIRED), 410)
         return _json(ErrorReply(f"unknown worker {exc}; register again", UNKNOWN_WORKER), 404)
 
-    control.could_take = book.state.could_take
+    control.room_for = book.state.room_for
 
     def known(worker_id: str) -> None:
         if (reason := book.retired_reason(worker_id)) is not None:
@@ -444,9 +471,10 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
             # back of the line: answering it empty made it call again at once, two more HTTP calls
             # a wake-up (most lease calls of 512 KV-bound workers, tools/load.py).
             deadline = time.monotonic() + min(body.wait_s, LONG_POLL_MAX_S)
+            vain_rounds = 0
             while True:
                 waiting = time.monotonic()
-                woken = await control.wait_for_work(deadline - waiting, body.worker_id)
+                woken = await control.wait_for_work(deadline - waiting, body.worker_id, vain_rounds)
                 round_started = time.monotonic()
                 waited_s += round_started - waiting
                 request.scope[WAITED_SCOPE_KEY] = waited_s
@@ -457,6 +485,7 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
                     grants = await control.run(book.lease, body.worker_id, max(0, body.wanted), clock())
                     plans += 1
                 if woken is not None and not grants:
+                    vain_rounds += 1
                     vain_s += time.monotonic() - round_started
                     request.scope[VAIN_SCOPE_KEY] = vain_s
                     if len(book.state.queue):

@@ -26,6 +26,7 @@ from seerd.scheduler.views import OpenWorkers, Plan, QueuedRequest, Snapshot, Wo
 
 
 NOWHERE: frozenset[str] = frozenset()
+UNKNOWN_ROOM = 1 << 62  # `room_for` a worker the state does not know yet
 
 
 class PlanError(RuntimeError):
@@ -229,12 +230,19 @@ class SchedulerState:
         `context_tokens`, in its whole blocks: without both, no policy's admission
         (`base.admit`) gives it a request of that context, so waking its lease call for one would
         make a plan in vain. Unknown workers: True (their call finds out)."""
+        return self.room_for(worker_id, context_tokens) is not None
+
+    def room_for(self, worker_id: str, context_tokens: int) -> int | None:
+        """A worker's free KV tokens if it `could_take` a request of `context_tokens`, else None.
+        Unknown workers: the most room there is (their call finds out)."""
         worker = self.workers.get(worker_id)
         if worker is None:
-            return True
+            return UNKNOWN_ROOM
         block = worker.kv_block_tokens
-        return (len(worker.chunks) < worker.max_chunks
-                and -(-(context_tokens + 1) // block) * block <= worker.kv_capacity_tokens - worker.kv_reserved)
+        room = worker.kv_capacity_tokens - worker.kv_reserved
+        if len(worker.chunks) < worker.max_chunks and -(-(context_tokens + 1) // block) * block <= room:
+            return room
+        return None
 
     # ------------------------------------------------------------- the policy's side
     def snapshot(self, worker_id: str, wanted: int, now: float, continuing: frozenset[int] = frozenset()) -> Snapshot:

@@ -272,12 +272,12 @@ class Simulation:
         """Lease calls answered at `now`, in the daemon's order, after `reporter`'s chunks ended
         (None: the start, when every worker makes its first call, in index order).
 
-        With `wake` (a report re-queued work) the coordinator wakes every long-polling call,
-        oldest wait first. Then come the calls made now: the reporter's, unless it was already
+        With `wake` (a report re-queued work) the coordinator wakes every long-polling call, the
+        workers with the most KV room first (`_waiting_in_wake_order`). Then come the calls made now: the reporter's, unless it was already
         waiting (a full worker asks once its report is answered, after the woken calls). A worker
         that got chunks calls again at once (it still has free slots), in rounds until a round
         hands out nothing."""
-        woken = self._waiting_oldest_first(now) if wake else []
+        woken = self._waiting_in_wake_order(now) if wake else []
         was_woken = set(woken)
         if reporter is None:
             calling = list(range(len(self.instances)))
@@ -319,14 +319,16 @@ class Simulation:
         self._asks += 1
         self.waiting_since[i] = (now, self._asks) if self.running_chunks(i) < self.max_chunks else None
 
-    def _waiting_oldest_first(self, now: float) -> list[int]:
-        """The long-polling workers in the order the coordinator wakes them: by when their current
-        poll began. A poll times out after LONG_POLL_S and the worker asks again (a new wait)."""
-        def current_poll(i: int) -> tuple[float, int]:
+    def _waiting_in_wake_order(self, now: float) -> list[int]:
+        """The long-polling workers in the order the coordinator wakes them (`CoordinatorControl._wake`):
+        the most KV room first, then by when their current poll began. A poll times out after
+        LONG_POLL_S and the worker asks again (a new wait)."""
+        def wake_order(i: int) -> tuple[int, float, int]:
             began, ask = self.waiting_since[i]
-            return began + LONG_POLL_S * math.floor((now - began) / LONG_POLL_S), ask
+            room = self.state.room_for(self.worker_ids[i], 0)
+            return -(-1 if room is None else room), began + LONG_POLL_S * math.floor((now - began) / LONG_POLL_S), ask
 
-        return sorted((i for i, since in enumerate(self.waiting_since) if since is not None), key=current_poll)
+        return sorted((i for i, since in enumerate(self.waiting_since) if since is not None), key=wake_order)
 
     def run(self) -> SimResult:
         started = time.perf_counter()

@@ -95,14 +95,16 @@ class CallTimings:
     """Each answered call, by endpoint path, as a worker sees it: when it was sent (wall clock,
     to line calls up with the coordinator's events), the seconds it took (what `tools/load.py`
     reports as the coordinator's latency; a lease's long-poll wait for work, `LeaseReply.waited_s`,
-    taken out) and, of those, the seconds of long-poll rounds woken in vain (`LeaseReply.vain_s`).
-    Kept only where asked for (simulated workers)."""
+    taken out), of those, the seconds of long-poll rounds woken in vain (`LeaseReply.vain_s`), and
+    whether it was its worker's first call of that endpoint (a worker's first lease is its share of
+    the start-up fill). Kept only where asked for (simulated workers)."""
 
     def __init__(self) -> None:
-        self.calls: dict[str, list[tuple[float, float, float]]] = {}  # path -> [(sent at, seconds, in vain)]
+        # path -> [(sent at, seconds, in vain, first of its worker)]
+        self.calls: dict[str, list[tuple[float, float, float, bool]]] = {}
 
-    def record(self, path: str, sent_at: float, seconds: float, vain_s: float = 0.0) -> None:
-        self.calls.setdefault(path, []).append((sent_at, seconds, vain_s))
+    def record(self, path: str, sent_at: float, seconds: float, vain_s: float = 0.0, first: bool = False) -> None:
+        self.calls.setdefault(path, []).append((sent_at, seconds, vain_s, first))
 
 
 class CoordinatorClient:
@@ -110,6 +112,7 @@ class CoordinatorClient:
                  timings: CallTimings | None = None, run_dir: RunDir | None = None) -> None:
         self.patience_s = patience_s
         self.timings = timings
+        self._timed: set[str] = set()  # endpoints this client's calls were timed on (`CallTimings`)
         self.run_dir = run_dir  # read again while the coordinator does not answer (`refresh`)
         self._http: aiohttp.ClientSession | None = None  # made in the event loop that uses it
         self._use(base_url, secret)
@@ -231,7 +234,9 @@ class CoordinatorClient:
         if self.timings is not None:
             waited = getattr(decoded, "waited_s", 0.0)
             took = time.monotonic() - sent_at
-            self.timings.record(endpoint.path, time.time() - took, took - waited, getattr(decoded, "vain_s", 0.0))
+            first = endpoint.path not in self._timed
+            self._timed.add(endpoint.path)
+            self.timings.record(endpoint.path, time.time() - took, took - waited, getattr(decoded, "vain_s", 0.0), first)
         return decoded
 
     async def call_until_answered(self, endpoint: Endpoint[Any, ReplyT], body: msgspec.Struct | None = None) -> ReplyT:

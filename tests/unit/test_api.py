@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import httpx
 import pytest
@@ -398,11 +400,56 @@ def test_wake_ups_their_calls_could_not_use_are_handed_on_at_most_four_times_tog
     assert asyncio.run(scenario()) == [f"w{i}" for i in range(2 + EXTRA_WAKE_UPS)]
 
 
+def test_the_waiting_calls_of_the_workers_with_the_most_kv_room_are_woken_first():
+    # Admission leaves work that does not fit a worker to the one with the most room: that is whom
+    # a wake-up goes to. Of equal room, the longest waiting; the rest keep their order in line.
+    rooms = {"small": 100, "big": 900, "mid": 500, "big2": 900, "none": None}
+
+    async def scenario() -> tuple[list[str], list[str]]:
+        control = CoordinatorControl()
+        control.room_for = lambda worker, _context: rooms[worker]
+        calls = await parked(control, list(rooms))
+        control.work_queued(2)
+        await settled()
+        first = [worker for worker, task in calls if task.done()]
+        control.work_queued(2)
+        await settled()
+        second = [worker for worker, task in calls if task.done() and worker not in first]
+        for _, task in calls:
+            task.cancel()
+        return first, second
+
+    first, second = asyncio.run(scenario())
+    assert first == ["big", "big2"]
+    assert second == ["small", "mid"]  # (in line order) the two left with room: "none" could take nothing
+
+
+def test_calls_woken_in_vain_before_are_woken_after_those_that_were_not():
+    # A worker with room that its plan still gives nothing (the balance, a request left to the
+    # worker that ran it) must not be woken first for every batch of work.
+    async def scenario() -> list[str]:
+        control = CoordinatorControl()
+        control.room_for = lambda worker, _context: {"roomy": 900, "a": 100, "b": 100}[worker]
+        tasks = {"roomy": asyncio.create_task(control.wait_for_work(60.0, "roomy", vain_rounds=2))}
+        for worker in ("a", "b"):
+            tasks[worker] = asyncio.create_task(control.wait_for_work(60.0, worker, vain_rounds=0))
+        while control.waiting_lease_calls < 3:
+            await asyncio.sleep(0)
+        control.work_queued(2)
+        await settled()
+        woken = [worker for worker, task in tasks.items() if task.done()]
+        for task in tasks.values():
+            task.cancel()
+        return woken
+
+    assert asyncio.run(scenario()) == ["a", "b"]
+
+
 def test_a_waiting_call_whose_worker_cannot_take_the_work_stays_in_line():
     async def scenario() -> tuple[list[str], list[str]]:
         control = CoordinatorControl()
         contexts = []
-        control.could_take = lambda worker, context: contexts.append(context) or not worker.startswith("full")
+        control.room_for = lambda worker, context: contexts.append(context) or (None if worker.startswith("full") else 0)
         calls = await parked(control, ["full0", "a", "full1", "b"])
         control.work_queued(1, smallest_context=300)
         control.work_queued(1, smallest_context=200)
@@ -416,3 +463,38 @@ def test_a_waiting_call_whose_worker_cannot_take_the_work_stays_in_line():
     woken, at_the_end = asyncio.run(scenario())
     assert woken == ["a", "b"]
     assert at_the_end == ["full0", "a", "full1", "b"]
+
+
+def test_a_long_state_thread_turn_hands_over_the_answers_it_has_before_it_ends():
+    # The second call of the turn only ends once the first call's answer has reached the loop: a
+    # turn that answered every call at its end would never let it (the wait times out and fails).
+    from seerd.coordinator.api import ANSWERS_EVERY_S
+
+    async def scenario() -> list[str]:
+        control = CoordinatorControl()
+        started, release, first_answered = threading.Event(), threading.Event(), threading.Event()
+
+        def hold() -> str:  # keeps the state thread busy until both calls are queued behind it
+            started.set()
+            release.wait(10.0)
+            return "hold"
+
+        def first() -> str:
+            time.sleep(2 * ANSWERS_EVERY_S)  # longer than a turn runs before it hands answers over
+            return "first"
+
+        def second() -> str:
+            return "second" if first_answered.wait(10.0) else "the first answer waited for the turn's end"
+
+        holding = asyncio.ensure_future(control.run(hold))
+        await asyncio.get_running_loop().run_in_executor(None, started.wait, 10.0)
+        calls = [asyncio.ensure_future(control.run(fn)) for fn in (first, second)]
+        await asyncio.sleep(0)  # both queued for the next turn
+        release.set()
+        answers = [await holding, await calls[0]]
+        first_answered.set()
+        answers.append(await calls[1])
+        control.close()
+        return answers
+
+    assert asyncio.run(scenario()) == ["hold", "first", "second"]

@@ -448,7 +448,7 @@ def test_the_open_workers_summary_answers_as_a_scan_of_every_worker_would():
 
 
 def test_a_worker_that_could_not_take_a_request_is_never_given_it():
-    # `SchedulerState.could_take` (whom a re-queued request may wake) is a necessary condition of
+    # `SchedulerState.could_take` (`room_for`: whom a re-queued request may wake) is a necessary condition of
     # every chunking policy's admission: a worker it says no to gets no chunk of that request,
     # whatever else holds its slots and KV.
     from seerd.scheduler import make_policy

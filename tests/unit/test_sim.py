@@ -238,16 +238,17 @@ def test_moved_chunks_make_the_pool_hit_rate_count_under_divided() -> None:
 
 
 def test_waiting_order_follows_long_poll_renewals() -> None:
-    """Polls time out after LONG_POLL_S and are renewed: the wait that counts is the current poll's."""
+    """Polls time out after LONG_POLL_S and are renewed: the wait that counts is the current poll's
+    (of workers with equal KV room: none runs anything here)."""
     from seerd.sim.driver import LONG_POLL_S
 
     sim = Simulation(EIGHT_REQUESTS, "divided", QWEN.costs(), instances=3, chunk_tokens=100, max_num_seqs=16,
                      seed=0, kv_capacity=100_000)
     sim.waiting_since = [(0.0, 1), None, (0.5 * LONG_POLL_S, 2)]
-    assert sim._waiting_oldest_first(0.9 * LONG_POLL_S) == [0, 2]
-    assert sim._waiting_oldest_first(1.2 * LONG_POLL_S) == [2, 0]  # instance 0 renewed at LONG_POLL_S
+    assert sim._waiting_in_wake_order(0.9 * LONG_POLL_S) == [0, 2]
+    assert sim._waiting_in_wake_order(1.2 * LONG_POLL_S) == [2, 0]  # instance 0 renewed at LONG_POLL_S
     sim.waiting_since[1] = (0.0, 3)  # began at the same time as instance 0, after it: renews after it
-    assert sim._waiting_oldest_first(2.2 * LONG_POLL_S) == [2, 0, 1]
+    assert sim._waiting_in_wake_order(2.2 * LONG_POLL_S) == [2, 0, 1]
 
 
 def test_preset_scale_simulates_every_policy() -> None:
@@ -424,3 +425,12 @@ def test_a_measured_pool_load_replaces_the_recompute_in_a_profile(tmp_path) -> N
                        (["--profile", str(tmp_path / "nope.json"), "--kv-tokens", "10"], "no such file")):
         bad = CliRunner().invoke(cli, ["sim", "--preset", "cpu-tiny", *args])
         assert bad.exit_code == 2 and says in bad.output
+
+
+def test_waiting_workers_are_woken_most_kv_room_first() -> None:
+    """As the daemon wakes them (`CoordinatorControl._wake`): a worker running chunks has less room."""
+    sim = Simulation(EIGHT_REQUESTS, "divided", QWEN.costs(), instances=3, chunk_tokens=100, max_num_seqs=16,
+                     seed=0, kv_capacity=100_000)
+    assert sim.lease(0, 0.0)  # instance 0 now holds KV for its chunks
+    sim.waiting_since = [(0.0, 1), (0.1, 2), (0.2, 3)]
+    assert sim._waiting_in_wake_order(0.3) == [1, 2, 0]
