@@ -34,9 +34,10 @@ from seerd.io.prompts import PromptRow  # noqa: E402
 from seerd.scheduler.registry import make_policy  # noqa: E402
 
 
-def measure(requests: int, workers: int, n: int, prompt_tokens: int, chunks_per_worker: int) -> dict:
-    work = Path(tempfile.mkdtemp(prefix="seerd-mem-"))
-    engine = make_engine(work / "state.db", synchronous="NORMAL")
+def run_database(work: Path, requests: int, n: int, prompt_tokens: int, synchronous: str = "NORMAL"):  # noqa: ANN201
+    """A real run database of `requests` queued requests (groups of `n`, prompts of
+    `prompt_tokens`, a seer rollout with chunks of 512): (its engine, sessions, rollout id)."""
+    engine = make_engine(work / "state.db", synchronous=synchronous)
     upgrade(engine)
     sessions = make_sessionmaker(engine)
     rows = [PromptRow(f"p{g}", tuple((g * 7 + i) % 1000 for i in range(prompt_tokens)), n, 4096, {}, g + 1)
@@ -44,7 +45,12 @@ def measure(requests: int, workers: int, n: int, prompt_tokens: int, chunks_per_
     config = RunConfig(input_path="in.jsonl", model_path="model", policy="seer", chunk_tokens=512)
     with sessions.begin() as session:
         rollout_id = create_rollout(session, config, rows, input_sha256="0" * 64, now=0.0)
-    del rows
+    return engine, sessions, rollout_id
+
+
+def measure(requests: int, workers: int, n: int, prompt_tokens: int, chunks_per_worker: int) -> dict:
+    engine, sessions, rollout_id = run_database(Path(tempfile.mkdtemp(prefix="seerd-mem-")), requests, n,
+                                                prompt_tokens)
     gc.collect()
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
