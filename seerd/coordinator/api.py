@@ -35,6 +35,7 @@ from seerd.config import EngineConfig
 from seerd.coordinator.auth import BodyDigestMismatch, SignedCalls, body_mismatch
 from seerd.coordinator.book import LeaseBook, ReportCall, RetiredWorker, UnknownWorker
 from seerd.coordinator.drafts import DraftHost, append_items
+from seerd.coordinator.guard import BodyLimitMiddleware
 from seerd.coordinator.latency import (
     VAIN_SCOPE_KEY, WAITED_SCOPE_KEY, CallLatencies, Laps, PlansPerCall, SlowTurns,
 )
@@ -343,30 +344,6 @@ class ApiError(Exception):
         self.status = status
         self.detail = detail
         self.code = code  # a `seerd.protocol` error code the worker acts on
-
-
-class BodyLimitMiddleware:
-    """413 for a body over `limit` bytes, by its Content-Length, before a byte of it is read; a body
-    without one (chunked) gets 411: the workers' client always says the length. Either closes the
-    connection: the body it announced is never read."""
-
-    def __init__(self, app, limit: int) -> None:  # noqa: ANN001
-        self.app = app
-        self.limit = limit
-
-    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = dict(scope["headers"])
-        if headers.get(b"transfer-encoding", b"").lower() == b"chunked":
-            await _json(ErrorReply("a body needs a Content-Length"), 411, close=True)(scope, receive, send)
-            return None
-        length = headers.get(b"content-length", b"0")
-        if not length.isdigit() or int(length) > self.limit:
-            await _json(ErrorReply(f"a body of {length.decode(errors='replace')} bytes; the limit is "
-                                   f"{self.limit}"), 413, close=True)(scope, receive, send)
-            return None
-        return await self.app(scope, receive, send)
 
 
 def _json(payload: msgspec.Struct, status: int = 200, *, close: bool = False) -> Response:

@@ -7,7 +7,8 @@ may trickle forever. `GuardedProtocol` is uvicorn's httptools protocol with:
 - a head timeout: a connection's request head (line and headers) must arrive within
   `head_timeout_s` of its first byte, or of the connection's opening for the first request;
 - a head size limit: 431 past `max_head_bytes` (the workers' heads are ~400 bytes);
-- a body timeout: a body must arrive within `body_timeout_s` of its head;
+- a body timeout: a body must arrive within `body_timeout_s` of its head (and a size limit by
+  its Content-Length, `BodyLimitMiddleware`, in front of the app);
 - a cap on unproven connections: a connection is proven once a call on it passed the signature
   check (auth.py); past `max_unproven` unproven connections, a new one closes the oldest unproven
   one. Proven connections are never evicted, so a crowd of idle strangers costs the workers nothing
@@ -24,8 +25,12 @@ import resource
 from dataclasses import dataclass, field
 from functools import partial
 
+import msgspec
 import uvicorn
+from starlette.responses import Response
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from seerd.protocol import ErrorReply
 
 log = logging.getLogger("seerd.coordinator")
 
@@ -211,3 +216,32 @@ def limits_for(workers: int, open_files: int) -> ConnectionLimits:
         return ConnectionLimits()
     room = open_files - RESERVED_FILES - FILES_PER_WORKER * workers
     return ConnectionLimits(max_unproven=max(64, min(MAX_UNPROVEN, room // 2)))
+
+
+class BodyLimitMiddleware:
+    """413 for a body over `limit` bytes, by its Content-Length, before a byte of it is read; a body
+    without one (chunked) gets 411: the workers' client always says the length. Either closes the
+    connection: the body it announced is never read."""
+
+    def __init__(self, app, limit: int) -> None:  # noqa: ANN001
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if headers.get(b"transfer-encoding", b"").lower() == b"chunked":
+            await _refusal("a body needs a Content-Length", 411)(scope, receive, send)
+            return None
+        length = headers.get(b"content-length", b"0")
+        if not length.isdigit() or int(length) > self.limit:
+            await _refusal(f"a body of {length.decode(errors='replace')} bytes; the limit is {self.limit}",
+                           413)(scope, receive, send)
+            return None
+        return await self.app(scope, receive, send)
+
+
+def _refusal(detail: str, status: int) -> Response:
+    return Response(msgspec.json.encode(ErrorReply(detail)), status, media_type="application/json",
+                    headers={"connection": "close"})

@@ -32,8 +32,9 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from seerd.config import RunConfig
-from seerd.coordinator.api import BodyLimitMiddleware, CoordinatorControl
+from seerd.coordinator.api import CoordinatorControl
 from seerd.coordinator.auth import BodyDigestMismatch, SignedCalls, body_mismatch
+from seerd.coordinator.guard import BodyLimitMiddleware
 from seerd.coordinator.daemon import Coordinator, CoordinatorResult, listening_socket, open_database
 from seerd.coordinator.heap import HeapKeeper
 from seerd.coordinator.kvpool import host_pool, run_tag
