@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any
 
 from sortedcontainers import SortedList
@@ -25,8 +27,16 @@ class StaleSnapshot(RuntimeError):
     """A snapshot's queue was read after the scheduler state changed: plan on a fresh snapshot."""
 
 
+# Runs a function aside (e.g. `ThreadPoolExecutor.submit`): where a re-key is built, off the caller.
+Submit = Callable[..., "Future[Any]"]
+
+
 class RequestQueue:
-    def __init__(self) -> None:
+    def __init__(self, rekey_aside: Submit | None = None) -> None:
+        """`rekey_aside`: where a re-key for a new version is built while the index in place
+        serves on (`_Index.rekey_aside`); None re-keys in place, at the call that sees the new
+        version (the simulator: the same order whatever the timing)."""
+        self._rekey_aside = rekey_aside
         self._items: dict[int, QueuedRequest] = {}
         self._fcfs: SortedList = SortedList()  # (queued_at, request_id)
         self._indexes: dict[str, _Index] = {}
@@ -72,12 +82,18 @@ class RequestQueue:
         version (say, of a table the key reads) re-keys the index with the key given then: every
         request, or with `versioned` only those it says may have a new key (the rest keep theirs:
         re-keying 80,000 queued requests for seer took ~90 ms of the state thread, at each of the
-        growth table's ~20 refreshes in a run's first two minutes)."""
+        growth table's ~20 refreshes in a run's first two minutes). With `rekey_aside`, the
+        re-key is built aside and taken up by a later call once built; until then the order of
+        the previous version serves (a re-key of 100,000 queued requests held the state thread
+        100-220 ms at each of a run's ~37 refreshes, and every call waited behind it)."""
         index = self._indexes.get(name)
         if index is None:
             index = self._indexes[name] = _Index(key, version, versioned, self._items.values())
         elif index.version != version:
-            index.rekey(key, version, versioned, self._items)
+            if self._rekey_aside is None:
+                index.rekey(key, version, versioned, self._items)
+            else:
+                index.rekey_aside(key, version, versioned, self._items, self._rekey_aside)
         for entry in index.order:
             request_id = entry[-1]
             yield self._items[request_id]
@@ -123,15 +139,18 @@ class _Index:
     ascending, kept as requests come and go, and
     the ids of the requests whose key may change with the next version (`versioned`)."""
 
-    __slots__ = ("key", "version", "versioned", "order", "volatile")
+    __slots__ = ("key", "version", "versioned", "order", "volatile", "pending")
 
     def __init__(self, key: Callable[[QueuedRequest], Any], version: Any,
                  versioned: Callable[[QueuedRequest], bool] | None, requests: Iterable[QueuedRequest]) -> None:
         self.key, self.version, self.versioned = key, version, versioned
         self.order = SortedList(key(r) + (r.request_id,) for r in requests)
         self.volatile = set() if versioned is None else {r.request_id for r in requests if versioned(r)}
+        self.pending: _Rebuild | None = None
 
     def put(self, request: QueuedRequest) -> None:
+        if self.pending is not None:
+            self.pending.touched.add(request.request_id)
         self.order.add(self.key(request) + (request.request_id,))
         if self.versioned is not None and self.versioned(request):
             self.volatile.add(request.request_id)
@@ -143,6 +162,8 @@ class _Index:
             raise RuntimeError(f"request {request.request_id} is not where its key puts it: its key changed "
                                "while it was queued (a key that reads the version must be `versioned`)") from None
         self.volatile.discard(request.request_id)
+        if self.pending is not None:
+            self.pending.touched.add(request.request_id)
 
     def rekey(self, key: Callable[[QueuedRequest], Any], version: Any,
               versioned: Callable[[QueuedRequest], bool] | None, items: dict[int, QueuedRequest]) -> None:
@@ -154,6 +175,56 @@ class _Index:
         kept += sorted(key(items[rid]) + (rid,) for rid in volatile)
         # Two sorted runs: the sort in SortedList's constructor (timsort) merges them in linear time.
         self.key, self.version, self.versioned, self.order = key, version, versioned, SortedList(kept)
+
+    def rekey_aside(self, key: Callable[[QueuedRequest], Any], version: Any,
+                    versioned: Callable[[QueuedRequest], bool] | None, items: dict[int, QueuedRequest],
+                    submit: Submit) -> None:
+        """Build the index of `version` aside, from a copy of the queue as it is now; the requests
+        put or removed until it is built are noted, and re-keyed when a later call takes it up.
+        The index stays that of its version until then (its puts keyed as its order is)."""
+        pending = self.pending
+        if pending is not None:
+            if not pending.built.done():
+                return
+            self.pending = None
+            self._take_up(pending, items)  # a newer version than the one in place, if not the newest
+            if self.version == version:
+                return
+        self.pending = _Rebuild(key, version, versioned, submit(_build, key, versioned, list(items.values())))
+
+    def _take_up(self, pending: _Rebuild, items: dict[int, QueuedRequest]) -> None:
+        order, entries, volatile = pending.built.result()
+        for request_id in pending.touched:  # changed since the copy: keyed as they are now
+            entry = entries.get(request_id)
+            if entry is not None:
+                order.remove(entry)
+            volatile.discard(request_id)
+            request = items.get(request_id)
+            if request is not None:
+                order.add(pending.key(request) + (request_id,))
+                if pending.versioned is not None and pending.versioned(request):
+                    volatile.add(request_id)
+        self.key, self.version, self.versioned = pending.key, pending.version, pending.versioned
+        self.order, self.volatile = order, volatile
+
+
+@dataclass
+class _Rebuild:
+    """An index being built aside for `version`, and the requests put or removed meanwhile."""
+
+    key: Callable[[QueuedRequest], Any]
+    version: Any
+    versioned: Callable[[QueuedRequest], bool] | None
+    built: Future
+    touched: set[int] = field(default_factory=set)
+
+
+def _build(key: Callable[[QueuedRequest], Any], versioned: Callable[[QueuedRequest], bool] | None,
+           requests: list[QueuedRequest]) -> tuple[SortedList, dict[int, tuple], set[int]]:
+    """An index's order, each request's entry in it and its volatile ids (`_Index`), aside."""
+    entries = {r.request_id: key(r) + (r.request_id,) for r in requests}
+    volatile = set() if versioned is None else {r.request_id for r in requests if versioned(r)}
+    return SortedList(entries.values()), entries, volatile
 
 
 class QueueView:

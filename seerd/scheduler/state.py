@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 from seerd.scheduler.base import kv_need, updated_estimate
 from seerd.scheduler.forecast import GrowthTable, group_forecast, replay_growth
-from seerd.scheduler.queue import QueueView, RequestQueue
+from seerd.scheduler.queue import QueueView, RequestQueue, Submit
 from seerd.scheduler.views import OpenWorkers, Plan, QueuedRequest, Snapshot, WorkerLoad
 
 
@@ -76,6 +76,7 @@ class WorkerRecord:
     live: bool = True  # only live workers are offered to policies
     chunks: set[int] = field(default_factory=set)  # its leases' chunk ids
     kv_reserved: int = 0  # sum over its leases of context + budget, in whole blocks
+    has_leased: bool = False  # its first lease (`first_chunk_tokens`) is behind it
 
 
 @dataclass(frozen=True)
@@ -129,20 +130,41 @@ class _ForecastInputs(NamedTuple):
     max_tokens: int
 
 
+FIRST_CHUNK_SPREAD = 0.5  # the first lease's chunks are up to this fraction shorter, by rank
+_GOLDEN = (5 ** 0.5 - 1) / 2
+
+
+def first_chunk_tokens(chunk_tokens: int, rank: int, spread: float = FIRST_CHUNK_SPREAD) -> int:
+    """The chunk size of a worker's first lease: shorter by a fraction of up to `spread`, spread
+    evenly over ranks (rank x the golden ratio, mod 1: any number of ranks covers the range).
+    Engines started together otherwise reach their first chunk boundaries together: at 512
+    workers every one of them reported its whole first fill within ~2 s, 16,000 reports in group
+    commits of 150-190 ms back to back, and every call of those seconds waited behind them
+    (tools/load.py, docs/benchmarks.md). Shortened by rank, the first boundaries spread over half
+    a chunk's time, and each worker's later ones keep the offset. Rank 0's is never shortened."""
+    return max(1, chunk_tokens - int(chunk_tokens * spread * ((rank * _GOLDEN) % 1.0)))
+
+
 def _load_of(worker: WorkerRecord) -> WorkerLoad:
     return WorkerLoad(worker.id, worker.rank, len(worker.chunks), worker.kv_reserved, worker.max_chunks,
                       worker.kv_capacity_tokens, worker.kv_block_tokens)
 
 
 class SchedulerState:
-    def __init__(self, *, chunk_tokens: int, growth: GrowthTable | None = None) -> None:
+    def __init__(self, *, chunk_tokens: int, growth: GrowthTable | None = None,
+                 first_chunk_spread: float = FIRST_CHUNK_SPREAD, rekey_aside: Submit | None = None) -> None:
+        """`rekey_aside`: where the queue's orders are re-keyed for a new growth table while the
+        previous order serves (`RequestQueue`); None: in place (the simulator)."""
+        if not 0.0 <= first_chunk_spread < 1.0:
+            raise ValueError(f"first_chunk_spread must be in [0, 1), got {first_chunk_spread}")
         self.chunk_tokens = chunk_tokens
+        self.first_chunk_spread = first_chunk_spread
         self.groups: dict[int, GroupRecord] = {}
         self.requests: dict[int, RequestRecord] = {}
         self.workers: dict[str, WorkerRecord] = {}
         self.live_count = 0  # workers offered to policies (read by the API, without the state thread)
         self.leases: dict[int, LeaseRecord] = {}
-        self.queue = RequestQueue()
+        self.queue = RequestQueue(rekey_aside)
         self.growth = growth if growth is not None else GrowthTable()  # seer's forecast ratios
         self.unfinished_groups: dict[int, int] = {}  # group id -> group index
         self.bindings: dict[int, str] = {}  # group id -> worker id (policies that bind whole groups)
@@ -248,8 +270,12 @@ class SchedulerState:
     def snapshot(self, worker_id: str, wanted: int, now: float, continuing: frozenset[int] = frozenset()) -> Snapshot:
         # The loads' index and summary are the state's own, current as the queue view is: a
         # snapshot is good for one version.
+        worker = self.workers.get(worker_id)
+        chunk_tokens = self.chunk_tokens  # a worker's first lease: shorter, by rank (`first_chunk_tokens`)
+        if worker is not None and not worker.has_leased:
+            chunk_tokens = first_chunk_tokens(chunk_tokens, worker.rank, self.first_chunk_spread)
         return Snapshot(now, worker_id, wanted, self.worker_loads(), QueueView(self.queue, self.version),
-                        self._bindings_view, self._groups_view, self.chunk_tokens, self.growth.current,
+                        self._bindings_view, self._groups_view, chunk_tokens, self.growth.current,
                         continuing, loads_index=self._loads_view, open_summary=self._open)
 
     def worker_loads(self) -> tuple[WorkerLoad, ...]:
@@ -311,6 +337,7 @@ class SchedulerState:
             worker.chunks.add(chunk_id)
             worker.kv_reserved += lease.kv_reserved
             leases.append(lease)
+        worker.has_leased = worker.has_leased or bool(leases)
         self._changed(workers=(worker_id,) if leases else ())
         return leases
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from seerd.protocol import LEASE_LONG_POLL_S, LONG_POLL_MAX_S
 from seerd.scheduler import make_sim_policy
 from seerd.scheduler.forecast import GrowthTable
-from seerd.scheduler.state import ChunkResult, GroupRecord, RequestRecord, SchedulerState
+from seerd.scheduler.state import FIRST_CHUNK_SPREAD, ChunkResult, GroupRecord, RequestRecord, SchedulerState
 from seerd.scheduler.views import Policy
 from seerd.sim.costs import InstanceCosts
 from seerd.sim.engine import WATERMARK_FRACTION, SimInstance, SimSeq
@@ -110,7 +110,8 @@ class Simulation:
                  chunk_tokens: int, max_num_seqs: int, seed: int, pool_hit_rate: float = 1.0,
                  priors: dict[int, int] | None = None, kv_capacity: int | None = None,
                  record_timeline: bool = True, chunk_gap_s: float = 0.0,
-                 growth_quantile: float | None = None, speculation: Speculation | None = None) -> None:
+                 growth_quantile: float | None = None, speculation: Speculation | None = None,
+                 first_chunk_spread: float = FIRST_CHUNK_SPREAD) -> None:
         if instances < 1 or chunk_tokens < 1 or max_num_seqs < 1:
             raise ValueError("instances, chunk_tokens and max_num_seqs must be positive")
         if chunk_gap_s < 0:
@@ -142,7 +143,7 @@ class Simulation:
         # None while it has no free slot (it waits for a chunk to end, not for work).
         self.waiting_since: list[tuple[float, int] | None] = [None] * instances
         self._asks = 0
-        self.state = SchedulerState(chunk_tokens=chunk_tokens,
+        self.state = SchedulerState(chunk_tokens=chunk_tokens, first_chunk_spread=first_chunk_spread,
                                     growth=None if growth_quantile is None else GrowthTable(growth_quantile))
         self.requests: dict[int, SimRequest] = {}
         self._next_chunk = 0

@@ -23,6 +23,7 @@ from seerd.db.migrate import upgrade
 from seerd.io.prompts import PromptRow
 from seerd.protocol import parse_engine_id
 from seerd.scheduler import make_policy
+from seerd.scheduler.state import FIRST_CHUNK_SPREAD
 from seerd.signing import Signer, call_key, httpx_auth
 from seerd.rundir import RunDir
 from seerd.db.read import reading
@@ -142,7 +143,8 @@ VOCAB_SIZE = 1024  # the tiny model's (tools/make_tiny_model.py)
 
 def make_book(tmp_path: Path, *, policy: str = "divided", chunk_tokens: int = 16, lease_ttl_s: float = 10.0,
               prompt_rows: list[PromptRow] | None = None, now: float = 1000.0,
-              db_name: str = "state.db", prior: PriorLengths | None = None, in_place: bool = False) -> LeaseBook:
+              db_name: str = "state.db", prior: PriorLengths | None = None, in_place: bool = False,
+              first_chunk_spread: float = FIRST_CHUNK_SPREAD, rekey_in_place: bool = False) -> LeaseBook:
     engine = make_engine(tmp_path / db_name, synchronous="NORMAL")
     upgrade(engine)
     sessions = make_sessionmaker(engine)
@@ -152,7 +154,8 @@ def make_book(tmp_path: Path, *, policy: str = "divided", chunk_tokens: int = 16
         rollout_id = create_rollout(session, config, prompt_rows or rows(), input_sha256="0" * 64, now=now,
                                     prior=prior)
     book = LeaseBook(sessions, rollout_id, make_policy(policy), chunk_tokens=chunk_tokens,
-                     lease_ttl_s=lease_ttl_s, seed=0, vocab_size=VOCAB_SIZE, in_place=in_place)
+                     lease_ttl_s=lease_ttl_s, seed=0, vocab_size=VOCAB_SIZE, in_place=in_place,
+                     first_chunk_spread=first_chunk_spread, rekey_in_place=rekey_in_place)
     book.load(now)
     return book
 

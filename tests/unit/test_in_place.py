@@ -178,7 +178,7 @@ def test_a_report_names_the_context_of_each_request_left_waiting_once_its_group_
     # (w1 is drained: `may_lease=False`) and no lease of the commit takes it, so it waits: its
     # outcome carries its context (prompt + tokens), which says whom waking could help.
     book = make_book(tmp_path, chunk_tokens=16, prompt_rows=rows(groups=2, n=1, max_tokens=40, prompt_len=5),
-                     in_place=True)
+                     in_place=True, first_chunk_spread=0.0)
     w0, w1 = register(book), register(book, "w1", rank=1)
     (a,) = book.lease(w0, wanted=1, now=1000.0)
     (b,) = book.lease(w1, wanted=1, now=1000.0)

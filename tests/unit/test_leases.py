@@ -58,7 +58,8 @@ def test_last_chunk_budget_is_what_remains(tmp_path):
 
 
 def test_expired_lease_requeues_and_fences_the_stale_report(tmp_path):
-    book = make_book(tmp_path, lease_ttl_s=10.0, prompt_rows=rows(groups=1, n=1))
+    book = make_book(tmp_path, lease_ttl_s=10.0, prompt_rows=rows(groups=1, n=1),
+                     first_chunk_spread=0.0)  # the regrant's budget is the whole chunk
     slow = register(book, "slow", now=1000.0)
     (grant,) = book.lease(slow, wanted=1, now=1000.0)
     assert book.expire(now=1005.0) == 0
@@ -76,6 +77,24 @@ def test_expired_lease_requeues_and_fences_the_stale_report(tmp_path):
         assert chunk.status == ChunkStatus.DONE and chunk.attempt == 2 and chunk.lease_holder == "fast"
         assert s.get(Request, regrant.request_id).generated_tokens == 16
         assert s.scalar(select(func.count()).select_from(Event).where(Event.kind == "lease_expired")) == 1
+
+
+def test_workers_first_leases_are_shortened_by_rank_so_their_first_boundaries_spread(tmp_path):
+    # Engines started together would reach their first chunk boundaries together and report at
+    # once; each worker's first lease is shorter by a fraction of up to FIRST_CHUNK_SPREAD of a
+    # chunk, spread over ranks. Its later leases are whole chunks.
+    from seerd.scheduler.state import FIRST_CHUNK_SPREAD, first_chunk_tokens
+
+    book = make_book(tmp_path, chunk_tokens=64, prompt_rows=rows(groups=8, n=2, max_tokens=1000))
+    workers = [register(book, f"w{rank}", rank=rank) for rank in range(8)]
+    firsts = [book.lease(w, wanted=1, now=1000.0)[0].max_tokens for w in workers]
+    assert firsts == [first_chunk_tokens(64, rank) for rank in range(8)]
+    assert firsts[0] == 64 and len(set(firsts)) == 8
+    assert all(64 * (1 - FIRST_CHUNK_SPREAD) <= budget <= 64 for budget in firsts)
+    assert [book.lease(w, wanted=1, now=1001.0)[0].max_tokens for w in workers] == [64] * 8
+    unspread = make_book(tmp_path, chunk_tokens=64, prompt_rows=rows(groups=2, n=1, max_tokens=1000),
+                         db_name="unspread.db", first_chunk_spread=0.0)
+    assert unspread.lease(register(unspread, "w5", rank=5), wanted=1, now=1000.0)[0].max_tokens == 64
 
 
 def test_report_after_expiry_but_before_release_is_rejected(tmp_path):

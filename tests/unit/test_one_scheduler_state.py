@@ -53,8 +53,10 @@ class Replay:
         self.policy = policy
         self.sim = Simulation(self.load, policy, get_preset("qwen2-vl-72b").costs(), instances=INSTANCES,
                               chunk_tokens=CHUNK, max_num_seqs=MAX_SEQS, seed=seed, kv_capacity=KV_CAPACITY)
+        # The daemon builds a new growth table's order aside (it takes effect a call or so later);
+        # here both sides re-key in place, so that every decision can be compared.
         self.book = make_book(tmp_path, policy=policy, chunk_tokens=CHUNK, lease_ttl_s=LEASE_TTL_S,
-                              prompt_rows=prompt_rows(self.load), now=0.0)
+                              prompt_rows=prompt_rows(self.load), now=0.0, rekey_in_place=True)
         self.workers = list(self.sim.worker_ids)
         self.true_length = {(g.index, k): length for g in self.load.groups for k, length in enumerate(g.lengths)}
         # Per worker: the chunks it holds, each as (book grant, simulator sequence).

@@ -280,6 +280,65 @@ def test_seers_index_re_keys_only_what_reads_the_growth_table_and_equals_a_fresh
                                                                                      r.request_id))], step
 
 
+def test_a_re_key_built_aside_serves_the_old_order_until_taken_up_then_a_fresh_sorts():
+    # The coordinator builds a new growth table's order on a thread of its own (`rekey_aside`):
+    # the order in place serves until a later call takes the built one up, and the requests put or
+    # removed while it was built are keyed as they are then. On a real thread; the test waits for
+    # each build before the call that takes it up, so nothing depends on timing.
+    from concurrent.futures import ThreadPoolExecutor
+
+    from seerd.scheduler.seer import reads_growth
+
+    builds = []
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        def submit(*args):
+            builds.append(pool.submit(*args))
+            return builds[-1]
+
+        rng = random.Random(13)
+        queue = RequestQueue(rekey_aside=submit)
+        live: dict[int, QueuedRequest] = {}
+
+        def churn(steps: int) -> None:
+            for _ in range(steps):
+                rid = rng.randrange(300)
+                if rid in live and rng.random() < 0.3:
+                    queue.remove(rid)
+                    del live[rid]
+                else:
+                    gid = rid % 23
+                    live[rid] = seer_req(rid, gid, probe=rng.random() < 0.1, generated=rng.randrange(0, 400, 16),
+                                         n=8, estimate=rng.randrange(100, 1000), finished=rng.choice([0, 1, 3]),
+                                         longest_unfinished=rng.choice([0, rng.randrange(1, 600)]))
+                    queue.put(live[rid])
+
+        def order(growth):
+            return [r.request_id for r in queue.ordered("seer", SeerKey(growth), growth.version, reads_growth)]
+
+        def sort(growth):
+            return [r.request_id for r in sorted(live.values(), key=lambda r: (seer_key(r, growth), r.request_id))]
+
+        growth = GrowthRatios(0, {})
+        churn(300)
+        assert order(growth) == sort(growth)  # the first index is built in place
+        for round_ in range(12):
+            old, growth = growth, GrowthRatios(growth.version + 1, {(8, k): 1 + rng.random() for k in range(1, 8)})
+            built = len(builds)
+            assert order(growth) == sort(old)  # building aside: the old order serves
+            assert len(builds) == built + 1
+            churn(40)  # puts and removes while it is built
+            if round_ % 3 == 2:  # and a newer table before it is taken up
+                growth = GrowthRatios(growth.version + 1, {(8, k): 1 + rng.random() for k in range(1, 8)})
+                order(growth)
+            while True:  # take up each build once built, until the newest is in place
+                built = len(builds)
+                builds[-1].result()
+                got = order(growth)
+                if len(builds) == built:
+                    break
+            assert got == sort(growth), round_
+
+
 def test_an_index_whose_key_changed_unannounced_says_so_rather_than_dropping_another_request():
     queue = RequestQueue.of([seer_req(1, 0, estimate=10), seer_req(2, 0, estimate=20)])
     table = {"scale": 1}

@@ -18,6 +18,7 @@ from seerd.sim.driver import SimResult, Simulation
 from seerd.sim.presets import PRESETS, get_preset
 from seerd.sim.report import SimSettings, run_comparison, summarize
 from seerd.sim.workload import SimGroup, TraceError, Workload, generate, load_trace, next_iteration
+from seerd.scheduler.state import FIRST_CHUNK_SPREAD
 from tests.unit.helpers import HAND_CHUNKS, hand_built_cache_run
 
 QWEN = get_preset("qwen2-vl-72b")
@@ -29,9 +30,11 @@ def small_workload(lengths_per_group: list[list[int]], prompt_len: int = 32, max
 
 
 def simulate(workload: Workload, policy: str, *, instances: int = 2, kv: int = 4000, chunk: int = 64,
-             max_num_seqs: int = 16, seed: int = 0, pool_hit_rate: float = 1.0) -> tuple[Simulation, SimResult]:
+             max_num_seqs: int = 16, seed: int = 0, pool_hit_rate: float = 1.0,
+             first_chunk_spread: float = FIRST_CHUNK_SPREAD) -> tuple[Simulation, SimResult]:
     sim = Simulation(workload, policy, QWEN.costs(), instances=instances, chunk_tokens=chunk,
-                     max_num_seqs=max_num_seqs, seed=seed, pool_hit_rate=pool_hit_rate, kv_capacity=kv)
+                     max_num_seqs=max_num_seqs, seed=seed, pool_hit_rate=pool_hit_rate, kv_capacity=kv,
+                     first_chunk_spread=first_chunk_spread)
     return sim, sim.run()
 
 
@@ -215,7 +218,7 @@ EIGHT_REQUESTS = small_workload([[300] * 2 for _ in range(4)])
 def test_an_instance_waiting_longer_takes_the_chunks_requeued_by_one_with_free_slots() -> None:
     """Instance 0 (8 of 16 slots) waits from its second call, after instance 1's first, so the
     first continuations go to instance 1, which then re-asks first and keeps the rest."""
-    sim, result = simulate(EIGHT_REQUESTS, "divided", max_num_seqs=16, chunk=100, kv=100_000)
+    sim, result = simulate(EIGHT_REQUESTS, "divided", max_num_seqs=16, chunk=100, kv=100_000, first_chunk_spread=0.0)
     first, second = (instance.stats for instance in sim.instances)
     assert first.moved_continuations == first.local_continuations == 0
     assert second.moved_continuations == 8 and second.local_continuations == 8
@@ -225,7 +228,7 @@ def test_an_instance_waiting_longer_takes_the_chunks_requeued_by_one_with_free_s
 def test_a_full_reporter_asks_after_the_waiting_instance_so_every_continuation_moves() -> None:
     """With 8 slots the instance holding every request is full: it asks only once its report is
     answered, after the other instance's waiting call has taken the requeued chunks."""
-    _, result = simulate(EIGHT_REQUESTS, "divided", max_num_seqs=8, chunk=100, kv=100_000)
+    _, result = simulate(EIGHT_REQUESTS, "divided", max_num_seqs=8, chunk=100, kv=100_000, first_chunk_spread=0.0)
     assert result.moved_chunks == 16 and result.local_continuations == 0
 
 

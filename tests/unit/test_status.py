@@ -45,7 +45,8 @@ def report(grant, n, reason="length"):
 
 def synthetic_run(tmp_path):
     """3 groups x 2 responses, chunk 16, two workers; at t=1010 one group done, some running."""
-    book = make_book(tmp_path, policy="seer", chunk_tokens=16, prompt_rows=rows(groups=3, n=2, max_tokens=64))
+    book = make_book(tmp_path, policy="seer", chunk_tokens=16, prompt_rows=rows(groups=3, n=2, max_tokens=64),
+                     first_chunk_spread=0.0)  # whole first chunks on both workers: the counts below
     book.set_rollout_status(RolloutStatus.RUNNING, 1000.0)
     a, b = register(book, "wa", 0), register(book, "wb", 1)
     grants = book.lease(a, 4, now=1001.0) + book.lease(b, 4, now=1001.0)
