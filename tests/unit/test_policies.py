@@ -244,6 +244,24 @@ def test_queue_indexes_stay_sorted_under_random_puts_and_removes():
                 live.values(), key=lambda r: (r.queued_at, r.request_id))]
 
 
+def put_or_remove_at_random(rng: random.Random, queue: RequestQueue, live: dict[int, QueuedRequest],
+                            group_state: dict[int, dict], queued_at: float = 0.0) -> None:
+    """One random change of a queue of seer's requests (23 groups of 300 ids): a remove, or a put
+    of a request whose group's state its members mostly share."""
+    rid = rng.randrange(300)
+    if rid in live and rng.random() < 0.3:
+        queue.remove(rid)
+        del live[rid]
+        return
+    gid = rid % 23
+    if gid not in group_state or rng.random() < 0.2:
+        group_state[gid] = dict(estimate=rng.randrange(100, 1000), finished=rng.choice([0, 0, 1, 3]),
+                                longest_unfinished=rng.choice([0, 0, rng.randrange(1, 600)]))
+    live[rid] = seer_req(rid, gid, probe=rng.random() < 0.1, generated=rng.randrange(0, 400, 16), n=8,
+                         queued_at=queued_at, **group_state[gid])
+    queue.put(live[rid])
+
+
 @pytest.mark.parametrize("memo_limit", [SeerKey.MEMO_LIMIT, 4])
 def test_seers_index_re_keys_only_what_reads_the_growth_table_and_equals_a_fresh_sort(monkeypatch, memo_limit):
     # A new growth table re-keys only the requests `reads_growth` names (the others' keys cannot
@@ -260,18 +278,7 @@ def test_seers_index_re_keys_only_what_reads_the_growth_table_and_equals_a_fresh
     growth = GrowthRatios(0, {})
     group_state: dict[int, dict] = {}
     for step in range(3000):
-        rid = rng.randrange(300)
-        if rid in live and rng.random() < 0.3:
-            queue.remove(rid)
-            del live[rid]
-        else:
-            gid = rid % 23
-            if gid not in group_state or rng.random() < 0.2:  # members mostly share their group's state
-                group_state[gid] = dict(estimate=rng.randrange(100, 1000), finished=rng.choice([0, 0, 1, 3]),
-                                        longest_unfinished=rng.choice([0, 0, rng.randrange(1, 600)]))
-            live[rid] = seer_req(rid, gid, probe=rng.random() < 0.1, generated=rng.randrange(0, 400, 16), n=8,
-                                 queued_at=float(step), **group_state[gid])
-            queue.put(live[rid])
+        put_or_remove_at_random(rng, queue, live, group_state, queued_at=float(step))
         if step % 150 == 0:  # the table changes
             growth = GrowthRatios(growth.version + 1, {(8, k): 1 + rng.random() for k in range(1, 8)})
         if step % 50 == 0:
@@ -298,19 +305,11 @@ def test_a_re_key_built_aside_serves_the_old_order_until_taken_up_then_a_fresh_s
         rng = random.Random(13)
         queue = RequestQueue(rekey_aside=submit)
         live: dict[int, QueuedRequest] = {}
+        group_state: dict[int, dict] = {}
 
         def churn(steps: int) -> None:
             for _ in range(steps):
-                rid = rng.randrange(300)
-                if rid in live and rng.random() < 0.3:
-                    queue.remove(rid)
-                    del live[rid]
-                else:
-                    gid = rid % 23
-                    live[rid] = seer_req(rid, gid, probe=rng.random() < 0.1, generated=rng.randrange(0, 400, 16),
-                                         n=8, estimate=rng.randrange(100, 1000), finished=rng.choice([0, 1, 3]),
-                                         longest_unfinished=rng.choice([0, rng.randrange(1, 600)]))
-                    queue.put(live[rid])
+                put_or_remove_at_random(rng, queue, live, group_state)
 
         def order(growth):
             return [r.request_id for r in queue.ordered("seer", SeerKey(growth), growth.version, reads_growth)]
