@@ -47,9 +47,14 @@ def test_responses_end_at_their_target_lengths(tiny_model_dir, tmp_path):
     rows = assert_complete_output(run_dir, 12)
     assert_lengths_are_the_targets(rows, targets)
     assert {r["finish_reason"] for r in rows} == {"length_target"}
-    # A response cut at its target takes no more chunks than its target needs.
+    # A response cut at its target takes no more chunks than its target needs: its first chunk's
+    # budget (shorter when leased in a worker's first lease, `first_chunk_tokens`), then 16 each.
+    first_budget = {(g, k): budget for g, k, budget in db_rows(run_dir, """
+        select g.group_index, r.response_index, c.max_tokens from chunks c join requests r on r.id = c.request_id
+        join prompt_groups g on g.id = r.group_id where c.seq = 0""")}
     for row in rows:
-        assert row["num_chunks"] == -(-row["length"] // 16), row
+        first = first_budget[(row["group_index"], row["response_index"])]
+        assert first <= 16 and row["num_chunks"] == 1 + -(-max(0, row["length"] - first) // 16), (row, first)
     assert {fr for (fr,) in db_rows(run_dir, "select finish_reason from requests")} == {"length_target"}
 
 
