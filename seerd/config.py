@@ -204,8 +204,9 @@ class RunConfig:
     sampling: SamplingDefaults = SamplingDefaults()
     engine: EngineConfig = EngineConfig()
     lease_ttl_s: float = 30.0
-    # Hold every lease until all workers registered (or worker_wait_s passed). Always on for
-    # `group`, which binds groups to workers once; optional for the others.
+    # At the start, hold every lease until all workers registered (or worker_wait_s passed); once
+    # open it stays open when a worker is lost. Always on for `group`, which binds groups to
+    # workers once; optional for the others.
     wait_for_workers: bool = False
     worker_wait_s: float = 300.0
     # Continue a request in its engine across chunk boundaries when the scheduler keeps it on the

@@ -170,6 +170,7 @@ class Coordinator:
         self.initial_status = rollout.status
         self.load: dict | None = None
         self.expected_workers = expected_workers or self.config.workers
+        self._gate_opened = False  # `_gate`: every expected worker came (or the wait ran out)
         # Warning signals (Slurm's `--signal`, before a time limit or preemption): drain, then stop.
         self.drain_signals = drain_signals
         self.drain_grace_s = drain_grace_s
@@ -183,15 +184,21 @@ class Coordinator:
         """False once another coordinator has taken the run over: this one then writes nothing more."""
         return self.ownership.lost is None
 
-    # A policy that binds every group once waits for the expected workers (or a timeout).
+    # A policy that binds every group once waits for the expected workers (or a timeout) at the
+    # start. Once open the gate stays open: a worker taken out mid-run closed it again, and the
+    # live ones got nothing until it came back (its requests sat queued for the restart's 24 s,
+    # tests/integration/test_stuck_engines.py); `group` rebinds a gone worker's groups itself.
     def _gate(self) -> bool:
+        if self._gate_opened:
+            return True
         if not policy_traits(self.config.policy).waits_for_every_worker and not self.config.wait_for_workers:
+            self._gate_opened = True
             return True
         # list() copies in one step: the state thread may be registering a worker right now.
         alive = [w for w in list(self.book.workers.values()) if w.status == WorkerStatus.ALIVE]
-        if len(alive) >= self.expected_workers:
-            return True
-        return self.clock() - self.started_at > self.config.worker_wait_s
+        if len(alive) >= self.expected_workers or self.clock() - self.started_at > self.config.worker_wait_s:
+            self._gate_opened = True
+        return self._gate_opened
 
     def request_stop(self, reason: str) -> None:
         """Stop handing out work and shut down; the run stays resumable."""

@@ -30,9 +30,10 @@ from tests.unit.helpers import VOCAB_SIZE, ScriptedEngine, rows, rollout_weights
 GROUPS, N, MAX_TOKENS = 8, 2, 64
 
 
-def build_run(run_dir: Path, revision: str = "head") -> RunDir:
+def build_run(run_dir: Path, revision: str = "head", **config: object) -> RunDir:
     """A created run, as `seerd run` leaves it before its coordinator starts, of a model directory
-    that holds only the config.json the coordinator reads its vocabulary from."""
+    that holds only the config.json the coordinator reads its vocabulary from; `config` overrides
+    the run's settings."""
     model = run_dir.parent / "model"
     model.mkdir(exist_ok=True)
     (model / "config.json").write_text(json.dumps({"vocab_size": VOCAB_SIZE, "max_position_embeddings": 4096}))
@@ -40,8 +41,8 @@ def build_run(run_dir: Path, revision: str = "head") -> RunDir:
     rundir.create()
     engine = make_engine(rundir.db_path)
     upgrade(engine, revision)
-    config = RunConfig(input_path="in.jsonl", model_path=str(model), policy="divided", chunk_tokens=8,
-                       lease_ttl_s=5.0, workers=2)
+    config = RunConfig(**{"input_path": "in.jsonl", "model_path": str(model), "policy": "divided", "chunk_tokens": 8,
+                          "lease_ttl_s": 5.0, "workers": 2, **config})
     if revision == "head":
         with make_sessionmaker(engine).begin() as session:
             create_rollout(session, config, rows(groups=GROUPS, n=N, max_tokens=MAX_TOKENS), input_sha256="0" * 64,
