@@ -126,10 +126,9 @@ class LeaseReply(msgspec.Struct):
     chunks: list[ChunkGrant]
     done: bool  # the rollout is complete: the worker may exit
     retry_after_s: float = 0.0  # with no chunks: when to ask again
-    waited_s: float = 0.0  # of the call's time, the long poll's wait for work (not the coordinator's latency)
-    # Of the rest, long-poll rounds woken for work that their plan did not give this worker (it
-    # waited on): the coordinator's time, but not a wait for work that was there for it.
-    vain_s: float = 0.0
+    # Of the call's time, the long poll's wait for work (not the coordinator's latency): until the
+    # work it got was queued, or to its deadline.
+    waited_s: float = 0.0
 
 
 class ChunkReport(msgspec.Struct, frozen=True):

@@ -24,8 +24,8 @@ differs is the daemon's control plane (its latency counts, scaled by the time sc
 simulator's stand-in for it (`chunk_gap_s`).
 
 `--json` prints one object: {"workers", "requests", "exactly_once", "lease_p99_ms",
-"lease_rounds_in_vain_out_p99_ms" (long-poll rounds woken for work their plan did not give this
-worker taken out, as well as the waits), "report_p99_ms",
+"report_p99_ms" (a lease's long-poll wait for work out: until the work it got was queued), "serving_lease_p99_ms"
+and "serving_report_p99_ms" (each worker's registration and first lease, the start-up fill, out),
 "coordinator_cpu_share", "coordinator_rss_mb", "db_mb", ...}. Results: docs/benchmarks.md.
 """
 
@@ -47,7 +47,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
 
-from seerd.coordinator.latency import VAIN_SUFFIX  # noqa: E402
 from seerd.protocol import LEASE  # noqa: E402
 from seerd.sim.presets import get_preset  # noqa: E402
 from seerd.sim.workload import generate  # noqa: E402
@@ -159,15 +158,11 @@ def percentiles(seconds: list[float]) -> dict[str, float | None]:
 
 def call_times(run_dir: Path) -> dict[str, list[tuple[float, float, bool]]]:
     """Every answered call the simulated workers timed: endpoint -> [(sent at, seconds, its
-    worker's first call of that endpoint)]; lease calls twice, as timed (long-poll waits out)
-    and with rounds woken in vain out as well."""
+    worker's first call of that endpoint)], long-poll waits out."""
     merged: dict[str, list[tuple[float, float, bool]]] = {}
     for path in (run_dir / "logs").glob("sim-calls-*.json"):
         for endpoint, calls in json.loads(path.read_text()).items():
-            merged.setdefault(endpoint, []).extend((sent_at, seconds, first) for sent_at, seconds, _, first in calls)
-            if endpoint == LEASE.path:  # also with long-poll rounds woken in vain taken out
-                merged.setdefault(endpoint + VAIN_SUFFIX, []).extend(
-                    (sent_at, seconds - vain, first) for sent_at, seconds, vain, first in calls)
+            merged.setdefault(endpoint, []).extend(map(tuple, calls))
     return merged
 
 
@@ -240,7 +235,6 @@ def run(args: argparse.Namespace, work: Path) -> dict:
     return {
         "workers": args.workers, "requests": len(targets), "exactly_once": not problems, "problems": problems,
         "lease_p99_ms": latency["calls"].get("/v1/lease", percentiles([]))["p99_ms"],
-        "lease_rounds_in_vain_out_p99_ms": latency["calls"].get(LEASE.path + VAIN_SUFFIX, percentiles([]))["p99_ms"],
         "report_p99_ms": latency["calls"].get("/v1/report", percentiles([]))["p99_ms"],
         "serving_lease_p99_ms": latency["calls_serving"].get(LEASE.path, percentiles([]))["p99_ms"],
         "serving_report_p99_ms": latency["calls_serving"].get("/v1/report", percentiles([]))["p99_ms"],

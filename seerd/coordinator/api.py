@@ -13,16 +13,12 @@ validation cost more than the database commit.
 from __future__ import annotations
 
 import asyncio
-import collections
-import contextlib
-import heapq
+import logging
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from typing import NamedTuple
-
 import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
@@ -37,10 +33,11 @@ from seerd.coordinator.book import LeaseBook, ReportCall, RetiredWorker, Unknown
 from seerd.coordinator.drafts import DraftHost, append_items
 from seerd.coordinator.guard import BodyLimitMiddleware
 from seerd.coordinator.latency import (
-    VAIN_SCOPE_KEY, WAITED_SCOPE_KEY, CallLatencies, Laps, PlansPerCall, SlowTurns,
+    WAITED_SCOPE_KEY, CallLatencies, Laps, PlansPerCall, SlowTurns,
 )
 from seerd.coordinator.metrics import RefusalCollector, RolloutCollector, metrics_registry
 from seerd.coordinator.reports import ReportOutcome
+from seerd.coordinator.waiting import LeaseLine
 from seerd.db.base import CommitTimes
 from seerd.db.read import UnreadableDatabase
 from seerd.drafts.server import DraftError
@@ -52,6 +49,8 @@ from seerd.protocol import (
     RegisterReply, ReleaseReply, ReportBatch, ReportReply, ReportResult, StatusReply, StatusSnapshot,
     decode_report, heartbeat_interval,
 )
+
+log = logging.getLogger(__name__)
 
 # The JSON of one reported token at most: an int32 id (11 characters with its sign) and a float64
 # logprob as msgspec writes it (up to 24, "-1.2345678901234567e-308"), each with its comma.
@@ -93,16 +92,17 @@ class CoordinatorControl:
         self.turns = CallLatencies()
         self.largest_turn = {"reports": 0, "calls": 0}
         self.slow_turns = SlowTurns()  # what the slowest turns held, call by call
-        self.lease_plans = PlansPerCall()  # plans made for each lease call (long polls woken in vain)
+        self.lease_plans = PlansPerCall()  # plans made for each lease call (long polls planned for in vain)
         self._calls_since = self._reports_since = 0.0  # when the oldest queued call was queued
         self.refused: dict[str, int] = {}  # calls refused by the signature check (auth.py), by reason
-        self._waiting: collections.deque[tuple[asyncio.Future, str, int]] = collections.deque()  # lease calls, longest waiting first
-        self._wake_owed = 0  # requests queued since the last wake-up (`work_queued`)
-        self._wake_context = NO_CONTEXT  # the shortest context among them
-        self._wake_scheduled = False
-        # A worker's KV room if it could take a request of a context, else None
-        # (`SchedulerState.room_for`), read on the event loop as a hint: the state thread's plan decides.
-        self.room_for: Callable[[str, int], int | None] = lambda _worker_id, _context: 0
+        self.line = LeaseLine()  # lease calls long-polling for work (`work_queued` serves them)
+        # Work queued since the state thread last served the line: how many requests, the
+        # shortest context among them, and when the first of them was queued.
+        self._owed = 0
+        self._owed_context = NO_CONTEXT
+        self._owed_since = 0.0
+        # The book's lease for a waiting call (`LeaseLine.serve`), set by `create_app`.
+        self.lease_for_waiting: Callable[[str, int], list] = lambda _worker_id, _wanted: []
         self._reports: list[tuple[ReportCall, asyncio.Future]] = []  # waiting for the next group commit
         self._reports_lock = threading.Lock()  # the loop appends, the state thread takes
         self._commit_queued = False
@@ -225,107 +225,48 @@ class CoordinatorControl:
         self._state_thread.shutdown(wait=True)
 
     def work_queued(self, requests: int | None = None, smallest_context: int = 0) -> None:
-        """Wake lease calls waiting for work (a chunk was re-queued, a lease expired): for
-        `requests` newly queued, that many of the waiting calls whose worker could take one (a
-        free slot and KV room past `smallest_context`, the shortest context among them:
-        `room_for`), the most room first (`_wake`), once per turn of the event loop however many calls queued work in it;
-        None: every one, now (the rollout is done). A woken call its plan gives nothing hands
-        the wake-up on (`pass_on`), at most `EXTRA_WAKE_UPS` times for all the calls woken
-        together: a worker may leave a request to the worker that ran it before, or another
-        woken call took it.
+        """Work for lease calls waiting (a chunk was re-queued, a lease expired): `requests` newly
+        queued, the shortest with `smallest_context` tokens; the state thread plans for waiting
+        calls in its next turn (`LeaseLine.serve`), once however many calls of this turn of the
+        event loop queued work. None: every waiting call answers now (the rollout is done, or
+        the coordinator stops handing out work).
 
         What each rule cut (tools/load.py, 512 workers, 100,000 requests): waking every waiting
         call for each report made hundreds of empty lease calls queue on the state thread ahead
         of the reports; four extra per report call, when a group commit answered dozens at once,
         made turns of up to 427 plans (~1 s); waking workers without room for any of the work
-        (most of them, KV-bound, under load) made 3.6 plans in vain per lease call, and four
-        extra woken with every batch of work still 2.2, each a wait for the state thread added
-        to that call's answer."""
+        (most of them, KV-bound, under load) made 3.6 plans in vain per lease call; woken calls
+        that planned for themselves waited for a state-thread turn per plan, up to 45 of them."""
         if requests is None:
-            while self._waiting:
-                _settle(self._waiting.popleft()[0], Wake([0], NO_CONTEXT))
+            self.line.wake_all()
             return
-        self._wake_owed += requests
-        self._wake_context = min(self._wake_context, smallest_context)
-        if not self._wake_scheduled:
-            self._wake_scheduled = True
-            asyncio.get_running_loop().call_soon(self._wake_owed_calls)
+        if not self._owed:
+            self._owed_since = time.monotonic()
+            asyncio.get_running_loop().call_soon(self._serve_owed)
+        self._owed += requests
+        self._owed_context = min(self._owed_context, smallest_context)
 
-    def _wake_owed_calls(self) -> None:
-        wake = Wake([EXTRA_WAKE_UPS], self._wake_context)
-        count, self._wake_owed, self._wake_context, self._wake_scheduled = self._wake_owed, 0, NO_CONTEXT, False
-        self._wake(count, wake)
-
-    def pass_on(self, wake: Wake) -> None:
-        """A woken call that its plan gave nothing: the next waiting call that could take the
-        work is woken in its stead, while the wake-ups woken together have hand-overs left."""
-        if wake.hand_overs[0] > 0:
-            wake.hand_overs[0] -= 1
-            self._wake(1, wake)
-
-    def _wake(self, count: int, wake: Wake) -> None:
-        """Wake the `count` waiting calls whose worker could take work of `wake.context`: those
-        woken in vain the fewest times, of these the workers with the most KV room, of equals the
-        longest waiting; the others keep their place in line.
-
-        Most room first: admission leaves a request that does not fit the asking worker to the
-        worker with the most room (`base.admit`), so that worker's plan is the one that takes it.
-        Woken oldest first, a KV-bound worker passed over the work it was woken for and handed
-        the wake-up on, up to 66 plans for one lease call (tools/load.py, 512 workers). Fewest
-        rounds in vain before that: a worker with room that its plan still gives nothing (the
-        balance between workers, a request left to the worker that ran it) was otherwise woken
-        first again for each batch of work, hundreds of milliseconds of rounds in vain per call
-        at the first chunk boundaries of 512 engines."""
-        candidates = []
-        for place, (_, worker_id, vain_rounds) in enumerate(self._waiting):
-            room = self.room_for(worker_id, wake.context)  # a hint: read off the state thread
-            if room is not None:
-                candidates.append((-vain_rounds, room, -place))
-        if not candidates:
+    def _serve_owed(self) -> None:
+        requests, context, since = self._owed, self._owed_context, self._owed_since
+        self._owed, self._owed_context = 0, NO_CONTEXT
+        if not len(self.line) or not self.accepting:
             return
-        chosen = {-place for *_, place in heapq.nlargest(count, candidates)}
-        staying: collections.deque[tuple[asyncio.Future, str, int]] = collections.deque()
-        for place, entry in enumerate(self._waiting):
-            if place in chosen:
-                _settle(entry[0], wake)
-            else:
-                staying.append(entry)
-        self._waiting = staying
+        served = asyncio.ensure_future(self.run(self.line.serve, requests, context, since, self.lease_for_waiting))
+        served.add_done_callback(_log_failure)
 
     @property
     def waiting_lease_calls(self) -> int:
-        return len(self._waiting)
-
-    async def wait_for_work(self, timeout_s: float, worker_id: str = "", vain_rounds: int = 0) -> Wake | None:
-        """Wait in line for `work_queued` to wake this call of `worker_id`, which has been woken
-        for work its plan did not give it `vain_rounds` times: the wake-up, or None if `timeout_s`
-        passed first."""
-        woken = asyncio.get_running_loop().create_future()
-        entry = (woken, worker_id, vain_rounds)
-        self._waiting.append(entry)
-        try:
-            return await asyncio.wait_for(woken, max(0.0, timeout_s))
-        except asyncio.TimeoutError:  # no new work in time
-            return None
-        finally:
-            with contextlib.suppress(ValueError):  # not woken: out of the line
-                self._waiting.remove(entry)
-
-
-class Wake(NamedTuple):
-    """What wakes a waiting lease call: how many more times the calls woken with it may hand it on
-    if their plan gives nothing (one count shared by all of them: a batch of work costs at most
-    `EXTRA_WAKE_UPS` plans in vain beyond one per request), and the shortest context of the work."""
-
-    hand_overs: list[int]
-    context: int
+        return len(self.line)
 
 
 # How long a state-thread turn runs calls before it hands the answers so far to the loop (`_run_calls`).
 ANSWERS_EVERY_S = 0.02
-# How many times a wake-up is handed on from a woken call that got nothing (`work_queued`).
-EXTRA_WAKE_UPS = 4
-NO_CONTEXT = 1 << 62  # no work queued since the last wake-up: nothing to fit
+NO_CONTEXT = 1 << 62  # no work queued since the line was last served: nothing to fit
+
+
+def _log_failure(task: asyncio.Future) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("serving the waiting lease calls failed", exc_info=task.exception())
 
 
 def _settle(future: asyncio.Future, answer: object) -> None:
@@ -390,7 +331,9 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
             return _json(ErrorReply(f"worker {exc} was taken out: {exc.reason}; exit", WORKER_RETIRED), 410)
         return _json(ErrorReply(f"unknown worker {exc}; register again", UNKNOWN_WORKER), 404)
 
-    control.room_for = book.state.room_for
+    control.line.room_for = book.state.room_for
+    control.lease_for_waiting = lambda worker_id, wanted: (
+        book.lease(worker_id, wanted, clock()) if control.accepting and not book.is_complete() else [])
 
     def known(worker_id: str) -> None:
         if (reason := book.retired_reason(worker_id)) is not None:
@@ -441,37 +384,29 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
         # An empty queue needs no state-thread call (a hint read here; the state thread decides).
         plans = 1 if len(book.state.queue) else 0
         grants = await control.run(book.lease, body.worker_id, max(0, body.wanted), clock()) if plans else []
-        waited_s = vain_s = request.scope[VAIN_SCOPE_KEY] = 0.0
+        waited_s = 0.0
         if not grants and body.wait_s > 0 and not book.is_complete():
-            # Long poll: an idle worker hears of new work at once and costs nothing meanwhile. Woken
-            # for work it is not given (another worker's, or no room here), it waits on, at the
-            # back of the line: answering it empty made it call again at once, two more HTTP calls
-            # a wake-up (most lease calls of 512 KV-bound workers, tools/load.py).
-            deadline = time.monotonic() + min(body.wait_s, LONG_POLL_MAX_S)
-            vain_rounds = 0
-            while True:
-                waiting = time.monotonic()
-                woken = await control.wait_for_work(deadline - waiting, body.worker_id, vain_rounds)
-                round_started = time.monotonic()
-                waited_s += round_started - waiting
-                request.scope[WAITED_SCOPE_KEY] = waited_s
+            # Long poll: an idle worker hears of new work at once and costs nothing meanwhile. The
+            # state thread plans for it as work is queued and answers it when it gives it chunks
+            # (`LeaseLine.serve`); its wait for work ends when that work was queued, so that turn
+            # counts in its answer time. Woken because the rollout is over or the coordinator stops
+            # handing out work, it looks once more itself.
+            waiting = time.monotonic()
+            waited = await control.line.wait(min(body.wait_s, LONG_POLL_MAX_S), body.worker_id, max(0, body.wanted))
+            plans += waited.plans
+            waited_s = max(0.0, (waited.ready_at if waited.grants else time.monotonic()) - waiting)
+            request.scope[WAITED_SCOPE_KEY] = waited_s
+            if waited.grants:
+                grants = waited.grants
+            else:
                 known(body.worker_id)
                 if done_for(body.worker_id):
                     return _json(LeaseReply([], done=True, waited_s=waited_s))
-                if control.accepting:
+                if waited.woken and control.accepting:
                     grants = await control.run(book.lease, body.worker_id, max(0, body.wanted), clock())
                     plans += 1
-                if woken is not None and not grants:
-                    vain_rounds += 1
-                    vain_s += time.monotonic() - round_started
-                    request.scope[VAIN_SCOPE_KEY] = vain_s
-                    if len(book.state.queue):
-                        control.pass_on(woken)  # the work is someone else's: wake the next who could take it
-                if grants or woken is None or not control.accepting or time.monotonic() >= deadline:
-                    break
         control.lease_plans.add(plans, bool(grants))
-        return _json(LeaseReply(grants, done=False, retry_after_s=0.0 if grants else 0.05, waited_s=waited_s,
-                                vain_s=vain_s))
+        return _json(LeaseReply(grants, done=False, retry_after_s=0.0 if grants else 0.05, waited_s=waited_s))
 
     @route("POST", REPORT.path)
     async def report(request: Request) -> Response:

@@ -23,7 +23,7 @@ import msgspec
 from starlette.requests import ClientDisconnect
 
 from seerd.coordinator.guard import CONNECTION_SCOPE_KEY
-from seerd.coordinator.latency import VAIN_SCOPE_KEY, VAIN_SUFFIX, WAITED_SCOPE_KEY
+from seerd.coordinator.latency import WAITED_SCOPE_KEY
 from seerd.protocol import ErrorReply
 from seerd.signing import (
     MAX_SKEW_S, REPLY_HEADER, STALE_TIMESTAMP, Mac, call_key, parse_authorization, reply_mac, request_mac,
@@ -122,8 +122,6 @@ class SignedCalls:
             self.control.calls += 1
             took -= scope.get(WAITED_SCOPE_KEY, 0.0)
             self.control.latencies.add(scope["path"], took)
-            if VAIN_SCOPE_KEY in scope:
-                self.control.latencies.add(scope["path"] + VAIN_SUFFIX, took - scope[VAIN_SCOPE_KEY])
 
     def _count(self, reason: str) -> None:
         self.control.refused[reason] = self.control.refused.get(reason, 0) + 1

@@ -90,6 +90,7 @@ class LeaseBook:
         self.terms: dict[int, LeaseTerms] = {}  # chunk id -> (every lease in self.state.leases)
         self.workers: dict[str, WorkerLiveness] = {}
         self.unwritten_heartbeats: dict[str, dict] = {}  # worker id -> its last heartbeat's row values
+        self._revoked_unannounced = 0  # requests re-queued by taking workers out, until `expire` tells
         # request_id -> target length; never part of the scheduler's state (module docstring).
         self.worker_only_targets: dict[int, int] = {}
         self.first_lease_at: float | None = None  # this session's; generation starts here
@@ -227,6 +228,7 @@ class LeaseBook:
                                                     data={"reason": reasons[w.id]}) for w in workers])
             self._write_requeue(conn, ending, now, kind="lease_revoked", reason="worker retired")
         self._forget_leases(ending)
+        self._revoked_unannounced += len(ending)  # told to the daemon by the next `expire`
         for worker in workers:
             worker.status, worker.retired = WorkerStatus.GONE, reasons[worker.id]
             self.state.set_live(worker.id, False)
@@ -494,7 +496,11 @@ class LeaseBook:
     # ----------------------------------------------------------------- expiry
     def expire(self, now: float) -> int:
         """Stuck workers are taken out (`coordinator.liveness`), leases past their deadline go back
-        to the queue, silent workers become stale."""
+        to the queue, silent workers become stale. Returns how many requests went back to the
+        queue since the last call: leases expired here, and those of workers taken out here or by
+        a report since (the daemon's tick hands them to the waiting lease calls; counting only the
+        expired ones left a stuck worker's requests unseen by the waiting calls until their polls
+        ended)."""
         stuck = {w.id: why for w in self.live_workers()
                  if (why := w.stuck(bool(self.state.workers[w.id].chunks), now, self.lease_ttl_s))}
         if stuck:
@@ -510,7 +516,8 @@ class LeaseBook:
                 self.state.set_live(worker.id, False)
         if expired:
             self._end_leases(expired, now, kind="lease_expired")
-        return len(expired)
+        requeued, self._revoked_unannounced = len(expired) + self._revoked_unannounced, 0
+        return requeued
 
     def _end_leases(self, chunk_ids: list[int], now: float, *, kind: str, reason: str | None = None) -> None:
         ending = self._ending(chunk_ids)

@@ -19,10 +19,6 @@ BUCKET_RATIO = 1.05
 FLOOR_S = 1e-5
 # The ASGI scope key under which a handler says how long its call waited for work on purpose.
 WAITED_SCOPE_KEY = "seerd.waited_s"
-# ... and how long, of the rest, it spent in long-poll rounds woken in vain (their plan gave it
-# nothing, and it waited on): recorded as well as "<path> (rounds in vain out)".
-VAIN_SCOPE_KEY = "seerd.vain_s"
-VAIN_SUFFIX = " (rounds in vain out)"
 
 
 class CallLatencies:

@@ -95,16 +95,14 @@ class CallTimings:
     """Each answered call, by endpoint path, as a worker sees it: when it was sent (wall clock,
     to line calls up with the coordinator's events), the seconds it took (what `tools/load.py`
     reports as the coordinator's latency; a lease's long-poll wait for work, `LeaseReply.waited_s`,
-    taken out), of those, the seconds of long-poll rounds woken in vain (`LeaseReply.vain_s`), and
-    whether it was its worker's first call of that endpoint (a worker's first lease is its share of
+    taken out), and whether it was its worker's first call of that endpoint (a worker's first lease is its share of
     the start-up fill). Kept only where asked for (simulated workers)."""
 
     def __init__(self) -> None:
-        # path -> [(sent at, seconds, in vain, first of its worker)]
-        self.calls: dict[str, list[tuple[float, float, float, bool]]] = {}
+        self.calls: dict[str, list[tuple[float, float, bool]]] = {}  # path -> [(sent at, seconds, first)]
 
-    def record(self, path: str, sent_at: float, seconds: float, vain_s: float = 0.0, first: bool = False) -> None:
-        self.calls.setdefault(path, []).append((sent_at, seconds, vain_s, first))
+    def record(self, path: str, sent_at: float, seconds: float, first: bool = False) -> None:
+        self.calls.setdefault(path, []).append((sent_at, seconds, first))
 
 
 class CoordinatorClient:
@@ -236,7 +234,7 @@ class CoordinatorClient:
             took = time.monotonic() - sent_at
             first = endpoint.path not in self._timed
             self._timed.add(endpoint.path)
-            self.timings.record(endpoint.path, time.time() - took, took - waited, getattr(decoded, "vain_s", 0.0), first)
+            self.timings.record(endpoint.path, time.time() - took, took - waited, first)
         return decoded
 
     async def call_until_answered(self, endpoint: Endpoint[Any, ReplyT], body: msgspec.Struct | None = None) -> ReplyT:

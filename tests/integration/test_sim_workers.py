@@ -35,8 +35,7 @@ def test_simulated_workers_complete_every_response_at_its_target_length(tiny_mod
     assert stat.S_IMODE(calls_file.stat().st_mode) == 0o600
     calls = json.loads(calls_file.read_text())
     assert len(calls["/v1/register"]) == 8 and len(calls["/v1/report"]) > 0
-    # Rounds of a long poll woken in vain are a part of a lease call's time (LeaseReply.vain_s).
-    assert all(seconds >= vain >= 0 for _, seconds, vain, _ in calls["/v1/lease"])
+    assert all(seconds >= 0 for _, seconds, _ in calls["/v1/lease"])  # its long-poll wait out
     # Each worker's first call of an endpoint is marked (a first lease is its share of the start-up fill).
     assert sum(first for *_, first in calls["/v1/lease"]) == 8
     assert all(first for *_, first in calls["/v1/register"])
@@ -98,7 +97,7 @@ def test_the_load_tool_runs_64_workers_and_5000_requests_each_exactly_once(tmp_p
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["exactly_once"] and not result["problems"], result["problems"]
     assert (result["workers"], result["requests"]) == (64, 5000)
-    for key in ("lease_p99_ms", "lease_rounds_in_vain_out_p99_ms", "report_p99_ms", "serving_lease_p99_ms",
+    for key in ("lease_p99_ms", "report_p99_ms", "serving_lease_p99_ms",
                 "serving_report_p99_ms", "coordinator_cpu_share", "coordinator_rss_mb", "db_mb"):
         assert result[key] is not None and result[key] > 0, key
     assert result["calls"]["/v1/register"]["calls"] == 64

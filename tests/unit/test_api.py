@@ -10,7 +10,7 @@ import httpx
 import pytest
 from starlette.testclient import TestClient
 
-from seerd.coordinator.api import EXTRA_WAKE_UPS, CoordinatorControl, Wake, create_app
+from seerd.coordinator.api import CoordinatorControl, create_app
 from seerd import protocol
 from seerd.protocol import (
     BadReply, ChunkGrant, ChunkReport, EngineSettings, HeartbeatBody, HeartbeatReply, LeaseBody, RegisterBody,
@@ -156,10 +156,10 @@ def test_long_poll_lease_wakes_when_a_chunk_is_requeued(tmp_path):
     assert second["prompt_token_ids"][-16:] == [3] * 16 and waited < 2.0
 
 
-def test_a_long_poll_woken_for_work_it_is_not_given_waits_on_to_its_deadline(tmp_path):
-    # w1's KV cannot hold the request once it has 16 tokens, w0's can: the re-queued chunk wakes
-    # w1's waiting call, its plan leaves the request to w0, and the call waits on instead of
-    # answering empty (which made the worker call again at once).
+def test_a_long_poll_whose_worker_cannot_take_the_work_waits_on_to_its_deadline(tmp_path):
+    # w1's KV cannot hold the request once it has 16 tokens, w0's can: the re-queued chunk is not
+    # planned for w1 (`SchedulerState.room_for`), and w1's call waits on instead of answering
+    # empty (which made the worker call again at once).
     clock = FakeClock()
     book = make_book(tmp_path, prompt_rows=rows(groups=1, n=1, max_tokens=40, prompt_len=5), now=clock())
     control = CoordinatorControl()
@@ -185,14 +185,10 @@ def test_a_long_poll_woken_for_work_it_is_not_given_waits_on_to_its_deadline(tmp
             return answer, again
 
     answer, again = asyncio.run(scenario())
-    assert answer["chunks"] == [] and answer["waited_s"] >= 0.95  # its deadline, not the wake-up
-    # The woken round's plan gave it nothing: its time is said apart (LeaseReply.vain_s).
-    assert 0 < answer["vain_s"] < 0.9
-    # The coordinator's own time for it leaves the wait out (seerd/coordinator/latency.py), and
-    # is recorded once more with the round in vain out too.
+    assert answer["chunks"] == [] and answer["waited_s"] >= 0.95  # its deadline
+    # The coordinator's own time for it leaves the wait out (seerd/coordinator/latency.py).
     figures = control.latencies.figures()
-    assert figures["/v1/lease"]["max_ms"] < 900
-    assert figures["/v1/lease (rounds in vain out)"]["calls"] == figures["/v1/lease"]["calls"] == 3
+    assert figures["/v1/lease"]["max_ms"] < 900 and figures["/v1/lease"]["calls"] == 3
     assert again["prompt_token_ids"][-16:] == [3] * 16  # left to w0, which holds room for it
 
 
@@ -342,127 +338,6 @@ def test_the_draft_sync_threads_transport_appends_and_fetches_over_a_real_socket
     host.close()
     assert appended[0].ok and appended[0].count == 3
     assert fetched.changes == {group: {7: (appended[0].gen, 1, [2, 3])}}
-
-
-def parked(control: CoordinatorControl, workers: list[str]):  # noqa: ANN201
-    """Lease calls of `workers` waiting in line, in that order: (worker, task) pairs."""
-    async def park() -> list[tuple[str, asyncio.Task]]:
-        calls = []
-        for worker in workers:
-            calls.append((worker, asyncio.create_task(control.wait_for_work(60.0, worker))))
-            while control.waiting_lease_calls < len(calls):  # in line before the next one
-                await asyncio.sleep(0)
-        return calls
-    return park()
-
-
-async def settled(rounds: int = 3) -> None:
-    for _ in range(rounds):  # the wake-up runs one turn of the loop after the calls that owed it
-        await asyncio.sleep(0)
-
-
-def test_work_queued_by_calls_of_one_loop_turn_wakes_one_call_per_request():
-    async def scenario() -> list[str]:
-        control = CoordinatorControl()
-        calls = await parked(control, [f"w{i}" for i in range(12)])
-        for _ in range(3):  # three report calls answered by one group commit, one request left each
-            control.work_queued(1)
-        await settled()
-        woken = [worker for worker, task in calls if task.done() and task.result()]
-        for _, task in calls:
-            task.cancel()
-        return woken
-
-    # Oldest first; four extra per call would have woken all 12.
-    assert asyncio.run(scenario()) == ["w0", "w1", "w2"]
-
-
-def test_wake_ups_their_calls_could_not_use_are_handed_on_at_most_four_times_together():
-    async def scenario() -> list[str]:
-        control = CoordinatorControl()
-        calls = await parked(control, [f"w{i}" for i in range(10)])
-        control.work_queued(2, smallest_context=7)
-        await settled()
-        woken = {worker: task.result() for worker, task in calls if task.done()}
-        assert list(woken) == ["w0", "w1"] and woken["w0"].context == 7
-        handed = list(woken.values())
-        while handed:  # every woken call's plan gives nothing: each hands its wake-up on
-            control.pass_on(handed.pop(0))
-            await settled()
-            now = {worker: task.result() for worker, task in calls if task.done()}
-            handed += [wake for worker, wake in now.items() if worker not in woken]
-            woken = now
-        for _, task in calls:
-            task.cancel()
-        return list(woken)
-
-    # Two for the two requests, then four hand-overs in all, not four each.
-    assert asyncio.run(scenario()) == [f"w{i}" for i in range(2 + EXTRA_WAKE_UPS)]
-
-
-def test_the_waiting_calls_of_the_workers_with_the_most_kv_room_are_woken_first():
-    # Admission leaves work that does not fit a worker to the one with the most room: that is whom
-    # a wake-up goes to. Of equal room, the longest waiting; the rest keep their order in line.
-    rooms = {"small": 100, "big": 900, "mid": 500, "big2": 900, "none": None}
-
-    async def scenario() -> tuple[list[str], list[str]]:
-        control = CoordinatorControl()
-        control.room_for = lambda worker, _context: rooms[worker]
-        calls = await parked(control, list(rooms))
-        control.work_queued(2)
-        await settled()
-        first = [worker for worker, task in calls if task.done()]
-        control.work_queued(2)
-        await settled()
-        second = [worker for worker, task in calls if task.done() and worker not in first]
-        for _, task in calls:
-            task.cancel()
-        return first, second
-
-    first, second = asyncio.run(scenario())
-    assert first == ["big", "big2"]
-    assert second == ["small", "mid"]  # (in line order) the two left with room: "none" could take nothing
-
-
-def test_calls_woken_in_vain_before_are_woken_after_those_that_were_not():
-    # A worker with room that its plan still gives nothing (the balance, a request left to the
-    # worker that ran it) must not be woken first for every batch of work.
-    async def scenario() -> list[str]:
-        control = CoordinatorControl()
-        control.room_for = lambda worker, _context: {"roomy": 900, "a": 100, "b": 100}[worker]
-        tasks = {"roomy": asyncio.create_task(control.wait_for_work(60.0, "roomy", vain_rounds=2))}
-        for worker in ("a", "b"):
-            tasks[worker] = asyncio.create_task(control.wait_for_work(60.0, worker, vain_rounds=0))
-        while control.waiting_lease_calls < 3:
-            await asyncio.sleep(0)
-        control.work_queued(2)
-        await settled()
-        woken = [worker for worker, task in tasks.items() if task.done()]
-        for task in tasks.values():
-            task.cancel()
-        return woken
-
-    assert asyncio.run(scenario()) == ["a", "b"]
-
-
-def test_a_waiting_call_whose_worker_cannot_take_the_work_stays_in_line():
-    async def scenario() -> tuple[list[str], list[str]]:
-        control = CoordinatorControl()
-        contexts = []
-        control.room_for = lambda worker, context: contexts.append(context) or (None if worker.startswith("full") else 0)
-        calls = await parked(control, ["full0", "a", "full1", "b"])
-        control.work_queued(1, smallest_context=300)
-        control.work_queued(1, smallest_context=200)
-        await settled()
-        woken = [worker for worker, task in calls if task.done()]
-        assert contexts and set(contexts) == {200}  # the shortest context of the turn's work
-        control.work_queued()  # the rollout is done: everyone, whatever their room
-        await settled()
-        return woken, [worker for worker, task in calls if task.done()]
-
-    woken, at_the_end = asyncio.run(scenario())
-    assert woken == ["a", "b"]
-    assert at_the_end == ["full0", "a", "full1", "b"]
 
 
 def test_a_long_state_thread_turn_hands_over_the_answers_it_has_before_it_ends():

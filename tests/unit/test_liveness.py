@@ -61,7 +61,7 @@ def test_a_stopped_engine_under_a_live_worker_loses_its_leases_and_the_worker_is
         assert book.expire(now) == 0 and book.known_worker(stuck)
     now += 2.0
     beat(book, healthy, [], now, steps=0)
-    book.expire(now)
+    assert book.expire(now) == 2  # its two requests back in the queue: the daemon serves waiting calls
     assert not book.state.leases and not book.known_worker(stuck)
     with pytest.raises(RetiredWorker) as retired:
         beat(book, stuck, grants, now, steps=5)

@@ -1,0 +1,178 @@
+"""Lease calls long-polling for work, and the state thread handing them work as it is queued.
+
+A worker with free slots and nothing to take holds a lease call open (up to `LONG_POLL_MAX_S`).
+When work is queued (a report re-queues a request, a lease expires), the state thread plans for
+the waiting calls in its own turn (`LeaseLine.serve`) and answers the ones it gives chunks; a call
+its plan gives nothing stays in line, at no cost to it. The line is the one piece of state both
+threads touch: the event loop adds and times out calls, the state thread takes them; a lock
+guards it, and a call the state thread has taken (`claimed`) is answered by it, never timed out
+under it.
+
+Why the state thread serves them: woken on the event loop, a call planned for itself, each round
+a wait for the state thread's next turn; when the plan gave nothing (another worker's work, a
+request left to the worker that ran it, the balance between workers) it waited again, and was
+woken again for the next batch. At 512 workers (tools/load.py) lease calls gathered up to 45
+rounds like that, 100-300 ms of their answer, most of the lease calls over 100 ms.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import heapq
+import threading
+import time
+from collections.abc import Callable
+from typing import NamedTuple
+
+# How many plans in vain one batch of work may cost beyond one per request queued (`serve`).
+EXTRA_PLANS = 4
+
+
+class Waited(NamedTuple):
+    """How a long poll ended: `grants` the state thread gave it (None: timed out, or woken by
+    `wake_all` with `woken`), `ready_at` (monotonic) when the work it got was queued, so that its
+    wait for work ends there and the state thread's turn counts as its answer time, and the plans
+    made for it while it waited."""
+
+    grants: list | None
+    ready_at: float
+    plans: int
+    woken: bool = False
+
+
+class _Call:
+    __slots__ = ("loop", "future", "worker_id", "wanted", "vain", "plans", "claimed", "expired")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, worker_id: str, wanted: int) -> None:
+        self.loop = loop
+        self.future: asyncio.Future = loop.create_future()
+        self.worker_id = worker_id
+        self.wanted = wanted
+        self.vain = 0  # plans that gave it nothing
+        self.plans = 0
+        self.claimed = False  # the state thread is planning for it
+        self.expired = False  # its wait timed out while claimed: answered by the state thread
+
+
+class LeaseLine:
+    """The waiting lease calls, longest waiting first."""
+
+    def __init__(self) -> None:
+        self._calls: collections.deque[_Call] = collections.deque()
+        self._lock = threading.Lock()
+        # A worker's KV room if it could take a request of a context, else None
+        # (`SchedulerState.room_for`); read on the state thread.
+        self.room_for: Callable[[str, int], int | None] = lambda _worker_id, _context: 0
+
+    def __len__(self) -> int:
+        return len(self._calls)
+
+    # ------------------------------------------------------------ the event loop's side
+    async def wait(self, timeout_s: float, worker_id: str, wanted: int) -> Waited:
+        """Wait in line until the state thread gives this call work (`serve`), `wake_all`, or
+        `timeout_s`."""
+        call = _Call(asyncio.get_running_loop(), worker_id, wanted)
+        with self._lock:
+            self._calls.append(call)
+        try:
+            await asyncio.wait({call.future}, timeout=max(0.0, timeout_s))
+            if not call.future.done():
+                with self._lock:
+                    if call.claimed:  # being planned for right now: the plan answers it
+                        call.expired = True
+                    else:
+                        self._calls.remove(call)
+                        return Waited(None, time.monotonic(), call.plans)
+            return await call.future
+        finally:
+            if not call.future.done():  # the call went away (its client disconnected)
+                with self._lock:
+                    if call.claimed:
+                        call.expired = True  # out of the line once its plan is done
+                    elif call in self._calls:
+                        self._calls.remove(call)
+
+    def wake_all(self) -> None:
+        """Answer every waiting call the state thread is not planning for as woken: the rollout is
+        over or the coordinator stops handing out work."""
+        with self._lock:
+            taken = [call for call in self._calls if not call.claimed]
+            self._calls = collections.deque(call for call in self._calls if call.claimed)
+        now = time.monotonic()
+        for call in taken:
+            _answer(call, Waited(None, now, call.plans, woken=True))
+
+    # ---------------------------------------------------------- the state thread's side
+    def serve(self, requests: int, context: int, ready_at: float, lease: Callable[[str, int], list]) -> int:
+        """Plan for waiting calls, on the state thread, after `requests` were queued (the shortest
+        with `context` tokens) at `ready_at`: calls whose worker could take one (`room_for`), those
+        planned for in vain the fewest times first, then the workers with the most KV room (admission
+        leaves a request that does not fit the asking worker to the one with the most room: its plan
+        takes it), then the longest waiting; until the requests are handed out or `requests` +
+        `EXTRA_PLANS` plans were made. A call given chunks is answered; the others wait on.
+        `lease(worker_id, wanted)` is the book's lease. Returns the plans made."""
+        with self._lock:
+            candidates = []
+            for place, call in enumerate(self._calls):
+                if call.claimed or call.future.done():  # (done: its client went away)
+                    continue
+                room = self.room_for(call.worker_id, context)
+                if room is not None:
+                    candidates.append((-call.vain, room, -place, call))
+            chosen = heapq.nlargest(requests + EXTRA_PLANS, candidates, key=lambda c: c[:3])
+            for *_, call in chosen:
+                call.claimed = True
+        plans = 0
+        left = requests
+        for index, (*_, call) in enumerate(chosen):
+            if left <= 0 or plans >= requests + EXTRA_PLANS:
+                self._release(chosen[index:])
+                break
+            plans += 1
+            call.plans += 1
+            try:
+                grants = lease(call.worker_id, call.wanted)
+            except Exception as exc:  # noqa: BLE001 - that call's to raise (an unknown or retired worker)
+                self._take(call)
+                _answer(call, exc)
+                continue
+            if grants:
+                left -= len(grants)
+                self._take(call)
+                _answer(call, Waited(grants, ready_at, call.plans))
+            else:
+                call.vain += 1
+                self._release([(None, call)])
+        return plans
+
+    def _take(self, call: _Call) -> None:
+        with self._lock:
+            self._calls.remove(call)
+
+    def _release(self, chosen: list) -> None:
+        """Calls planned for (or about to be) that got nothing: back to waiting, or answered as
+        timed out if their wait ran out meanwhile."""
+        timed_out = []
+        with self._lock:
+            for *_, call in chosen:
+                call.claimed = False
+                if call.expired:
+                    self._calls.remove(call)
+                    timed_out.append(call)
+        now = time.monotonic()
+        for call in timed_out:
+            _answer(call, Waited(None, now, call.plans))
+
+
+def _answer(call: _Call, outcome: object) -> None:
+    call.loop.call_soon_threadsafe(_settle, call.future, outcome)
+
+
+def _settle(future: asyncio.Future, outcome: object) -> None:
+    if future.done():  # its call went away
+        return
+    if isinstance(outcome, BaseException):
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)
