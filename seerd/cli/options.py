@@ -66,7 +66,8 @@ ENGINE_OPTIONS = [
     click.option("--lease-ttl", default=DEFAULTS["lease_ttl"], show_default=True,
                  help="Seconds a lease lives without a heartbeat (1 to 3600)."),
     click.option("--wait-for-workers", is_flag=True, default=DEFAULTS["wait_for_workers"],
-                 help=f"Hand out no work until every worker is up (always so for {_WAITING_POLICIES})."),
+                 help=f"At the start, hand out no work until every worker is up (always so for {_WAITING_POLICIES}); "
+                      "a worker lost later does not stop the others."),
     click.option("--in-place/--no-in-place", "in_place", default=DEFAULTS["in_place"], show_default=True,
                  help="Continue a request in its engine across chunk boundaries while the scheduler keeps "
                       "it on the same worker; --no-in-place re-submits every chunk with its own seed (seeded "
