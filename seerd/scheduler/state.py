@@ -231,7 +231,15 @@ class SchedulerState:
         worker = self.workers[worker_id] = WorkerRecord(worker_id, rank, max_chunks, kv_capacity_tokens,
                                                         max(1, kv_block_tokens))
         self.live_count += 1
-        self._changed()
+        if self._load_list is None:
+            self._changed()
+        else:  # joined last: its load appended, not every live worker's rebuilt (1 ms at 512, per
+            # lease while workers join; a fill interleaves 512 registrations with their leases)
+            self._load_slots[worker_id] = len(self._load_list)
+            self._load_list.append(_load_of(worker))
+            self._loads_by_id[worker_id] = self._load_list[-1]
+            self._open.add(self._load_list[-1], self.chunk_tokens)
+            self._changed(workers=[worker_id])
         return worker
 
     def set_live(self, worker_id: str, live: bool) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import enum
 
 import pytest
-from sqlalchemy import bindparam, insert, select, update
+from sqlalchemy import bindparam, delete, insert, select, update
 
 from seerd.db import Event, make_engine
 from seerd.db import driver
@@ -47,3 +47,23 @@ def test_a_value_that_needs_sqlalchemys_processing_is_refused_not_stored_wrong(t
     statement = update(EVENTS).where(EVENTS.c.id == bindparam("eid")).values(kind=Colour.RED)
     with pytest.raises(TypeError, match="needs SQLAlchemy's processing"), begin(engine) as conn:
         driver.executemany(conn, statement, [{"eid": 1}])
+
+
+def test_values_bound_in_the_statement_fill_the_rows_and_a_missing_bind_is_refused(tmp_path):
+    # The rows' parameters in bind order: from the row, from the statement (a literal), one bind
+    # alone; a row without a bind the statement needs is a KeyError, nothing written.
+    book = make_book(tmp_path)
+    engine = book.engine
+    rows = [{"rollout_id": book.rollout_id, "ts": float(i), "kind": "k", "worker_id": None, "request_id": i,
+             "chunk_id": None, "data_json": None} for i in range(4)]
+    with begin(engine) as conn:
+        ids = driver.insert_returning_ids(conn, insert(EVENTS), rows)
+        literal = update(EVENTS).where(EVENTS.c.id == bindparam("eid")).values(kind="renamed", worker_id=bindparam("w"))
+        assert driver.executemany(conn, literal, [{"eid": ids[0], "w": "a"}, {"eid": ids[1], "w": "b"}]) == 2
+        assert driver.executemany(conn, delete(EVENTS).where(EVENTS.c.id == bindparam("eid")), [{"eid": ids[3]}]) == 1
+    with pytest.raises(KeyError, match="eid"), begin(engine) as conn:
+        driver.executemany(conn, literal, [{"w": "c"}])
+    with engine.connect() as conn:
+        kept = conn.execute(select(EVENTS.c.id, EVENTS.c.kind, EVENTS.c.worker_id).where(EVENTS.c.id.in_(ids))
+                            .order_by(EVENTS.c.id)).all()
+    assert [tuple(r) for r in kept] == [(ids[0], "renamed", "a"), (ids[1], "renamed", "b"), (ids[2], "k", None)]

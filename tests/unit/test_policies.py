@@ -574,3 +574,32 @@ def test_a_worker_without_room_past_the_shortest_context_gets_the_plan_admission
         with monkeypatch.context() as patched:
             patched.setattr(base, "_room_for_any", lambda _snapshot: True)
             assert policy().plan(snapshot) == quick, case
+
+
+def test_workers_that_join_after_the_loads_were_built_are_appended_as_a_rebuild_would_have_them():
+    # `add_worker` appends the new worker's load (not every live worker's rebuilt, which cost a
+    # millisecond per lease at 512 workers while they joined): the loads, their index and the
+    # open-workers summary are those of a state that rebuilt them all, with leases held meanwhile.
+    from seerd.scheduler import make_policy
+    from seerd.scheduler.state import GroupRecord, RequestRecord, SchedulerState
+    from seerd.scheduler.views import OpenWorkers
+
+    state = SchedulerState(chunk_tokens=16, first_chunk_spread=0.0)
+    state.load([GroupRecord(g, g, 20, 2, 200, 200) for g in range(6)],
+               [RequestRecord(2 * g + i, g, i, True, 200) for g in range(6) for i in range(2)])
+    next_chunk = iter(range(100, 1000))
+    for rank in range(5):
+        state.add_worker(f"w{rank}", rank=rank, max_chunks=2 + rank, kv_capacity_tokens=400 + 100 * rank)
+        assert state.worker_loads()[-1].worker_id == f"w{rank}"  # seen at once, before any lease
+        plan = make_policy("divided").plan(state.snapshot(f"w{rank}", 2, 0.0))  # builds the loads
+        state.apply_leases(f"w{rank}", plan, [next(next_chunk) for _ in plan.assignments])
+        if rank == 2:
+            state.set_live("w1", False)  # one leaves meanwhile: the loads rebuilt, then appended to again
+        loads = state.worker_loads()
+        snapshot = state.snapshot(f"w{rank}", 1, 0.0)
+        assert [load.worker_id for load in loads] == [f"w{r}" for r in range(rank + 1) if r != 1 or rank < 2]
+        assert dict(snapshot.loads_by_id) == {load.worker_id: load for load in loads}
+        assert snapshot.open_workers == OpenWorkers.of(loads, state.chunk_tokens)
+        state._load_list = state._loads = None  # what a full rebuild gives
+        assert state.worker_loads() == loads, rank
+    assert sum(load.running_chunks for load in loads) > 0  # leases were held as workers joined
