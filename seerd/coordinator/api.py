@@ -13,6 +13,7 @@ validation cost more than the database commit.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import threading
 import time
@@ -107,8 +108,10 @@ class CoordinatorControl:
         self._reports_lock = threading.Lock()  # the loop appends, the state thread takes
         self._commit_queued = False
         self._calls: list[tuple[Callable[[], object], asyncio.Future]] = []  # other calls, likewise (`run`)
-        self._calls_lock = threading.Lock()
-        self._calls_queued = False
+        self._joins: collections.deque[tuple[Callable[[], object], asyncio.Future]] = collections.deque()  # (`join`)
+        self._calls_lock = threading.Lock()  # guards both lists and the flag
+        self._calls_queued = False  # a `_run_calls` is submitted and has not taken its calls yet
+        self._joins_passed = 0  # turns in a row that ended with joins waiting, for calls queued meanwhile
         self.report_commits = 0  # group commits of report calls, and the calls they held
         self.reports_committed = 0
 
@@ -117,10 +120,21 @@ class CoordinatorControl:
         queue while the state thread is busy run in one turn of it and are answered with one
         wake-up of the loop: a hand-over each (an executor future, a self-pipe write) was a
         tenth of the loop's CPU with 512 workers (py-spy, tools/load.py)."""
+        return await self._queued(self._calls, partial(fn, *args, **kwargs))
+
+    async def join(self, fn, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN201
+        """`run` for a worker joining (its registration): it waits behind the calls of workers
+        already registered, a few milliseconds of joins a turn (`JOINS_EVERY_S`). When 512
+        workers register and lease in the same second, the first leases of those registered
+        queued behind everyone's registration in arrival order, 0.6-0.9 s each; a running job's
+        leases and heartbeats likewise waited behind a burst of replacements registering."""
+        return await self._queued(self._joins, partial(fn, *args, **kwargs))
+
+    async def _queued(self, queue, call: Callable[[], object]):  # noqa: ANN001, ANN202
         loop = asyncio.get_running_loop()
         answer = loop.create_future()
         with self._calls_lock:
-            self._calls.append((partial(fn, *args, **kwargs), answer))
+            queue.append((call, answer))
             start, self._calls_queued = not self._calls_queued, True
             if start:
                 self._calls_since = time.perf_counter()
@@ -132,8 +146,9 @@ class CoordinatorControl:
         return outcome
 
     def _run_calls(self, loop: asyncio.AbstractEventLoop) -> None:
-        """On the state thread: every call queued by now, in order; their answers handed to the
-        loop together, every `ANSWERS_EVERY_S` of a long turn (the first fill's turns of 256 first
+        """On the state thread: every call queued by now, in order, then joins (`join`) for up to
+        `JOINS_EVERY_S`, another turn queued for those left; the answers handed to the loop
+        together, every `ANSWERS_EVERY_S` of a long turn (the first fill's turns of 256 first
         leases ran 0.4 s: the first of them waited for the last)."""
         with self._calls_lock:
             batch, self._calls = self._calls, []
@@ -144,7 +159,26 @@ class CoordinatorControl:
         answers = []
         handed = started
         held: dict[str, list] = {}  # what the turn ran: call name -> [count, seconds]
-        for call, future in batch:
+        ran = 0
+        while True:
+            if ran < len(batch):
+                call, future = batch[ran]
+            else:
+                with self._calls_lock:
+                    # Calls queued meanwhile go first (their turn is submitted), unless the joins
+                    # were passed over `JOINS_MAY_WAIT_TURNS` turns in a row: none waits for ever.
+                    overtaken = bool(self._calls) and self._joins_passed < JOINS_MAY_WAIT_TURNS
+                    if not self._joins or overtaken or (
+                            ran > len(batch) and time.perf_counter() - started > JOINS_EVERY_S):
+                        self._joins_passed += overtaken and bool(self._joins)
+                        requeue = bool(self._joins) and not self._calls_queued
+                        if requeue:  # the joins left: after whatever queued meanwhile (reports too)
+                            self._calls_queued = True
+                            self._calls_since = time.perf_counter()
+                        break
+                    self._joins_passed = 0
+                    call, future = self._joins.popleft()
+            ran += 1
             began = time.perf_counter()
             try:
                 answers.append((future, (call(), False)))
@@ -157,8 +191,10 @@ class CoordinatorControl:
             if ended - handed > ANSWERS_EVERY_S:
                 loop.call_soon_threadsafe(_settle_all, answers)
                 answers, handed = [], ended
-        self._turn_ran("calls", started, len(batch), held, cpu_at_start)
+        self._turn_ran("calls", started, ran, held, cpu_at_start)
         loop.call_soon_threadsafe(_settle_all, answers)
+        if requeue:
+            self._state_thread.submit(self._run_calls, loop)
 
     def _turn_ran(self, kind: str, started: float, calls: int, held: dict[str, list],
                   cpu_at_start: float) -> None:
@@ -261,6 +297,9 @@ class CoordinatorControl:
 
 # How long a state-thread turn runs calls before it hands the answers so far to the loop (`_run_calls`).
 ANSWERS_EVERY_S = 0.02
+# How long a turn runs joins (`join`) once its other calls are done; one join at least.
+JOINS_EVERY_S = 0.01
+JOINS_MAY_WAIT_TURNS = 4
 NO_CONTEXT = 1 << 62  # no work queued since the line was last served: nothing to fit
 
 
@@ -365,7 +404,7 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
                 or not 1 <= body.kv_block_tokens <= body.kv_capacity_tokens):
             raise ApiError(422, "rank >= 0, max_chunks >= 1, kv_capacity_tokens >= 1, kv_block_tokens in "
                                 "1..kv_capacity_tokens and a worker_id are required")
-        worker = await control.run(book.register, rank=body.rank, address=body.address, max_chunks=body.max_chunks,
+        worker = await control.join(book.register, rank=body.rank, address=body.address, max_chunks=body.max_chunks,
                                    kv_capacity_tokens=body.kv_capacity_tokens, worker_id=body.worker_id[:100],
                                    kv_block_tokens=body.kv_block_tokens, weights_version=body.weights_version,
                                    weights_loaded_s=body.weights_loaded_s, now=clock())

@@ -1,0 +1,133 @@
+"""Workers joining wait behind the calls of workers already registered (`CoordinatorControl.join`):
+a registration queued first runs after the leases and heartbeats queued behind it, a few
+milliseconds of joins a turn, and every join runs in the end. Deterministic: the state thread is
+held busy (or a join held) until every call has queued; the order is what the state thread ran."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+from seerd.coordinator import api
+from seerd.coordinator.api import CoordinatorControl
+
+
+async def _until(condition) -> None:  # noqa: ANN001
+    while not condition():
+        await asyncio.sleep(0.005)
+
+
+def test_calls_of_registered_workers_run_before_registrations_queued_earlier():
+    control = CoordinatorControl()
+    ran: list[str] = []
+
+    async def scenario() -> list:
+        release = threading.Event()
+        blocker = asyncio.ensure_future(control.run(release.wait, 30))  # the state thread, busy
+        await _until(lambda: not control._calls)  # the blocker's turn has begun
+        joins = [asyncio.ensure_future(control.join(ran.append, f"register {i}")) for i in range(3)]
+        await _until(lambda: len(control._joins) == 3)
+        calls = [asyncio.ensure_future(control.run(ran.append, f"lease {i}")) for i in range(2)]
+        await _until(lambda: len(control._calls) == 2)
+        release.set()
+        return await asyncio.gather(blocker, *joins, *calls)
+
+    answers = asyncio.run(asyncio.wait_for(scenario(), 30))
+    control.close()
+    assert answers == [True] + [None] * 5
+    assert ran == ["lease 0", "lease 1", "register 0", "register 1", "register 2"]
+
+
+def test_a_call_queued_during_a_long_run_of_joins_goes_before_the_joins_left(monkeypatch):
+    monkeypatch.setattr(api, "JOINS_EVERY_S", 60.0)  # the joins' time budget never runs out here
+    control = CoordinatorControl()
+    ran: list[str] = []
+    lease_queued = threading.Event()
+
+    def first_registration() -> None:
+        lease_queued.wait(30)  # a lease arrives while this registration runs
+        ran.append("register 0")
+
+    async def scenario() -> None:
+        joins = [asyncio.ensure_future(control.join(first_registration))]
+        await _until(lambda: not control._joins)  # the first registration is running
+        joins += [asyncio.ensure_future(control.join(ran.append, f"register {i}")) for i in (1, 2)]
+        await _until(lambda: len(control._joins) == 2)
+        lease = asyncio.ensure_future(control.run(ran.append, "lease"))
+        await _until(lambda: len(control._calls) == 1)
+        lease_queued.set()
+        await asyncio.gather(lease, *joins)
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+    control.close()
+    assert ran == ["register 0", "lease", "register 1", "register 2"]
+
+
+def test_joins_beyond_a_turns_budget_run_in_turns_of_their_own(monkeypatch):
+    monkeypatch.setattr(api, "JOINS_EVERY_S", 0.0)  # one join a turn, past the turn's other calls
+    control = CoordinatorControl()
+    ran: list[str] = []
+
+    async def scenario() -> None:
+        release = threading.Event()
+        blocker = asyncio.ensure_future(control.run(release.wait, 30))
+        await _until(lambda: not control._calls)
+        joins = [asyncio.ensure_future(control.join(ran.append, f"register {i}")) for i in range(3)]
+        await _until(lambda: len(control._joins) == 3)
+        release.set()
+        await asyncio.gather(blocker, *joins)
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+    control.close()
+    assert ran == ["register 0", "register 1", "register 2"]
+    assert control.turns.figures()["calls ran"]["calls"] == 3  # [blocker, register 0], [register 1], [register 2]
+
+
+def test_a_failing_join_fails_its_caller_alone():
+    control = CoordinatorControl()
+
+    def refused() -> None:
+        raise ValueError("no room")
+
+    async def scenario() -> list:
+        return await asyncio.gather(control.join(refused), control.join(int, "7"), return_exceptions=True)
+
+    failed, ok = asyncio.run(asyncio.wait_for(scenario(), 30))
+    control.close()
+    assert isinstance(failed, ValueError) and ok == 7
+
+
+
+def test_a_registration_passed_over_turn_after_turn_runs_after_a_bounded_number_of_them(monkeypatch):
+    monkeypatch.setattr(api, "JOINS_MAY_WAIT_TURNS", 4)
+    control = CoordinatorControl()
+    ran: list[str] = []
+    chained: list[asyncio.Future] = []
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+
+        def call(n: int) -> None:  # each call queues the next before its turn ends: calls never stop coming
+            ran.append(f"call {n}")
+            if n < 7:
+                loop.call_soon_threadsafe(lambda: chained.append(asyncio.ensure_future(control.run(call, n + 1))))
+                while not control._calls:
+                    time.sleep(0.001)
+
+        release = threading.Event()
+        blocker = asyncio.ensure_future(control.run(release.wait, 30))
+        await _until(lambda: not control._calls)
+        join = asyncio.ensure_future(control.join(ran.append, "register"))
+        chained.append(asyncio.ensure_future(control.run(call, 0)))
+        await _until(lambda: len(control._calls) == 1 and len(control._joins) == 1)
+        release.set()
+        await blocker
+        await join
+        await _until(lambda: len(chained) == 8)
+        await asyncio.gather(*chained)
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+    control.close()
+    # Passed over by the blocker's turn and the turns of calls 0-2; run in the turn of call 3.
+    assert ran == ["call 0", "call 1", "call 2", "call 3", "register", "call 4", "call 5", "call 6", "call 7"]
