@@ -120,7 +120,7 @@ class CoordinatorControl:
         queue while the state thread is busy run in one turn of it and are answered with one
         wake-up of the loop: a hand-over each (an executor future, a self-pipe write) was a
         tenth of the loop's CPU with 512 workers (py-spy, tools/load.py)."""
-        return await self._queued(self._calls, partial(fn, *args, **kwargs))
+        return await self._queued(partial(fn, *args, **kwargs), joining=False)
 
     async def join(self, fn, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN201
         """`run` for a worker joining (its registration): it waits behind the calls of workers
@@ -128,13 +128,16 @@ class CoordinatorControl:
         workers register and lease in the same second, the first leases of those registered
         queued behind everyone's registration in arrival order, 0.6-0.9 s each; a running job's
         leases and heartbeats likewise waited behind a burst of replacements registering."""
-        return await self._queued(self._joins, partial(fn, *args, **kwargs))
+        return await self._queued(partial(fn, *args, **kwargs), joining=True)
 
-    async def _queued(self, queue, call: Callable[[], object]):  # noqa: ANN001, ANN202
+    async def _queued(self, call: Callable[[], object], *, joining: bool):  # noqa: ANN202
         loop = asyncio.get_running_loop()
         answer = loop.create_future()
         with self._calls_lock:
-            queue.append((call, answer))
+            # The list read under the lock: a turn swaps `_calls` for a new one when it takes its
+            # calls, and a call added to the list it took would never run (a heartbeat waited for
+            # ever, and the coordinator's shutdown with it, once in a 100,000-request load run).
+            (self._joins if joining else self._calls).append((call, answer))
             start, self._calls_queued = not self._calls_queued, True
             if start:
                 self._calls_since = time.perf_counter()

@@ -131,3 +131,33 @@ def test_a_registration_passed_over_turn_after_turn_runs_after_a_bounded_number_
     control.close()
     # Passed over by the blocker's turn and the turns of calls 0-2; run in the turn of call 3.
     assert ran == ["call 0", "call 1", "call 2", "call 3", "register", "call 4", "call 5", "call 6", "call 7"]
+
+
+class _TakenJustBefore:
+    """The calls lock, with a turn taking the queued calls (swapping in a fresh list, as
+    `_run_calls` does) the first time the loop reaches for it: the moment a call has decided
+    where to go and not yet gone there."""
+
+    def __init__(self, control: CoordinatorControl) -> None:
+        self.control, self.lock, self.taken = control, threading.Lock(), False
+
+    def __enter__(self):  # noqa: ANN204
+        if not self.taken and threading.current_thread() is threading.main_thread():
+            self.taken = True
+            with self.lock:
+                self.control._calls = []  # a turn took the list (it was empty: nothing else lost)
+        return self.lock.__enter__()
+
+    def __exit__(self, *exc):  # noqa: ANN002, ANN204
+        return self.lock.__exit__(*exc)
+
+
+def test_a_call_queued_as_a_turn_takes_the_queue_still_runs():
+    control = CoordinatorControl()
+    control._calls_lock = _TakenJustBefore(control)
+
+    async def scenario() -> int:
+        return await control.run(int, "5")
+
+    assert asyncio.run(asyncio.wait_for(scenario(), 10)) == 5  # lost, it would wait for ever
+    control.close()
