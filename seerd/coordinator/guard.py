@@ -30,7 +30,7 @@ import uvicorn
 from starlette.responses import Response
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from seerd.protocol import ErrorReply
+from seerd.protocol import LONG_POLL_MAX_S, ErrorReply
 
 log = logging.getLogger("seerd.coordinator")
 
@@ -176,12 +176,18 @@ class GuardedProtocol(HttpToolsProtocol):
         self.transport.close()
 
 
+# How long a stopping server waits for the calls in flight (the longest legitimate one is a long
+# poll) before it cancels them: one call that never ends must not keep a finished run from ending.
+SHUTDOWN_GRACE_S = 2 * LONG_POLL_MAX_S
+
+
 def api_server(app, guard: ConnectionGuard) -> uvicorn.Server:  # noqa: ANN001
     """The coordinator's uvicorn server: httptools behind the guard, no logs of each call, our own
     signal handlers (the daemon installs them in one place), no proxy-header rewriting (workers
-    call it directly; the middleware cost every call CPU for nothing)."""
+    call it directly; the middleware cost every call CPU for nothing), calls still in flight
+    `SHUTDOWN_GRACE_S` after it was told to stop cancelled."""
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", loop="none",
-                            http=guard.protocol(), proxy_headers=False)
+                            http=guard.protocol(), proxy_headers=False, timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
     server = uvicorn.Server(config)
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
     return server

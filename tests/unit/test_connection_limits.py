@@ -282,3 +282,37 @@ def test_the_cap_on_strangers_shrinks_to_fit_the_open_files():
     assert limits_for(8, open_files_needed(8) - 200).max_unproven == MAX_UNPROVEN - 100  # half the room left
     assert limits_for(8, 100_000).max_unproven == MAX_UNPROVEN
     assert limits_for(4096, 1024).max_unproven == 64  # never below 64
+
+
+def test_a_call_that_never_ends_does_not_keep_the_stopping_server_from_stopping(monkeypatch):
+    from starlette.applications import Starlette
+    from starlette.routing import Route
+
+    from seerd.coordinator import guard as guard_module
+
+    monkeypatch.setattr(guard_module, "SHUTDOWN_GRACE_S", 0.5)
+    entered = asyncio.Event()
+    cancelled = []
+
+    async def stuck(_request):  # noqa: ANN001, ANN202 - a handler whose answer never comes
+        entered.set()
+        try:
+            await asyncio.get_running_loop().create_future()
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+
+    async def scenario() -> None:
+        sock, address = loopback_socket()
+        server = guard_module.api_server(Starlette(routes=[Route("/stuck", stuck)]), ConnectionGuard())
+        serving = asyncio.create_task(server.serve(sockets=[sock]))
+        async with httpx.AsyncClient(timeout=WAIT_S) as client:
+            call = asyncio.create_task(client.get(f"http://{address}/stuck"))
+            await asyncio.wait_for(entered.wait(), WAIT_S)
+            server.should_exit = True
+            await asyncio.wait_for(serving, WAIT_S)  # without the grace: for ever
+            call.cancel()
+        sock.close()
+
+    asyncio.run(scenario())
+    assert cancelled == [True]
