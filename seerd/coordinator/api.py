@@ -163,6 +163,7 @@ class CoordinatorControl:
         handed = started
         held: dict[str, list] = {}  # what the turn ran: call name -> [count, seconds]
         ran = 0
+        joins_began: float | None = None  # when this turn ran its first join
         while True:
             if ran < len(batch):
                 call, future = batch[ran]
@@ -172,8 +173,9 @@ class CoordinatorControl:
                     # were passed over `JOINS_MAY_WAIT_TURNS` turns in a row: none waits for ever.
                     overtaken = bool(self._calls) and self._joins_passed < JOINS_MAY_WAIT_TURNS
                     if not self._joins or overtaken or (
-                            ran > len(batch) and time.perf_counter() - started > JOINS_EVERY_S):
-                        self._joins_passed += overtaken and bool(self._joins)
+                            joins_began is not None and time.perf_counter() - joins_began > JOINS_EVERY_S):
+                        if overtaken and self._joins:
+                            self._joins_passed += 1
                         requeue = bool(self._joins) and not self._calls_queued
                         if requeue:  # the joins left: after whatever queued meanwhile (reports too)
                             self._calls_queued = True
@@ -181,6 +183,8 @@ class CoordinatorControl:
                         break
                     self._joins_passed = 0
                     call, future = self._joins.popleft()
+                    if joins_began is None:
+                        joins_began = time.perf_counter()
             ran += 1
             began = time.perf_counter()
             try:
@@ -300,7 +304,7 @@ class CoordinatorControl:
 
 # How long a state-thread turn runs calls before it hands the answers so far to the loop (`_run_calls`).
 ANSWERS_EVERY_S = 0.02
-# How long a turn runs joins (`join`) once its other calls are done; one join at least.
+# How long a turn runs joins (`join`) once its other calls are done, from its first join.
 JOINS_EVERY_S = 0.01
 JOINS_MAY_WAIT_TURNS = 4
 NO_CONTEXT = 1 << 62  # no work queued since the line was last served: nothing to fit
