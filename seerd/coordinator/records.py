@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from seerd.protocol import ChunkReport, UnreadableReport
+from seerd.protocol import ChunkReport, HeartbeatBody, UnreadableReport
 
 
 class UnknownWorker(LookupError):
@@ -32,6 +32,7 @@ class ReportCall(NamedTuple):
     reports: Sequence[ChunkReport | UnreadableReport]
     may_lease: bool = True
     wanted: int = 0
+    heartbeat: HeartbeatBody | None = None  # carried by the call: applied in its turn, before the reports
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,6 @@ class RequestProgress:
     num_chunks: int  # done chunks
     failed_attempts: int = 0  # chunks of it that failed: refused by the engine, or a report rejected
     open_chunk: tuple[int, int] | None = None  # (chunk id, epoch) of a QUEUED row left by a lease that ended
-    tokens: array | None = None  # generated tokens while unfinished (None: not loaded yet)
 
 
 @dataclass
