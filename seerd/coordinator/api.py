@@ -46,7 +46,7 @@ from seerd.protocol import (
     CONFIG, DRAFTS_APPEND, DRAFTS_FETCH, DRAFTS_STATS, HEARTBEAT, LEASE, LONG_POLL_MAX_S, MAX_SNAPSHOT_TAIL_ROWS,
     REGISTER, RELEASE, REPORT, SNAPSHOT_TAIL_ROWS, STATUS, STATUS_SNAPSHOT, UNKNOWN_WORKER, WEIGHTS_MISMATCH,
     WORKER_RETIRED,
-    ChunkGrant, DraftAppendReply, DraftStats, ErrorReply, HeartbeatReply, LeaseReply,
+    ChunkGrant, DraftAppendReply, DraftStats, ErrorReply, HeartbeatBody, HeartbeatReply, LeaseReply,
     RegisterReply, ReleaseReply, ReportBatch, ReportReply, ReportResult, StatusReply, StatusSnapshot,
     decode_report, heartbeat_interval,
 )
@@ -220,12 +220,14 @@ class CoordinatorControl:
         return await asyncio.get_running_loop().run_in_executor(self._reader_thread, partial(fn, *args))
 
     async def report(self, book: LeaseBook, call: ReportCall, clock: Callable[[], float]
-                     ) -> tuple[list[ReportOutcome], list[ChunkGrant]]:
+                     ) -> tuple[list[ReportOutcome], list[ChunkGrant], list[int] | None]:
         """One worker's report call, committed with every other that queues while the state
         thread is busy (a commit's fsync, say): one durable transaction and one fsync for all of
         them (`LeaseBook.report_calls`), where one each made the disk the coordinator's limit
         (tools/load.py). Its answer comes once that commit is done; the order of the calls is
-        kept. Raises `UnknownWorker` for a worker the book does not know (that call alone)."""
+        kept. Raises `UnknownWorker` for a worker the book does not know (that call alone).
+        Returns the outcomes, the grants, and the chunks to abort of the heartbeat the call
+        carried (None without one)."""
         loop = asyncio.get_running_loop()
         answer = loop.create_future()
         with self._reports_lock:
@@ -250,8 +252,12 @@ class CoordinatorControl:
         transactions = CommitTimes.durable + CommitTimes.relaxed, CommitTimes.total_s
         cpu_at_start = time.thread_time()
         held: dict[str, list] = {}  # the phases of `report_calls`, then the whole
+        now = clock()
+        calls = [call for call, _ in batch]
         try:
-            answers = book.report_calls([call for call, _ in batch], clock(), laps=Laps(held))
+            beats = [_beat(book, call, now) for call in calls]
+            answers = book.report_calls(calls, now, laps=Laps(held))
+            answers = [a if isinstance(a, BaseException) else (*a, beat) for a, beat in zip(answers, beats)]
         except Exception as exc:  # noqa: BLE001 - the commit failed (disk): every call of it answers 5xx
             answers = [exc] * len(batch)
         self.report_commits += 1
@@ -308,6 +314,19 @@ ANSWERS_EVERY_S = 0.02
 JOINS_EVERY_S = 0.01
 JOINS_MAY_WAIT_TURNS = 4
 NO_CONTEXT = 1 << 62  # no work queued since the line was last served: nothing to fit
+
+
+def _beat(book: LeaseBook, call: ReportCall, now: float) -> list[int] | None:
+    """The heartbeat a report call carries, before its reports (their chunks, still held, are
+    renewed, not aborted): the chunks to abort, or None without one or for an unknown worker
+    (its reports answer for it)."""
+    beat = call.heartbeat
+    if beat is None:
+        return None
+    try:
+        return book.heartbeat(beat.worker_id, beat.running, now, beat.stats, beat.engine)
+    except UnknownWorker:
+        return None
 
 
 def _log_failure(task: asyncio.Future) -> None:
@@ -462,9 +481,12 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
         except msgspec.ValidationError as exc:
             raise ApiError(422, f"invalid body: a report without an integer chunk_id and epoch ({exc})") from None
         known(body.worker_id)
-        outcomes, grants = await control.report(book, ReportCall(
-            body.worker_id, reports, may_lease=control.accepting and control.scheduling_gate(), wanted=body.wanted),
-            clock)
+        beat = body.heartbeat
+        if beat is not None and (beat.worker_id != body.worker_id or beat.leaving):
+            raise ApiError(422, "a report carries its own worker's heartbeat, never a leaving one")
+        outcomes, grants, abort = await control.report(book, ReportCall(
+            body.worker_id, reports, may_lease=control.accepting and control.scheduling_gate(), wanted=body.wanted,
+            heartbeat=beat), clock)
         # Work for lease calls waiting: a request to continue, a rejected chunk to run again, that
         # no lease of its group commit took (one continued in place never waited in the queue:
         # waking a worker for it made a plan in vain, most of the state thread's work at 512 workers).
@@ -473,7 +495,8 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
         elif queued := [o.queued_context for o in outcomes if o.queued_context is not None]:
             control.work_queued(len(queued), min(queued))
         results = [ReportResult(r.chunk_id, o.accepted, o.duplicate, o.reason) for r, o in zip(reports, outcomes)]
-        return _json(ReportReply(results, done=book.is_complete(), grants=grants))
+        return _json(ReportReply(results, done=book.is_complete(), grants=grants,
+                                 heartbeat=None if abort is None else heartbeat_reply(beat, abort)))
 
     @route("POST", RELEASE.path)
     async def release(request: Request) -> Response:
@@ -490,11 +513,15 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
         body = await _decode(request, HEARTBEAT.body)
         known(body.worker_id)
         abort = await control.run(book.heartbeat, body.worker_id, body.running, clock(), body.stats, body.engine)
+        return _json(heartbeat_reply(body, abort))
+
+    def heartbeat_reply(body: HeartbeatBody, abort: list[int]) -> HeartbeatReply:
+        """The answer to a heartbeat applied by the book, on its own call or carried by a report."""
         control.worker_stats[body.worker_id] = body.stats
         if body.leaving:
             control.left.add(body.worker_id)
-        return _json(HeartbeatReply(abort, done=done_for(body.worker_id),
-                                    interval_s=heartbeat_interval(book.lease_ttl_s, book.live_count)))
+        return HeartbeatReply(abort, done=done_for(body.worker_id),
+                              interval_s=heartbeat_interval(book.lease_ttl_s, book.live_count))
 
     def draft_host() -> DraftHost:
         if drafts is None:

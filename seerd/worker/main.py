@@ -28,8 +28,8 @@ from seerd.event_loop import run_event_loop
 from seerd.kvpool.pool import pool_stats, reset_pool_stats
 from seerd.protocol import (
     BATCH_GROUPS_WAIT, CONFIG, CONFIG_AFTER_BATCH, HEARTBEAT, LEASE, LEASE_LONG_POLL_S, REGISTER, RELEASE, REPORT,
-    ChunkGrant, ChunkReport, Endpoint, EngineSettings, HeartbeatBody, LeaseBody, RegisterBody, ReleaseBody, ReportBody,
-    ReportReply, lease_key, parse_engine_id,
+    ChunkGrant, ChunkReport, Endpoint, EngineSettings, HeartbeatBody, HeartbeatReply, LeaseBody, RegisterBody,
+    ReleaseBody, ReportBody, ReportReply, lease_key, parse_engine_id,
 )
 from seerd.rundir import RunDir
 from seerd.worker.client import (
@@ -100,6 +100,7 @@ class Worker:
         # grants, heartbeats: what a chunk costs the worker beside the engine) and the process's.
         self._cpu_since = (time.thread_time(), time.process_time())
         self.heartbeat_interval_s = 2.0
+        self.beat_at = time.monotonic()  # when the last heartbeat answered was sent, on its own or in a report
         self.stopped_by: str | None = None
         self.fatal: BaseException | None = None
 
@@ -126,6 +127,7 @@ class Worker:
             weights_loaded_s=self.weights.reload_s))
         self.worker_id = reply.worker_id
         self.heartbeat_interval_s = reply.heartbeat_interval_s
+        self.beat_at = time.monotonic()
         log.info("registered as %s (capacity %d chunks, %d KV tokens)", self.worker_id,
                  self.engine.max_chunks, self.engine.kv_capacity_tokens)
 
@@ -268,8 +270,13 @@ class Worker:
             # running-on ones the coordinator counts itself.
             freed = 0 if self.done.is_set() else \
                 self.engine.max_chunks - (len(self.running) - len(batch)) - sum(r.running_on for r in batch)
+            sent_at = time.monotonic()
+            # A heartbeat rides on the report once half an interval has passed since the last one,
+            # so a worker that reports that often never makes a heartbeat call of its own.
+            beat = self._heartbeat() if sent_at - self.beat_at >= self.heartbeat_interval_s / 2 else None
             try:
-                reply = await self.client.call(REPORT, ReportBody(self.worker_id, batch, wanted=max(0, freed)))
+                reply = await self.client.call(REPORT, ReportBody(self.worker_id, batch, wanted=max(0, freed),
+                                                                  heartbeat=beat))
             except NotRegistered:
                 log.warning("coordinator restarted: dropping %d reports of void leases", len(batch))
                 reply = ReportReply(results=[], done=False)
@@ -288,6 +295,9 @@ class Worker:
                 self._forget(report.chunk_id)
             await self._settle_held(batch, reply.grants)
             self.slot_freed.set()
+            if reply.heartbeat is not None:
+                self.beat_at = max(self.beat_at, sent_at)
+                await self._heard(reply.heartbeat)
             if reply.done:
                 self.done.set()
 
@@ -309,7 +319,11 @@ class Worker:
 
     async def _heartbeat_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.heartbeat_interval_s)
+            due = self.beat_at + self.heartbeat_interval_s - time.monotonic()
+            if due > 0:  # a report may carry one meanwhile: then it is due later
+                await asyncio.sleep(due)
+                continue
+            self.beat_at = time.monotonic()  # a refused one is tried again an interval later
             try:
                 reply = await self.client.call(HEARTBEAT, self._heartbeat())
             except NotRegistered:
@@ -318,12 +332,16 @@ class Worker:
             except CoordinatorRefused as exc:  # the next one may pass; leases not extended meanwhile expire
                 log.error("heartbeat refused (%s)", exc)
                 continue
-            if reply.interval_s is not None:
-                self.heartbeat_interval_s = reply.interval_s
-            for chunk_id in reply.abort:
-                await self._abort(chunk_id)
-            if reply.done:
-                self.done.set()
+            await self._heard(reply)
+
+    async def _heard(self, reply: HeartbeatReply) -> None:
+        """A heartbeat's answer, from its own call or a report's."""
+        if reply.interval_s is not None:
+            self.heartbeat_interval_s = reply.interval_s
+        for chunk_id in reply.abort:
+            await self._abort(chunk_id)
+        if reply.done:
+            self.done.set()
 
     async def _abort(self, chunk_id: int) -> None:
         entry = self.running.get(chunk_id)

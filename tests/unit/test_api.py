@@ -112,6 +112,36 @@ def test_metrics_follow_the_book(client):
     assert after[("seerd_tail_requests", ())] == 0  # all done: nothing left in the tail
 
 
+def test_a_heartbeat_carried_by_a_report_renews_the_workers_leases_before_its_reports(tmp_path):
+    # A worker that reports within its heartbeat interval needs no heartbeat call of its own: the
+    # report's heartbeat runs first (the chunks it reports are still held: renewed, not aborted).
+    clock = FakeClock()
+    book = make_book(tmp_path, prompt_rows=rows(groups=1, n=2, max_tokens=20), now=clock())
+    control = CoordinatorControl()
+    with TestClient(create_app(book, SECRET, control, clock)) as client:
+        client.auth = signed_auth(SECRET)
+        worker = client.post("/v1/register", json={**REGISTER, "max_chunks": 2}).json()["worker_id"]
+        first, second = client.post("/v1/lease", json={"worker_id": worker, "wanted": 2}).json()["chunks"]
+        deadline = book.terms[second["chunk_id"]].deadline
+        clock.advance(10.0)
+        report = {"chunk_id": first["chunk_id"], "epoch": first["epoch"], "token_ids": [5] * 3,
+                  "logprobs": [-0.1] * 3, "finish_reason": "stop"}
+        beat = {"worker_id": worker, "running": [first["chunk_id"], second["chunk_id"], 999],
+                "stats": {"tokens_per_s_recent": 7.0}}
+        reply = client.post("/v1/report", json={"worker_id": worker, "reports": [report], "heartbeat": beat})
+        assert reply.status_code == 200
+        answer = reply.json()
+        assert answer["heartbeat"]["abort"] == [999] and answer["heartbeat"]["interval_s"] > 0
+        assert answer["results"][0]["accepted"]
+        assert book.terms[second["chunk_id"]].deadline == deadline + 10.0
+        assert control.worker_stats[worker] == {"tokens_per_s_recent": 7.0}
+        plain = client.post("/v1/report", json={"worker_id": worker, "reports": []}).json()
+        assert plain["heartbeat"] is None
+        for wrong in ({**beat, "worker_id": "another"}, {**beat, "leaving": True}):
+            response = client.post("/v1/report", json={"worker_id": worker, "reports": [], "heartbeat": wrong})
+            assert response.status_code == 422
+
+
 def test_unknown_worker_gets_404_with_its_code_and_a_bad_report_is_rejected_alone(client):
     response = client.post("/v1/lease", json={"worker_id": "ghost", "wanted": 1})
     assert response.status_code == 404 and response.json()["code"] == protocol.UNKNOWN_WORKER

@@ -67,6 +67,28 @@ def test_a_slot_the_scheduler_gives_to_another_request_carries_no_continuation(t
     assert later.prompt_token_ids[-16:] == [7] * 16
 
 
+def test_a_request_moved_after_running_in_place_gets_its_whole_response_as_context(tmp_path):
+    # The book keeps no copy of unfinished responses (at a GPU job's scale, gigabytes): while a
+    # request continues in place its context lives in the worker's engine request, and a lease
+    # that moves it reads its response so far from the database.
+    book = make_book(tmp_path, chunk_tokens=16, prompt_rows=rows(groups=1, n=1, max_tokens=64), in_place=True)
+    w = register(book)
+    (first,) = book.lease(w, wanted=1, now=1000.0)
+    _, (second,) = book.report_and_continue(w, [running_on(first, token=7)], now=1001.0)
+    _, (third,) = book.report_and_continue(w, [running_on(second, token=8)], now=1002.0)
+    assert second.continues and third.continues
+    # Its worker gives it back unrun (shutting down): it runs elsewhere with every token so far.
+    assert book.release(w, third.chunk_id, third.epoch, "shutting down", now=1003.0)
+    (moved,) = book.lease(register(book, "w1", rank=1), wanted=1, now=1004.0)
+    assert moved.request_id == first.request_id and not moved.continues
+    assert moved.prompt_token_ids[len(first.prompt_token_ids):] == [7] * 16 + [8] * 16
+    book.report_and_continue("w1", [ChunkReport(moved.chunk_id, moved.epoch, [9] * 3, [-1.0] * 3, "stop")], now=1005.0)
+    with book.sessions.begin() as s:
+        tokens = [t for c in s.scalars(select(Chunk).where(Chunk.status == ChunkStatus.DONE).order_by(Chunk.seq))
+                  for t in unpack_ints(c.token_ids)]
+    assert book.is_complete() and tokens == [7] * 16 + [8] * 16 + [9] * 3
+
+
 def test_no_continuation_for_a_duplicate_a_rejected_or_a_finished_report(tmp_path):
     book = make_book(tmp_path, chunk_tokens=16, prompt_rows=rows(groups=1, n=2, max_tokens=40), in_place=True)
     w = register(book)
@@ -171,6 +193,52 @@ def test_a_worker_fills_a_finished_chunks_slot_from_the_reports_reply_not_a_leas
     # The first lease, and the long polls of the last two slots (at most one each, ended by the
     # run's completion); without the report's lease, a lease call after each report (5 here).
     assert worker.client.calls[protocol.LEASE.path] <= 3, worker.client.calls
+
+
+class BeatDue(Worker):
+    """A worker whose heartbeat is due (half its interval has passed) at its first report, and
+    whose heartbeat loop would call on its own only in days: what a report carries is all there is."""
+
+    async def register(self) -> None:
+        await super().register()
+        self.heartbeat_interval_s = 1e6
+        self.beat_at = time.monotonic() - 0.75e6
+
+
+class RecordingClient(CountingClient):
+    def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+        super().__init__(*args, **kwargs)
+        self.bodies: list = []
+
+    async def call(self, endpoint, body=None):  # noqa: ANN001, ANN201
+        self.bodies.append(body)
+        return await super().call(endpoint, body)
+
+
+def test_a_heartbeat_due_rides_on_the_workers_next_report_instead_of_a_call_of_its_own(tmp_path):
+    book = make_book(tmp_path, chunk_tokens=8, lease_ttl_s=30.0, prompt_rows=rows(groups=2, n=2, max_tokens=32),
+                     now=time.time(), in_place=True)
+    engine = ScriptedEngine(length_of, max_chunks=4, pause_s=0.01, chunk_tokens=8)
+    sock, address = loopback_socket()
+    control = CoordinatorControl()
+    app = create_app(book, SECRET, control, time.time, address=address)
+
+    async def scenario() -> Worker:
+        async with served(app, sock) as url:
+            worker = BeatDue(RecordingClient(url, SECRET), engine, rank=0)
+            try:
+                await asyncio.wait_for(worker.run(), timeout=60)
+            finally:
+                await worker.client.close()
+            return worker
+
+    worker = asyncio.run(scenario())
+    assert worker.fatal is None and book.is_complete()
+    reports = [body for body in worker.client.bodies if isinstance(body, protocol.ReportBody)]
+    assert reports[0].heartbeat is not None and reports[0].heartbeat.worker_id == worker.worker_id
+    assert protocol.HEARTBEAT.path not in worker.client.calls  # not one heartbeat call
+    assert worker.worker_id in control.worker_stats  # the figures came with the report
+    assert worker.heartbeat_interval_s < 1e6  # the coordinator's interval, from the report's reply
 
 
 def test_a_report_names_the_context_of_each_request_left_waiting_once_its_group_commit_leased(tmp_path):
