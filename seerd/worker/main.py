@@ -159,7 +159,8 @@ class Worker:
             retry_after = 0.2
             if wanted > 0:
                 try:
-                    reply = await self.client.call(LEASE, LeaseBody(self.worker_id, wanted, LEASE_LONG_POLL_S))
+                    reply = await self.client.call(LEASE, LeaseBody(self.worker_id, wanted, LEASE_LONG_POLL_S,
+                                                                    heartbeat=self._beat_if_due()))
                 except NotRegistered:
                     await self._reregister()
                     continue
@@ -169,6 +170,8 @@ class Worker:
                     await asyncio.sleep(wait)
                     continue
                 refused.reset()
+                if reply.heartbeat is not None:
+                    await self._heard(reply.heartbeat)
                 if reply.done:
                     self.done.set()
                     return
@@ -270,13 +273,9 @@ class Worker:
             # running-on ones the coordinator counts itself.
             freed = 0 if self.done.is_set() else \
                 self.engine.max_chunks - (len(self.running) - len(batch)) - sum(r.running_on for r in batch)
-            sent_at = time.monotonic()
-            # A heartbeat rides on the report once half an interval has passed since the last one,
-            # so a worker that reports that often never makes a heartbeat call of its own.
-            beat = self._heartbeat() if sent_at - self.beat_at >= self.heartbeat_interval_s / 2 else None
             try:
                 reply = await self.client.call(REPORT, ReportBody(self.worker_id, batch, wanted=max(0, freed),
-                                                                  heartbeat=beat))
+                                                                  heartbeat=self._beat_if_due()))
             except NotRegistered:
                 log.warning("coordinator restarted: dropping %d reports of void leases", len(batch))
                 reply = ReportReply(results=[], done=False)
@@ -296,7 +295,6 @@ class Worker:
             await self._settle_held(batch, reply.grants)
             self.slot_freed.set()
             if reply.heartbeat is not None:
-                self.beat_at = max(self.beat_at, sent_at)
                 await self._heard(reply.heartbeat)
             if reply.done:
                 self.done.set()
@@ -333,6 +331,17 @@ class Worker:
                 log.error("heartbeat refused (%s)", exc)
                 continue
             await self._heard(reply)
+
+    def _beat_if_due(self) -> HeartbeatBody | None:
+        """A heartbeat for a report or lease call about to go out, once half an interval has passed
+        since the last one was sent: a worker that calls that often makes no heartbeat call of its
+        own. Counted from when it is sent: one lost with its call leaves the next to the heartbeat
+        loop, an interval later (four fit in a lease's TTL)."""
+        now = time.monotonic()
+        if now - self.beat_at < self.heartbeat_interval_s / 2:
+            return None
+        self.beat_at = now
+        return self._heartbeat()
 
     async def _heard(self, reply: HeartbeatReply) -> None:
         """A heartbeat's answer, from its own call or a report's."""
