@@ -22,7 +22,6 @@ of unfinished requests in memory; the ORM models still define the schema.
 from __future__ import annotations
 
 import json
-from array import array
 from collections.abc import Callable, Collection, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -261,7 +260,7 @@ class LeaseBook:
         self.state.check_plan(plan, worker_id)
         deadline = now + self.lease_ttl_s
         with self.writer.begin(durable=False) as conn:
-            chunk_ids, epochs, responses = write_leases(conn, self.rollout_id, self.progress, worker_id, plan, now, deadline,
+            chunk_ids, epochs = write_leases(conn, self.rollout_id, self.progress, worker_id, plan, now, deadline,
                                              continuing)
         # Committed: now the state follows.
         leases = self.state.apply_leases(worker_id, plan, chunk_ids)
@@ -274,17 +273,23 @@ class LeaseBook:
             progress.open_chunk = None
             self.terms[lease.chunk_id] = LeaseTerms(epoch, progress.num_chunks, deadline)
             grants.append(self._grant(lease.chunk_id, lease.request_id, lease.max_tokens,
-                                      responses.get(lease.request_id), continues=lease.request_id in continuing))
+                                      continues=lease.request_id in continuing))
+            if lease.request_id in continuing:
+                # No copy of what runs in place (at a GPU job's scale, gigabytes: the tokens in
+                # flight): it is read back from the database should the request run elsewhere.
+                # Requests re-leased with their context keep theirs (reading it back per lease
+                # cost 5x the CPU per chunk, tools/bench_book_cpu.py --groups 2).
+                progress.tokens = None
         return grants
 
-    @staticmethod
-    def response_tokens(conn: Connection, request_id: int) -> list[int]:
-        """A request's tokens so far: its done chunks (the book keeps no copy)."""
+    def response_tokens(self, conn: Connection, request_id: int) -> list[int]:
+        """A request's tokens so far: from memory while it runs, else from its done chunks."""
+        progress = self.progress[request_id]
+        if progress.tokens is not None and not self.state.requests[request_id].finished:
+            return list(progress.tokens)
         return list(read_tokens(conn, request_id))
 
-    def _grant(self, chunk_id: int, request_id: int, max_tokens: int, response: array | None = None, *,
-               continues: bool = False) -> ChunkGrant:
-        """`response`: the request's tokens so far (none before its first chunk), for the context."""
+    def _grant(self, chunk_id: int, request_id: int, max_tokens: int, *, continues: bool = False) -> ChunkGrant:
         request = self.state.requests[request_id]
         group = self.state.groups[request.group_id]
         inputs = self.inputs[request.group_id]
@@ -296,8 +301,7 @@ class LeaseBook:
         context = []  # a continuation runs on in the engine request holding its context
         if not continues:
             context = inputs.prompt.tolist()
-            if response is not None:
-                context.extend(response)
+            context.extend(self.progress[request_id].tokens)
         target = self.worker_only_targets.get(request_id)
         remaining = request.max_tokens - request.generated
         return ChunkGrant(chunk_id, terms.epoch, request_id, context, max_tokens, sampling, terms.deadline,
@@ -366,8 +370,12 @@ class LeaseBook:
             if self.on_committed_tokens is not None:  # e.g. the grouped draft server's copy
                 self.on_committed_tokens(request.group_id, request.id, request.generated - len(report.token_ids),
                                          report.token_ids)
-            if outcome.finished and self.on_request_finished is not None:
-                self.on_request_finished(request.group_id, request.id)
+            if outcome.finished:
+                progress.tokens = None  # durable in the database; the coordinator needs them no more
+                if self.on_request_finished is not None:
+                    self.on_request_finished(request.group_id, request.id)
+            elif progress.tokens is not None:  # None: running in place, read back if it moves
+                progress.tokens.extend(report.token_ids)
             answers[entry.call][entry.position] = ReportOutcome(True, request_finished=outcome.finished)
         for group in prepared.groups:
             if group.complete and self.on_group_finished is not None:
@@ -484,6 +492,7 @@ class LeaseBook:
         if not failure.fatal:
             progress.open_chunk = (lease.chunk_id, lease.epoch)
             return
+        progress.tokens = None
         request = self.state.requests[lease.request_id]
         if self.on_request_finished is not None:  # ended: listeners forget it, and its group once all ended
             self.on_request_finished(request.group_id, request.id)

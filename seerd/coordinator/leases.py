@@ -1,6 +1,5 @@
 """The rows a lease writes: a checked plan's chunks leased and requests running, in the lease
-book's transaction (as `reports.write_results` is for reports), and the responses so far that
-the grants' contexts need, read in the same transaction. Pure of the book's state but the
+book's transaction (as `reports.write_results` is for reports). Pure of the book's state but the
 requests' progress it is handed: the book applies the plan to its state after the commit."""
 
 from __future__ import annotations
@@ -21,21 +20,17 @@ from seerd.scheduler.views import Plan
 
 def write_leases(conn: Connection, rollout_id: int, progress_of: Mapping[int, RequestProgress], worker_id: str,
                  plan: Plan, now: float, deadline: float,
-                 continuing: Collection[int] = ()) -> tuple[list[int], list[int], dict[int, array]]:
+                 continuing: Collection[int] = ()) -> tuple[list[int], list[int]]:
     """The rows of a checked plan, in the caller's transaction: each assignment's chunk row
     (new, or the one an ended lease left queued, epoch + 1) leased, its request running.
-    Returns the chunk ids and lease epochs, in assignment order, and by request id the response
-    so far of each assignment that carries its context (not `continuing` in place, past its first
-    chunk): the database is the only copy of unfinished responses, so the coordinator's memory
-    does not grow with the tokens of the requests in flight."""
+    Returns the chunk ids and lease epochs, in assignment order."""
     driver.executemany(conn, BIND_GROUP, [{"gid": gid, "worker": w} for gid, w in plan.new_bindings.items()])
     chunk_ids: list[int | None] = []
     epochs, reused, fresh = [], [], []
-    responses = {}
     for assignment in plan.assignments:
         progress = progress_of[assignment.request_id]
-        if progress.num_chunks and assignment.request_id not in continuing:
-            responses[assignment.request_id] = read_tokens(conn, assignment.request_id)
+        if progress.tokens is None and assignment.request_id not in continuing:  # a continuation needs no context
+            progress.tokens = array("i") if not progress.num_chunks else read_tokens(conn, assignment.request_id)
         if progress.open_chunk is not None:
             chunk_id, epoch = progress.open_chunk
             reused.append({ROW_ID: chunk_id, ROW_EPOCH: epoch, "budget": assignment.max_tokens})
@@ -64,7 +59,7 @@ def write_leases(conn: Connection, rollout_id: int, progress_of: Mapping[int, Re
                       {"seq": progress_of[a.request_id].num_chunks, "epoch": epoch, "max_tokens": a.max_tokens,
                        **({"in_place": True} if a.request_id in continuing else {})})
             for a, chunk_id, epoch in zip(plan.assignments, chunk_ids, epochs)])
-    return chunk_ids, epochs, responses
+    return chunk_ids, epochs
 
 
 def read_tokens(conn: Connection, request_id: int) -> array:

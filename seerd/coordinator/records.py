@@ -50,6 +50,9 @@ class RequestProgress:
     num_chunks: int  # done chunks
     failed_attempts: int = 0  # chunks of it that failed: refused by the engine, or a report rejected
     open_chunk: tuple[int, int] | None = None  # (chunk id, epoch) of a QUEUED row left by a lease that ended
+    # Generated tokens while unfinished, for the context of its next grant; None: not loaded yet,
+    # or running in place (its worker's engine request holds the context, the database the tokens).
+    tokens: array | None = None
 
 
 @dataclass

@@ -68,15 +68,15 @@ def test_a_slot_the_scheduler_gives_to_another_request_carries_no_continuation(t
 
 
 def test_a_request_moved_after_running_in_place_gets_its_whole_response_as_context(tmp_path):
-    # The book keeps no copy of unfinished responses (at a GPU job's scale, gigabytes): while a
-    # request continues in place its context lives in the worker's engine request, and a lease
-    # that moves it reads its response so far from the database.
+    # The book keeps no copy of a response running in place (at a GPU job's scale, gigabytes in
+    # flight): its context lives in the worker's engine request, and a lease that moves it reads
+    # its response so far from the database.
     book = make_book(tmp_path, chunk_tokens=16, prompt_rows=rows(groups=1, n=1, max_tokens=64), in_place=True)
     w = register(book)
     (first,) = book.lease(w, wanted=1, now=1000.0)
     _, (second,) = book.report_and_continue(w, [running_on(first, token=7)], now=1001.0)
     _, (third,) = book.report_and_continue(w, [running_on(second, token=8)], now=1002.0)
-    assert second.continues and third.continues
+    assert second.continues and third.continues and book.progress[first.request_id].tokens is None
     # Its worker gives it back unrun (shutting down): it runs elsewhere with every token so far.
     assert book.release(w, third.chunk_id, third.epoch, "shutting down", now=1003.0)
     (moved,) = book.lease(register(book, "w1", rank=1), wanted=1, now=1004.0)
