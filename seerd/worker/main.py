@@ -40,6 +40,8 @@ from seerd.worker.stats import WorkerStats
 
 log = logging.getLogger("seerd.worker")
 
+BEAT_CARRIED_AFTER = 0.75  # of a heartbeat interval: when a report or lease call carries the heartbeat
+
 
 def generation_budget(grant: ChunkGrant) -> int:
     """The chunk's budget, cut at the response's target length when the row has one."""
@@ -333,12 +335,14 @@ class Worker:
             await self._heard(reply)
 
     def _beat_if_due(self) -> HeartbeatBody | None:
-        """A heartbeat for a report or lease call about to go out, once half an interval has passed
-        since the last one was sent: a worker that calls that often makes no heartbeat call of its
-        own. Counted from when it is sent: one lost with its call leaves the next to the heartbeat
-        loop, an interval later (four fit in a lease's TTL)."""
+        """A heartbeat for a report or lease call about to go out, once `BEAT_CARRIED_AFTER` of an
+        interval has passed since the last one was sent: a worker that calls that often makes no
+        heartbeat call of its own, and beats at most 1 / BEAT_CARRIED_AFTER times as often as its
+        heartbeat loop would (at one half, busy workers beat twice as often). Counted from when it
+        is sent: one lost with its call leaves the next to the heartbeat loop, an interval later
+        (four fit in a lease's TTL)."""
         now = time.monotonic()
-        if now - self.beat_at < self.heartbeat_interval_s / 2:
+        if now - self.beat_at < self.heartbeat_interval_s * BEAT_CARRIED_AFTER:
             return None
         self.beat_at = now
         return self._heartbeat()

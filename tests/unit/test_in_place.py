@@ -196,13 +196,13 @@ def test_a_worker_fills_a_finished_chunks_slot_from_the_reports_reply_not_a_leas
 
 
 class BeatDue(Worker):
-    """A worker whose heartbeat is due (half its interval has passed) at its first call, and whose
+    """A worker whose heartbeat is due (most of its interval has passed) at its first call, and whose
     heartbeat loop would call on its own only in days: what its calls carry is all there is."""
 
     async def register(self) -> None:
         await super().register()
         self.heartbeat_interval_s = 1e6
-        self.beat_at = time.monotonic() - 0.75e6
+        self.beat_at = time.monotonic() - 0.9e6
 
 
 class RecordingClient(CountingClient):
