@@ -153,14 +153,15 @@ def test_a_worker_continues_requests_in_place_and_each_token_lands_once(tmp_path
     assert not worker.held and not worker.held_by_chunk
 
 
-def run_worker(book, engine: ScriptedEngine) -> Worker:  # noqa: ANN001
+def run_worker(book, engine: ScriptedEngine, worker_type: type | None = None, client_type: type | None = None,  # noqa: ANN001
+               control: CoordinatorControl | None = None) -> Worker:
     """A worker with `engine` against the real API over `book`, on a loopback socket, to the end."""
     sock, address = loopback_socket()
-    app = create_app(book, SECRET, CoordinatorControl(), time.time, address=address)
+    app = create_app(book, SECRET, control or CoordinatorControl(), time.time, address=address)
 
     async def scenario() -> Worker:
         async with served(app, sock) as url:
-            worker = Worker(CountingClient(url, SECRET), engine, rank=0)
+            worker = (worker_type or Worker)((client_type or CountingClient)(url, SECRET), engine, rank=0)
             try:
                 await asyncio.wait_for(worker.run(), timeout=60)
             finally:
@@ -219,20 +220,8 @@ def test_a_heartbeat_due_rides_on_the_workers_next_call_instead_of_a_call_of_its
     book = make_book(tmp_path, chunk_tokens=8, lease_ttl_s=30.0, prompt_rows=rows(groups=2, n=2, max_tokens=32),
                      now=time.time(), in_place=True)
     engine = ScriptedEngine(length_of, max_chunks=4, pause_s=0.01, chunk_tokens=8)
-    sock, address = loopback_socket()
     control = CoordinatorControl()
-    app = create_app(book, SECRET, control, time.time, address=address)
-
-    async def scenario() -> Worker:
-        async with served(app, sock) as url:
-            worker = BeatDue(RecordingClient(url, SECRET), engine, rank=0)
-            try:
-                await asyncio.wait_for(worker.run(), timeout=60)
-            finally:
-                await worker.client.close()
-            return worker
-
-    worker = asyncio.run(scenario())
+    worker = run_worker(book, engine, BeatDue, RecordingClient, control)
     assert worker.fatal is None and book.is_complete()
     calls = [body for body in worker.client.bodies if isinstance(body, (protocol.LeaseBody, protocol.ReportBody))]
     assert isinstance(calls[0], protocol.LeaseBody) and calls[0].heartbeat.worker_id == worker.worker_id
