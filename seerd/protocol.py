@@ -84,7 +84,6 @@ class LeaseBody(msgspec.Struct):
     worker_id: str
     wanted: int
     wait_s: float = 0.0  # long poll: wait up to this long for work before answering empty
-    heartbeat: HeartbeatBody | None = None  # carried as by a report (`ReportBody.heartbeat`)
 
 
 class ChunkGrant(msgspec.Struct, frozen=True):
@@ -130,7 +129,6 @@ class LeaseReply(msgspec.Struct):
     # Of the call's time, the long poll's wait for work (not the coordinator's latency): until the
     # work it got was queued, or to its deadline.
     waited_s: float = 0.0
-    heartbeat: HeartbeatReply | None = None  # the answer to the body's heartbeat, if it carried one
 
 
 class ChunkReport(msgspec.Struct, frozen=True):
@@ -153,9 +151,10 @@ class ReportBody(msgspec.Struct):
     # lease call after it.
     wanted: int = 0
     # A heartbeat carried by the report (never a leaving one): applied before the reports, as if
-    # sent just before the call, and answered in `ReportReply.heartbeat`. Lease calls carry one
-    # too: a worker that reports or leases within its heartbeat interval makes no heartbeat call of
-    # its own (heartbeats were half of all calls at 1,000 workers).
+    # sent just before the call, and answered in `ReportReply.heartbeat`. A worker that reports
+    # within its heartbeat interval makes no heartbeat call of its own (heartbeats were a third to
+    # a half of all calls at 1,000 workers). Lease calls carried them too for a while: their beat,
+    # a second state-thread call beside the lease, measured worse (docs/benchmarks.md).
     heartbeat: HeartbeatBody | None = None
 
 

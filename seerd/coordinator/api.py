@@ -32,7 +32,7 @@ from seerd.config import EngineConfig
 from seerd.coordinator.auth import BodyDigestMismatch, SignedCalls, body_mismatch
 from seerd.coordinator.book import LeaseBook, ReportCall, RetiredWorker, UnknownWorker
 from seerd.coordinator.drafts import DraftHost, append_items
-from seerd.coordinator.guard import BodyLimitMiddleware
+from seerd.coordinator.guard import BodyLimitMiddleware, body_limit
 from seerd.coordinator.latency import (
     WAITED_SCOPE_KEY, CallLatencies, Laps, PlansPerCall, SlowTurns,
 )
@@ -46,24 +46,12 @@ from seerd.protocol import (
     CONFIG, DRAFTS_APPEND, DRAFTS_FETCH, DRAFTS_STATS, HEARTBEAT, LEASE, LONG_POLL_MAX_S, MAX_SNAPSHOT_TAIL_ROWS,
     REGISTER, RELEASE, REPORT, SNAPSHOT_TAIL_ROWS, STATUS, STATUS_SNAPSHOT, UNKNOWN_WORKER, WEIGHTS_MISMATCH,
     WORKER_RETIRED,
-    ChunkGrant, DraftAppendReply, DraftStats, ErrorReply, HeartbeatBody, HeartbeatReply, LeaseBody, LeaseReply,
+    ChunkGrant, DraftAppendReply, DraftStats, ErrorReply, HeartbeatBody, HeartbeatReply, LeaseReply,
     RegisterReply, ReleaseReply, ReportBatch, ReportReply, ReportResult, StatusReply, StatusSnapshot,
     decode_report, heartbeat_interval,
 )
 
 log = logging.getLogger(__name__)
-
-# The JSON of one reported token at most: an int32 id (11 characters with its sign) and a float64
-# logprob as msgspec writes it (up to 24, "-1.2345678901234567e-308"), each with its comma.
-REPORT_BYTES_PER_TOKEN = 37
-
-
-def body_limit(engine: EngineConfig, chunk_tokens: int) -> int:
-    """The API's body size limit: twice the largest legitimate call, a report of a worker's every
-    chunk at once (one per engine sequence, `chunk_tokens` tokens each), plus 1 MiB for the rest.
-    A draft append of the same chunks' tokens is smaller; every other body is tiny."""
-    max_chunks = int(engine.extra_args.get("max_num_seqs", engine.max_num_seqs))
-    return 2 * max_chunks * chunk_tokens * REPORT_BYTES_PER_TOKEN + (1 << 20)
 
 
 class CoordinatorControl:
@@ -440,27 +428,12 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
     async def lease(request: Request) -> Response:
         body = await _decode(request, LEASE.body)
         known(body.worker_id)
-        check_carried(body.worker_id, body.heartbeat)
-        beat = None if body.heartbeat is None else asyncio.ensure_future(  # beside the lease, not before it
-            control.run(book.heartbeat, body.worker_id, body.heartbeat.running, clock(), body.heartbeat.stats,
-                        body.heartbeat.engine))
-        try:
-            reply = await lease_reply(request, body)
-        except BaseException:
-            if beat is not None:  # its answer no longer matters: not an unretrieved exception either
-                beat.add_done_callback(lambda done: done.cancelled() or done.exception())
-            raise
-        if beat is not None:
-            reply.heartbeat = heartbeat_reply(body.heartbeat, await beat)
-        return _json(reply)
-
-    async def lease_reply(request: Request, body: LeaseBody) -> LeaseReply:
         if done_for(body.worker_id):
-            return LeaseReply([], done=True)
+            return _json(LeaseReply([], done=True))
         if not control.accepting:
-            return LeaseReply([], done=False, retry_after_s=0.5)
+            return _json(LeaseReply([], done=False, retry_after_s=0.5))
         if not control.scheduling_gate():  # e.g. `group` waits for every worker: ask again soon
-            return LeaseReply([], done=False, retry_after_s=0.05)
+            return _json(LeaseReply([], done=False, retry_after_s=0.05))
         # An empty queue needs no state-thread call (a hint read here; the state thread decides).
         plans = 1 if len(book.state.queue) else 0
         grants = await control.run(book.lease, body.worker_id, max(0, body.wanted), clock()) if plans else []
@@ -481,12 +454,12 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
             else:
                 known(body.worker_id)
                 if done_for(body.worker_id):
-                    return LeaseReply([], done=True, waited_s=waited_s)
+                    return _json(LeaseReply([], done=True, waited_s=waited_s))
                 if waited.woken and control.accepting:
                     grants = await control.run(book.lease, body.worker_id, max(0, body.wanted), clock())
                     plans += 1
         control.lease_plans.add(plans, bool(grants))
-        return LeaseReply(grants, done=False, retry_after_s=0.0 if grants else 0.05, waited_s=waited_s)
+        return _json(LeaseReply(grants, done=False, retry_after_s=0.0 if grants else 0.05, waited_s=waited_s))
 
     @route("POST", REPORT.path)
     async def report(request: Request) -> Response:
@@ -497,7 +470,8 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
             raise ApiError(422, f"invalid body: a report without an integer chunk_id and epoch ({exc})") from None
         known(body.worker_id)
         beat = body.heartbeat
-        check_carried(body.worker_id, beat)
+        if beat is not None and (beat.worker_id != body.worker_id or beat.leaving):
+            raise ApiError(422, "a report carries its own worker's heartbeat, never a leaving one")
         outcomes, grants, abort = await control.report(book, ReportCall(
             body.worker_id, reports, may_lease=control.accepting and control.scheduling_gate(), wanted=body.wanted,
             heartbeat=beat), clock)
@@ -528,10 +502,6 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
         known(body.worker_id)
         abort = await control.run(book.heartbeat, body.worker_id, body.running, clock(), body.stats, body.engine)
         return _json(heartbeat_reply(body, abort))
-
-    def check_carried(worker_id: str, beat: HeartbeatBody | None) -> None:
-        if beat is not None and (beat.worker_id != worker_id or beat.leaving):
-            raise ApiError(422, "a call carries its own worker's heartbeat, never a leaving one")
 
     def heartbeat_reply(body: HeartbeatBody, abort: list[int]) -> HeartbeatReply:
         """The answer to a heartbeat applied by the book, on its own call or carried by a report."""

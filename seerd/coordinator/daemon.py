@@ -24,10 +24,10 @@ from sqlalchemy import Engine, select
 from starlette.applications import Starlette
 
 from seerd.config import RunConfig
-from seerd.coordinator.api import CoordinatorControl, body_limit, create_app
+from seerd.coordinator.api import CoordinatorControl, create_app
 from seerd.coordinator.book import FORECASTS_PER_TICK, LeaseBook
 from seerd.coordinator.drafts import REFRESH_S, DraftHost, book_sequences, history_sequences
-from seerd.coordinator.guard import ConnectionGuard, api_server, limits_for, raise_open_files_limit
+from seerd.coordinator.guard import ConnectionGuard, api_server, body_limit, limits_for, raise_open_files_limit
 from seerd.coordinator.heap import HeapKeeper
 from seerd.coordinator.latency import watch_loop_lag
 from seerd.coordinator.kvpool import PoolHost, host_pool, queued_longest, run_tag

@@ -30,6 +30,7 @@ import uvicorn
 from starlette.responses import Response
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from seerd.config import EngineConfig
 from seerd.protocol import LONG_POLL_MAX_S, ErrorReply
 
 log = logging.getLogger("seerd.coordinator")
@@ -251,3 +252,16 @@ class BodyLimitMiddleware:
 def _refusal(detail: str, status: int) -> Response:
     return Response(msgspec.json.encode(ErrorReply(detail)), status, media_type="application/json",
                     headers={"connection": "close"})
+
+
+# The JSON of one reported token at most: an int32 id (11 characters with its sign) and a float64
+# logprob as msgspec writes it (up to 24, "-1.2345678901234567e-308"), each with its comma.
+REPORT_BYTES_PER_TOKEN = 37
+
+
+def body_limit(engine: EngineConfig, chunk_tokens: int) -> int:
+    """The API's body size limit: twice the largest legitimate call, a report of a worker's every
+    chunk at once (one per engine sequence, `chunk_tokens` tokens each), plus 1 MiB for the rest.
+    A draft append of the same chunks' tokens is smaller; every other body is tiny."""
+    max_chunks = int(engine.extra_args.get("max_num_seqs", engine.max_num_seqs))
+    return 2 * max_chunks * chunk_tokens * REPORT_BYTES_PER_TOKEN + (1 << 20)

@@ -40,7 +40,7 @@ from seerd.worker.stats import WorkerStats
 
 log = logging.getLogger("seerd.worker")
 
-BEAT_CARRIED_AFTER = 0.75  # of a heartbeat interval: when a report or lease call carries the heartbeat
+BEAT_CARRIED_AFTER = 0.75  # of a heartbeat interval: when a report carries the heartbeat
 
 
 def generation_budget(grant: ChunkGrant) -> int:
@@ -161,8 +161,7 @@ class Worker:
             retry_after = 0.2
             if wanted > 0:
                 try:
-                    reply = await self.client.call(LEASE, LeaseBody(self.worker_id, wanted, LEASE_LONG_POLL_S,
-                                                                    heartbeat=self._beat_if_due()))
+                    reply = await self.client.call(LEASE, LeaseBody(self.worker_id, wanted, LEASE_LONG_POLL_S))
                 except NotRegistered:
                     await self._reregister()
                     continue
@@ -172,8 +171,6 @@ class Worker:
                     await asyncio.sleep(wait)
                     continue
                 refused.reset()
-                if reply.heartbeat is not None:
-                    await self._heard(reply.heartbeat)
                 if reply.done:
                     self.done.set()
                     return
@@ -335,8 +332,8 @@ class Worker:
             await self._heard(reply)
 
     def _beat_if_due(self) -> HeartbeatBody | None:
-        """A heartbeat for a report or lease call about to go out, once `BEAT_CARRIED_AFTER` of an
-        interval has passed since the last one was sent: a worker that calls that often makes no
+        """A heartbeat for a report about to go out, once `BEAT_CARRIED_AFTER` of an interval has
+        passed since the last one was sent: a worker that reports that often makes no
         heartbeat call of its own, and beats at most 1 / BEAT_CARRIED_AFTER times as often as its
         heartbeat loop would (at one half, busy workers beat twice as often). Counted from when it
         is sent: one lost with its call leaves the next to the heartbeat loop, an interval later

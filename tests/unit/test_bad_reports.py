@@ -11,7 +11,8 @@ from starlette.testclient import TestClient
 from sqlalchemy import select
 
 from seerd.config import EngineConfig
-from seerd.coordinator.api import CoordinatorControl, body_limit, create_app
+from seerd.coordinator.api import CoordinatorControl, create_app
+from seerd.coordinator.guard import body_limit
 from seerd.coordinator.reports import LOGPROB_ROUNDING, report_problem
 from seerd.db import Chunk, ChunkStatus, Event, Request, RequestStatus
 from seerd.protocol import ChunkReport

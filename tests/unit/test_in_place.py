@@ -197,8 +197,8 @@ def test_a_worker_fills_a_finished_chunks_slot_from_the_reports_reply_not_a_leas
 
 
 class BeatDue(Worker):
-    """A worker whose heartbeat is due (most of its interval has passed) at its first call, and whose
-    heartbeat loop would call on its own only in days: what its calls carry is all there is."""
+    """A worker whose heartbeat is due (most of its interval has passed) at its first report, and
+    whose heartbeat loop would call on its own only in days: what its reports carry is all there is."""
 
     async def register(self) -> None:
         await super().register()
@@ -216,15 +216,15 @@ class RecordingClient(CountingClient):
         return await super().call(endpoint, body)
 
 
-def test_a_heartbeat_due_rides_on_the_workers_next_call_instead_of_a_call_of_its_own(tmp_path):
+def test_a_heartbeat_due_rides_on_the_workers_next_report_instead_of_a_call_of_its_own(tmp_path):
     book = make_book(tmp_path, chunk_tokens=8, lease_ttl_s=30.0, prompt_rows=rows(groups=2, n=2, max_tokens=32),
                      now=time.time(), in_place=True)
     engine = ScriptedEngine(length_of, max_chunks=4, pause_s=0.01, chunk_tokens=8)
     control = CoordinatorControl()
     worker = run_worker(book, engine, BeatDue, RecordingClient, control)
     assert worker.fatal is None and book.is_complete()
-    calls = [body for body in worker.client.bodies if isinstance(body, (protocol.LeaseBody, protocol.ReportBody))]
-    assert isinstance(calls[0], protocol.LeaseBody) and calls[0].heartbeat.worker_id == worker.worker_id
+    reports = [body for body in worker.client.bodies if isinstance(body, protocol.ReportBody)]
+    assert reports[0].heartbeat is not None and reports[0].heartbeat.worker_id == worker.worker_id
     assert protocol.HEARTBEAT.path not in worker.client.calls  # not one heartbeat call
     assert worker.worker_id in control.worker_stats  # the figures came with the report
     assert worker.heartbeat_interval_s < 1e6  # the coordinator's interval, from the report's reply
