@@ -153,8 +153,8 @@ class ReportBody(msgspec.Struct):
     # A heartbeat carried by the report (never a leaving one): applied before the reports, as if
     # sent just before the call, and answered in `ReportReply.heartbeat`. A worker that reports
     # within its heartbeat interval makes no heartbeat call of its own (heartbeats were a third to
-    # a half of all calls at 1,000 workers). Lease calls carried them too for a while: their beat,
-    # a second state-thread call beside the lease, measured worse (docs/benchmarks.md).
+    # a half of all calls at 1,000 workers). Lease calls carried them too for a while: a second
+    # state-thread call beside the lease that bought nothing measurable (docs/benchmarks.md).
     heartbeat: HeartbeatBody | None = None
 
 

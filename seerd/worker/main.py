@@ -102,7 +102,7 @@ class Worker:
         # grants, heartbeats: what a chunk costs the worker beside the engine) and the process's.
         self._cpu_since = (time.thread_time(), time.process_time())
         self.heartbeat_interval_s = 2.0
-        self.beat_at = time.monotonic()  # when the last heartbeat answered was sent, on its own or in a report
+        self.beat_at = time.monotonic()  # when the last heartbeat was sent, on its own or in a report
         self.stopped_by: str | None = None
         self.fatal: BaseException | None = None
 
