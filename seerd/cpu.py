@@ -10,18 +10,45 @@ import time
 from dataclasses import dataclass, field
 
 
+# Helper processes whose CPU counts as this daemon's (the coordinator's API fronts): pid -> name.
+_helpers: dict[int, str] = {}
+
+
+def count_helper(pid: int, name: str) -> None:
+    """Count process `pid`'s CPU in this process's snapshots, as a thread called `name`."""
+    _helpers[pid] = name
+
+
+def forget_helper(pid: int) -> None:
+    _helpers.pop(pid, None)
+
+
 @dataclass(frozen=True)
 class CpuSnapshot:
-    process_s: float
+    process_s: float  # this process's CPU seconds, its helpers' included
     threads_s: dict[str, float] = field(default_factory=dict)  # thread name -> its CPU seconds so far
 
     @classmethod
     def now(cls) -> CpuSnapshot:
-        return cls(time.process_time(), thread_cpu_seconds())
+        threads = thread_cpu_seconds()
+        helpers = {name: seconds for pid, name in list(_helpers.items())
+                   if (seconds := _process_cpu_seconds(pid)) is not None}
+        return cls(time.process_time() + sum(helpers.values()), {**threads, **helpers})
 
     def since(self, earlier: CpuSnapshot) -> dict[str, float]:
         """CPU seconds per thread between `earlier` and this snapshot (threads alive at this one)."""
         return {name: round(s - earlier.threads_s.get(name, 0.0), 3) for name, s in self.threads_s.items()}
+
+
+def _process_cpu_seconds(pid: int) -> float | None:
+    """A helper's CPU seconds so far (None once it is gone: a front started again starts from 0,
+    and what the dead one spent since the last snapshot is not counted)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def thread_cpu_seconds() -> dict[str, float]:

@@ -16,7 +16,7 @@ the database's size, and commits per second (durable ones are fsyncs).
 
     .venv/bin/python tools/load.py --workers 512 --requests 100000 [--preset cpu-tiny] [--time-scale 20]
                                    [--policy seer] [--chunk-tokens N] [--max-num-seqs N] [--compare-sim] [--json]
-                                   [--hosts-nice N]
+                                   [--hosts-nice N] [--api-processes N]
 
 `--compare-sim` also runs `seerd sim` on the same workload and cluster and prints both runs'
 makespan, tail and chunks in modelled engine seconds: the engines are the same model, so what
@@ -84,40 +84,47 @@ class ProcessSampler(threading.Thread):
     def run(self) -> None:
         started = time.monotonic()
         while not self.stopped.wait(self.interval_s):
-            try:
-                fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
-                status = Path(f"/proc/{self.pid}/status").read_text()
-                fds = len(os.listdir(f"/proc/{self.pid}/fd"))
-            except OSError:
+            coordinator = process_figures(self.pid)
+            if coordinator is None:
                 return
-            rss_kb = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0)
-            hosts = simulated_hosts_cpu()
+            # Its API fronts count as the coordinator (seerd/coordinator/front.py): their CPU, RSS and fds added.
+            fronts = [f for pid in processes_with(b"seerd.coordinator.front") if (f := process_figures(pid))]
+            cpu_s, rss_kb, fds = (sum(figures) for figures in zip(coordinator, *fronts))
+            hosts = {pid: figures[0] for pid in processes_with(b"seerd.worker.sim_host")
+                     if (figures := process_figures(pid)) is not None}
             if self.hosts_nice:
                 for pid in hosts.keys() - self.host_cpu_s.keys():  # new ones (a restarted host too)
                     with contextlib.suppress(OSError):
                         os.setpriority(os.PRIO_PROCESS, pid, self.hosts_nice)
             self.host_cpu_s.update(hosts)
             db_bytes = sum(p.stat().st_size for p in self.db_path.parent.glob(self.db_path.name + "*") if p.exists())
-            self.samples.append({"t": time.monotonic() - started,
-                                 "cpu_s": (int(fields[11]) + int(fields[12])) / CLOCK_TICKS,
-                                 "rss_mb": rss_kb / 1024, "fds": fds, "db_mb": db_bytes / 2**20})
+            self.samples.append({"t": time.monotonic() - started, "cpu_s": cpu_s, "rss_mb": rss_kb / 1024,
+                                 "fds": fds, "db_mb": db_bytes / 2**20})
 
 
-def simulated_hosts_cpu() -> dict[int, float]:
-    """CPU seconds of every process hosting simulated workers (they compete with the coordinator
-    for the cores: the latencies they measure include their own event loops' delays)."""
-    found = {}
+def processes_with(marker: bytes) -> list[int]:
+    """Processes whose command line holds `marker`: the hosts of simulated workers (they compete
+    with the coordinator for the cores: the latencies they measure include their own event
+    loops' delays), the coordinator's API fronts."""
+    found = []
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if b"seerd.worker.sim_host" not in (entry / "cmdline").read_bytes():
-                continue
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        found[int(entry.name)] = (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if marker in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
     return found
+
+
+def process_figures(pid: int) -> tuple[float, int, int] | None:
+    """A process's CPU seconds, RSS in kB and open files; None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        status = Path(f"/proc/{pid}/status").read_text()
+        fds = len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return None
+    rss_kb = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0)
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS, rss_kb, fds
 
 
 def exactly_once(run_dir: Path, targets: dict[tuple[int, int], int]) -> list[str]:
@@ -212,7 +219,7 @@ def run(args: argparse.Namespace, work: Path) -> dict:
                "--sim-preset", args.preset, "--time-scale", str(args.time_scale), "--policy", args.policy,
                "--chunk-tokens", str(args.chunk_tokens or preset.chunk_tokens), "--max-tokens", str(max_tokens),
                "--max-num-seqs", str(args.max_num_seqs or preset.max_num_seqs), "--seed", str(args.seed),
-               "--no-progress"]
+               "--no-progress"] + ([] if args.api_processes is None else ["--api-processes", str(args.api_processes)])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
                OMP_NUM_THREADS="1")
     log_path = work / "seerd.log"
@@ -237,7 +244,7 @@ def run(args: argparse.Namespace, work: Path) -> dict:
     samples = sampler.samples
     generation_s = load["generation_s"]
     return {
-        "workers": args.workers, "requests": len(targets), "exactly_once": not problems, "problems": problems,
+        "workers": args.workers, "api_processes": args.api_processes, "requests": len(targets), "exactly_once": not problems, "problems": problems,
         "lease_p99_ms": latency["calls"].get("/v1/lease", percentiles([]))["p99_ms"],
         "report_p99_ms": latency["calls"].get("/v1/report", percentiles([]))["p99_ms"],
         "serving_lease_p99_ms": latency["calls_serving"].get(LEASE.path, percentiles([]))["p99_ms"],
@@ -359,6 +366,8 @@ def main() -> int:
                         help="also report latencies of the calls sent after this many seconds: at time scale "
                              "0.005 the first fill and the first chunk boundaries of the 512 engines (started "
                              "together) are over by ~70 s")
+    parser.add_argument("--api-processes", type=int,
+                        help="the coordinator's API front processes (default: seerd's choice for the worker count)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="seerd-load-"))

@@ -18,7 +18,7 @@ from seerd.cli.launching import (
     EXIT_BAD_INPUT, EXIT_FAILED_REQUESTS, EXIT_INCOMPLETE, EXIT_OK, exit_2_on, own_or_exit, prepare_or_exit,
     report_result,
 )
-from seerd.cli.options import ALLOW_MODEL_CHANGE_OPTION, LOCAL_GPUS_OPTION, rollout_options
+from seerd.cli.options import ALLOW_MODEL_CHANGE_OPTION, API_PROCESSES_OPTION, LOCAL_GPUS_OPTION, rollout_options
 from seerd.cli.serve import rollout, serve, slurm_serve
 from seerd.cli.sim import sim
 from seerd.cli.slurm import slurm_run, submit
@@ -48,7 +48,9 @@ def cli(verbose: bool) -> None:
 @LOCAL_GPUS_OPTION
 @click.option("--progress/--no-progress", default=None, help="Progress bar (default: when on a terminal).")
 @ALLOW_MODEL_CHANGE_OPTION
-def run(workers: int, progress: bool | None, allow_model_change: bool, **options) -> None:  # noqa: ANN003
+@API_PROCESSES_OPTION
+def run(workers: int, progress: bool | None, allow_model_change: bool, api_processes: int | None,
+        **options) -> None:  # noqa: ANN003
     """Run a rollout on this machine: a coordinator and WORKERS local vLLM engines."""
     prepared = prepare_or_exit(options, workers=workers, where=f"{workers} workers",
                                allow_model_change=allow_model_change)
@@ -56,17 +58,18 @@ def run(workers: int, progress: bool | None, allow_model_change: bool, **options
         return
     with prepared.ownership:
         _drive(prepared.rundir, prepared.ownership, workers if prepared.created else prepared.config.workers,
-               progress, allow_model_change)
+               progress, allow_model_change, api_processes)
 
 
 def _drive(rundir: RunDir, ownership: Ownership, workers: int, progress: bool | None,
-           allow_model_change: bool) -> None:
+           allow_model_change: bool, api_processes: int | None) -> None:
     from seerd.coordinator.daemon import Coordinator
     from seerd.coordinator.model_identity import ModelChanged
     from seerd.launch.local import run_local
 
     with exit_2_on(ModelChanged):
-        coordinator = Coordinator(rundir, ownership, allow_model_change=allow_model_change, expected_workers=workers)
+        coordinator = Coordinator(rundir, ownership, allow_model_change=allow_model_change, expected_workers=workers,
+                                  api_processes=api_processes)
     started = time.monotonic()
     with ui.RunProgress(progress) as bar:
         result = run_local(coordinator, workers, on_tick=bar.update)
@@ -78,7 +81,9 @@ def _drive(rundir: RunDir, ownership: Ownership, workers: int, progress: bool | 
 @click.option("--workers", default=None, type=int, help="Override the number of local workers.")
 @click.option("--progress/--no-progress", default=None)
 @ALLOW_MODEL_CHANGE_OPTION
-def resume(run_dir: Path, workers: int | None, progress: bool | None, allow_model_change: bool) -> None:
+@API_PROCESSES_OPTION
+def resume(run_dir: Path, workers: int | None, progress: bool | None, allow_model_change: bool,
+           api_processes: int | None) -> None:
     """Continue an interrupted run from its database."""
     problem = None if workers is None else number_problem("--workers", workers, integer=True, at_least=1,
                                                           at_most=MAX_WORKERS, why=WORKERS_WHY)
@@ -92,7 +97,7 @@ def resume(run_dir: Path, workers: int | None, progress: bool | None, allow_mode
             ui.info(f"run {rundir.path} is already finished; nothing to do")
             return
         config = RunConfig.from_json(rollout.config_json)
-        _drive(rundir, ownership, workers or config.workers, progress, allow_model_change)
+        _drive(rundir, ownership, workers or config.workers, progress, allow_model_change, api_processes)
 
 
 @cli.command()

@@ -114,6 +114,11 @@ ENGINE_ARG_OPTION = click.option(
     help="Passed to vLLM's engine arguments as given (VALUE is read as JSON when it parses, e.g. "
          "enable_prefix_caching=false); repeatable.")
 
+API_PROCESSES_OPTION = click.option(
+    "--api-processes", type=click.IntRange(0, 64), default=None,
+    help="Front processes that serve the coordinator's HTTP API (0: its own process). Default: "
+         "none below 600 workers, 2 from there (docs/benchmarks.md).")
+
 ALLOW_MODEL_CHANGE_OPTION = click.option(
     "--allow-model-change", is_flag=True,
     help="Resume even though the model directory's checkpoint changed since the run was created "

@@ -30,7 +30,13 @@ from seerd.signing import (
 )
 
 METRICS_PATH = "/metrics"
+# In an API front process (front.py), the nonce of a signed call and when it may be forgotten: the
+# coordinator's process checks it, one set of nonces for every front (a replay may reach another).
+NONCE_SCOPE_KEY = "seerd.nonce"
 _REPLY_HEADER = REPLY_HEADER.encode()
+
+
+REPLAYED = "this call was made before (a replay)"
 
 
 class BodyDigestMismatch(Exception):
@@ -66,13 +72,16 @@ class SignedCalls:
     token); signs every answer to a signed one; counts calls and their wall time for the daemon."""
 
     def __init__(self, app, secret: str, control, *, address: str = "",  # noqa: ANN001
-                 metrics_token: str | None = None, wall_clock: Callable[[], float] = time.time) -> None:
+                 metrics_token: str | None = None, wall_clock: Callable[[], float] = time.time,
+                 check_nonces: bool = True) -> None:
         self.app = app
         self.mac = Mac(call_key(secret, address))
         self.metrics_bearer = f"Bearer {metrics_token}".encode() if metrics_token else None
         self.control = control
         self.wall_clock = wall_clock
-        self.nonces = SeenNonces()
+        # False in a front process: the nonce goes on in the scope (`NONCE_SCOPE_KEY`) to the
+        # coordinator's process, which checks it and tells the front whether to prove the connection.
+        self.nonces = SeenNonces() if check_nonces else None
 
     async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001
         if scope["type"] != "http":
@@ -102,10 +111,11 @@ class SignedCalls:
                                f"{MAX_SKEW_S:.0f}); sign again with the reply's time", STALE_TIMESTAMP)
             self._count("stale_timestamp")
             return await _answer(reply, 401, self._signing(send, signed.nonce), close=True)
-        if not self.nonces.add(signed.nonce, now + skew + MAX_SKEW_S, now):
-            return await self._refuse(send, "replayed", "this call was made before (a replay)")
-        connection = scope.get(CONNECTION_SCOPE_KEY)
-        if connection is not None:
+        if self.nonces is None:
+            scope[NONCE_SCOPE_KEY] = (signed.nonce, now + skew + MAX_SKEW_S)
+        elif not self.nonces.add(signed.nonce, now + skew + MAX_SKEW_S, now):
+            return await self._refuse(send, "replayed", REPLAYED)
+        elif (connection := scope.get(CONNECTION_SCOPE_KEY)) is not None:
             connection.prove()
         return await self._serve(scope, self._checked_body(receive, signed.body_sha256),
                                  self._signing(send, signed.nonce))

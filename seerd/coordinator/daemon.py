@@ -27,6 +27,7 @@ from seerd.config import RunConfig
 from seerd.coordinator.api import CoordinatorControl, create_app
 from seerd.coordinator.book import FORECASTS_PER_TICK, LeaseBook
 from seerd.coordinator.drafts import REFRESH_S, DraftHost, book_sequences, history_sequences
+from seerd.coordinator.forwarding import ApiFronts, FrontsGuard, api_processes_for
 from seerd.coordinator.guard import ConnectionGuard, api_server, body_limit, limits_for, raise_open_files_limit
 from seerd.coordinator.heap import HeapKeeper
 from seerd.coordinator.latency import watch_loop_lag
@@ -107,12 +108,15 @@ class Coordinator:
                  expected_workers: int | None = None, clock: Callable[[], float] = time.time,
                  drain_signals: tuple[signal.Signals, ...] = (), drain_grace_s: float = 120.0,
                  rollout_id: int | None = None, outputs: RunDir | None = None, serving: bool = False,
-                 heap: HeapKeeper | None = None, pool: PoolHost | None = None) -> None:
+                 heap: HeapKeeper | None = None, pool: PoolHost | None = None,
+                 api_processes: int | None = None) -> None:
         """ModelChanged (model_identity.py) when the run's checkpoint changed, unless allowed.
         `seerd serve` runs one per batch: its `rollout_id`, exported to `outputs`, `serving`, the
         serve's `heap` (settled once for the process: a full collection with vLLM imported took
         0.36 s of every batch's start, on the event loop) and the serve's KV `pool`, if any (it
-        lives across batches; this coordinator scopes it to its batch and cleans the batch's keys)."""
+        lives across batches; this coordinator scopes it to its batch and cleans the batch's keys).
+        `api_processes`: front processes that serve the API (forwarding.py); None picks by the
+        worker count (`api_processes_for`), 0 serves it in this process."""
         if not run_dir.exists():
             raise RunNotFound(f"no run at {run_dir.path} (no {run_dir.db_path.name})")
         ownership.require(run_dir.path)
@@ -165,11 +169,13 @@ class Coordinator:
         self.started_at = clock()
         self.cpu_started = CpuSnapshot.now()
         self._stop_reason: str | None = None
-        self._server: uvicorn.Server | None = None
-        self.guard: ConnectionGuard | None = None  # the API's connection limits and their counters
+        self._server: uvicorn.Server | ApiFronts | None = None
+        # The API's connection limits and their counters (the fronts' summed, with fronts).
+        self.guard: ConnectionGuard | FrontsGuard | None = None
         self.initial_status = rollout.status
         self.load: dict | None = None
         self.expected_workers = expected_workers or self.config.workers
+        self.api_processes = api_processes_for(self.expected_workers) if api_processes is None else api_processes
         self._gate_opened = False  # `_gate`: every expected worker came (or the wait ran out)
         # Warning signals (Slurm's `--signal`, before a time limit or preemption): drain, then stop.
         self.drain_signals = drain_signals
@@ -287,15 +293,22 @@ class Coordinator:
         host, port = sock.getsockname()[:2]
         await self._start_hosts()
         app = self.create_app(secret, f"{host}:{port}", metrics_token)
-        app.state.guard = guard  # its counters on /metrics
-        self._server = api_server(app, guard)  # signal handlers are ours, below, in one place
-        self.guard = guard
+        if self.api_processes:
+            self._server = ApiFronts(app, self.control, self.api_processes, secret=secret, address=f"{host}:{port}",
+                                     metrics_token=metrics_token, limits=guard.limits,
+                                     max_body_bytes=body_limit(self.config.engine, self.config.chunk_tokens))
+            self.guard = self._server.guard
+        else:
+            self._server = api_server(app, guard)  # signal handlers are ours, below, in one place
+            self.guard = guard
+        app.state.guard = self.guard  # its counters on /metrics
         loop = asyncio.get_running_loop()
         actions = self._signal_actions()
         previous = {signum: signal.getsignal(signum) for signum in actions}
         for signum, action in actions.items():
             loop.add_signal_handler(signum, action)
         server_task = asyncio.create_task(self._server.serve(sockets=[sock]))
+        server_task.add_done_callback(self._server_ended)
         lag_task = asyncio.create_task(watch_loop_lag(self.control.turns))
         while not self._server.started and not server_task.done():
             await asyncio.sleep(0.01)
@@ -307,7 +320,7 @@ class Coordinator:
         finally:
             self._server.should_exit = True
             lag_task.cancel()
-            await server_task
+            await asyncio.wait([server_task])  # its failure is the stop's reason (`_server_ended`)
             await self._end()
             for signum, handler in previous.items():
                 loop.remove_signal_handler(signum)
@@ -316,6 +329,13 @@ class Coordinator:
             if self._owns_run:  # else the address is the new owner's
                 self.run_dir.address_path.unlink(missing_ok=True)
         return result
+
+    def _server_ended(self, task: asyncio.Task) -> None:
+        if task.cancelled() or self._server is None or self._server.should_exit:
+            return
+        failure = task.exception()
+        log.error("the API server stopped before the run did", exc_info=failure)
+        self.request_stop(f"the API server stopped: {failure or 'it ended'}")
 
     async def serve_batch(self, mount: Callable[[Starlette | None], None], secret: str, address: str,
                           on_tick: Callable[[dict], None] | None = None) -> CoordinatorResult:

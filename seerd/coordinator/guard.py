@@ -78,6 +78,10 @@ class ConnectionGuard:
             oldest.transport.close()
         self.unproven[connection] = None
 
+    @property
+    def unproven_open(self) -> int:
+        return len(self.unproven)
+
     def protocol(self):  # noqa: ANN201 - what uvicorn.Config(http=...) takes: a protocol factory
         return partial(GuardedProtocol, guard=self)
 

@@ -116,7 +116,7 @@ class RefusalCollector:
         yield closed
         yield GaugeMetricFamily("seerd_api_unproven_connections",
                                 "Open connections that have not made a signed call yet.",
-                                value=len(guard.unproven))
+                                value=guard.unproven_open)
 
 
 def metrics_registry(*collectors: object) -> CollectorRegistry:
