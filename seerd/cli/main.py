@@ -64,10 +64,11 @@ def run(workers: int, progress: bool | None, allow_model_change: bool, api_proce
 def _drive(rundir: RunDir, ownership: Ownership, workers: int, progress: bool | None,
            allow_model_change: bool, api_processes: int | None) -> None:
     from seerd.coordinator.daemon import Coordinator
+    from seerd.coordinator.footprint import NotEnoughMemory
     from seerd.coordinator.model_identity import ModelChanged
     from seerd.launch.local import run_local
 
-    with exit_2_on(ModelChanged):
+    with exit_2_on(ModelChanged, NotEnoughMemory):
         coordinator = Coordinator(rundir, ownership, allow_model_change=allow_model_change, expected_workers=workers,
                                   api_processes=api_processes)
     started = time.monotonic()

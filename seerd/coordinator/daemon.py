@@ -27,6 +27,7 @@ from seerd.config import RunConfig
 from seerd.coordinator.api import CoordinatorControl, create_app
 from seerd.coordinator.book import FORECASTS_PER_TICK, LeaseBook
 from seerd.coordinator.drafts import REFRESH_S, DraftHost, book_sequences, history_sequences
+from seerd.coordinator.footprint import check_footprint, mem_available_bytes, run_footprint
 from seerd.coordinator.forwarding import ApiFronts, FrontsGuard, api_processes_for
 from seerd.coordinator.guard import ConnectionGuard, api_server, body_limit, limits_for, raise_open_files_limit
 from seerd.coordinator.heap import HeapKeeper
@@ -134,6 +135,9 @@ class Coordinator:
         try:
             verify_model(self.sessions, rollout, allow_change=allow_model_change, now=clock())
             rollout = load_rollout(self.engine, rollout.id)  # with the fingerprint it now runs under
+            # Before the book is loaded: a run that cannot fit is refused with what it needs (footprint.py).
+            check_footprint(run_footprint(self.engine, rollout.id, expected_workers or self.config.workers),
+                            mem_available_bytes())
         except BaseException:
             self.engine.dispose()
             raise
