@@ -10,10 +10,10 @@ import signal
 _PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent() -> None:
-    """Ask the kernel to SIGTERM this process when its parent dies (kill -9 included).
+def die_with_parent(signum: signal.Signals = signal.SIGTERM) -> None:
+    """Ask the kernel to send this process `signum` when its parent dies (kill -9 included).
 
     Use as `preexec_fn`, or call in the child itself. The signal fires when the parent *thread*
     that forked the child exits, so spawn from a long-lived thread."""
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    libc.prctl(_PR_SET_PDEATHSIG, signum)

@@ -32,7 +32,7 @@ from seerd.coordinator.latency import Laps
 from seerd.coordinator.leases import read_tokens, write_leases
 from seerd.coordinator.liveness import WorkerLiveness, chunk_done, chunk_failed, refuted_reason
 from seerd.coordinator.records import (
-    Failure, GroupInputs, LeaseTerms, ReportCall, RequestProgress, Requeue, RetiredWorker, UnknownWorker,
+    BookBroken, Failure, GroupInputs, LeaseTerms, ReportCall, RequestProgress, Requeue, RetiredWorker, UnknownWorker,
     chunk_seed,
 )
 from seerd.coordinator.reports import (
@@ -95,6 +95,7 @@ class LeaseBook:
         self.worker_only_targets: dict[int, int] = {}
         self.first_lease_at: float | None = None  # this session's; generation starts here
         self.first_lease_cpu: CpuSnapshot | None = None  # this process's CPU time then
+        self.broken: str | None = None  # why the book refuses every change (`BookBroken`)
         self.completed_at: float | None = None  # the report that finished the last request; generation ends
         self.completed_cpu: CpuSnapshot | None = None  # this process's CPU time then (the export comes after)
         # Called on this (the state) thread after each commit: (group, request, offset, tokens) per
@@ -251,19 +252,60 @@ class LeaseBook:
         """Up to `wanted` chunks for `worker_id`, as its policy plans them. `continuing`: requests
         whose engine requests run on at this worker (`report_and_continue`): a grant for one of
         them continues it in place, without its context."""
-        worker = self._worker(worker_id)
-        if worker.status != WorkerStatus.ALIVE or wanted <= 0 or not len(self.state.queue):
-            return []  # a call that asks for nothing gets nothing, whatever the policy would hand out
+        (grants,) = self.lease_calls([(worker_id, wanted, continuing)], now)
+        if isinstance(grants, UnknownWorker):
+            raise grants
+        return grants
+
+    def lease_calls(self, calls: Sequence[tuple[str, int, Collection[int]]], now: float
+                    ) -> list[list[ChunkGrant] | UnknownWorker]:
+        """`lease` for each (worker, wanted, continuing) in turn, in one transaction: a
+        transaction per lease (begin, its WAL pages, commit) was a fifth of the state thread's time
+        when ~1,000 report calls of one group commit each leased (py-spy, tools/load.py, 1,000
+        workers). Each plan sees the leases before it: the state follows each lease as it is
+        written, ahead of the commit, so a failed write leaves the book ahead of the database
+        (`BookBroken`). Per call its grants, or the `UnknownWorker` its worker is."""
+        self.refuse_if_broken()
+        answers: list[list[ChunkGrant] | UnknownWorker] = [[] for _ in calls]
+        wanted_any = [i for i, (worker_id, wanted, _) in enumerate(calls) if wanted > 0]
+        for i, (worker_id, _, _) in enumerate(calls):
+            try:
+                self._worker(worker_id)
+            except UnknownWorker as exc:
+                answers[i] = exc
+        if not len(self.state.queue) or not any(isinstance(answers[i], list) for i in wanted_any):
+            return answers  # a call that asks for nothing gets nothing, whatever the policy would hand out
+        applied = False
+        try:
+            with self.writer.begin(durable=False) as conn:
+                for i in wanted_any:
+                    worker_id, wanted, continuing = calls[i]
+                    if isinstance(answers[i], list) and self.workers[worker_id].status == WorkerStatus.ALIVE:
+                        answers[i] = self._lease_in(conn, worker_id, wanted, now, continuing)
+                        applied = applied or bool(answers[i])
+        except Exception as exc:
+            if applied:
+                self.broken = f"a lease transaction failed after its leases were applied: {exc!r}"
+                raise BookBroken(self.broken) from exc
+            raise
+        return answers
+
+    def refuse_if_broken(self) -> None:
+        if self.broken is not None:
+            raise BookBroken(self.broken)
+
+    def _lease_in(self, conn: Connection, worker_id: str, wanted: int, now: float,
+                  continuing: Collection[int]) -> list[ChunkGrant]:
+        if not len(self.state.queue):
+            return []
         plan = self.policy.plan(self.state.snapshot(worker_id, wanted, now, frozenset(continuing)))
         if not plan.assignments and not plan.new_bindings:
             return []
         self.state.check_plan(plan, worker_id)
         deadline = now + self.lease_ttl_s
-        with self.writer.begin(durable=False) as conn:
-            chunk_ids, epochs = write_leases(conn, self.rollout_id, self.progress, worker_id, plan, now, deadline,
-                                             continuing)
-        # Committed: now the state follows.
-        leases = self.state.apply_leases(worker_id, plan, chunk_ids)
+        chunk_ids, epochs = write_leases(conn, self.rollout_id, self.progress, worker_id, plan, now, deadline,
+                                         continuing)
+        leases = self.state.apply_leases(worker_id, plan, chunk_ids)  # before the commit: `lease_calls`
         if self.first_lease_at is None:
             self.first_lease_at = now
             self.first_lease_cpu = CpuSnapshot.now()
@@ -413,6 +455,7 @@ class LeaseBook:
         context: the worker holds it); one it does not is stopped by the worker, and the slot runs
         what the plan gave instead. So the scheduler decides exactly as with re-submitted chunks
         and lease calls; only the engine's cost of a boundary and a round trip go."""
+        self.refuse_if_broken()
         request_of = {r.chunk_id: self.state.leases[r.chunk_id].request_id  # of every reported lease
                       for call in calls for r in call.reports if r.chunk_id in self.state.leases}
         running_on = [{r.chunk_id: request_of[r.chunk_id] for r in call.reports if self.in_place
@@ -421,21 +464,19 @@ class LeaseBook:
         laps = laps or Laps({})  # where the time of the calls goes, phase by phase
         answers = self._report_calls([(call.worker_id, call.reports) for call in calls], now, laps)
         laps.lap("refuted and unleased")
-        replies: list[tuple[list[ReportOutcome], list[ChunkGrant]] | UnknownWorker] = []
+        leasing = []  # (worker, slots, continuing) per call that may lease; 0 slots for the others
         for call, held, outcomes in zip(calls, running_on, answers):
-            if isinstance(outcomes, UnknownWorker):
-                replies.append(outcomes)
-                continue
-            slots = sum(1 for report, outcome in zip(call.reports, outcomes) if report.chunk_id in held
-                        and outcome.accepted and not outcome.duplicate and not outcome.request_finished)
-            slots += max(0, call.wanted)
-            grants = []
-            if call.may_lease and slots:
-                try:
-                    grants = self.lease(call.worker_id, slots, now, continuing=set(held.values()))
-                except UnknownWorker:  # taken out by a report of this batch (refuted): its reports stand
-                    grants = []
-            replies.append((outcomes, grants))
+            slots = 0
+            if not isinstance(outcomes, UnknownWorker) and call.may_lease:
+                slots = sum(1 for report, outcome in zip(call.reports, outcomes) if report.chunk_id in held
+                            and outcome.accepted and not outcome.duplicate and not outcome.request_finished)
+                slots += max(0, call.wanted)
+            leasing.append((call.worker_id, slots, set(held.values())))
+        # A worker taken out by a report of this batch (refuted) gets no grants: its reports stand.
+        leased = self.lease_calls(leasing, now)
+        replies: list[tuple[list[ReportOutcome], list[ChunkGrant]] | UnknownWorker] = [
+            outcomes if isinstance(outcomes, UnknownWorker) else (outcomes, grants if isinstance(grants, list) else [])
+            for outcomes, grants in zip(answers, leased)]
         laps.lap("leases")
         for call, reply in zip(calls, replies):  # what still waits, once every call has leased
             if not isinstance(reply, UnknownWorker):
@@ -507,6 +548,7 @@ class LeaseBook:
         a report since (the daemon's tick hands them to the waiting lease calls; counting only the
         expired ones left a stuck worker's requests unseen by the waiting calls until their polls
         ended)."""
+        self.refuse_if_broken()
         stuck = {w.id: why for w in self.live_workers()
                  if (why := w.stuck(bool(self.state.workers[w.id].chunks), now, self.lease_ttl_s))}
         if stuck:

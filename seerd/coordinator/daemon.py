@@ -415,7 +415,9 @@ class Coordinator:
             if not self._owns_run:
                 return CoordinatorResult(RolloutStatus.INTERRUPTED, None,
                                          f"this coordinator lost the run: {self.ownership.lost}")
-            if expired := await run(self.book.expire, self.clock()):
+            if self.book.broken is not None:  # its state is past the database's: resume from the database
+                self.request_stop(f"the lease book stopped ({self.book.broken}); resume the run from its database")
+            elif expired := await run(self.book.expire, self.clock()):
                 self.control.work_queued(expired)
             await run(self.book.persist_soft_state, FORECASTS_PER_TICK)
             await run(self.heap.tick)

@@ -193,6 +193,8 @@ class ApiFronts:
             if self.restarts >= MAX_RESTARTS:
                 raise RuntimeError(f"API front {index} died {self.restarts} times (exit {front.process.poll()})")
             self.restarts += 1
+            if front.process.poll() is None:  # its link is gone: it serves nobody
+                front.process.kill()
             log.error("API front %d exited (%s); starting it again", index, front.process.wait())
             front.link.close()
             cpu.forget_helper(front.process.pid)

@@ -19,8 +19,10 @@ the command line (`ps` shows that to every user).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
+import signal
 import socket
 import sys
 from collections.abc import Callable
@@ -35,6 +37,7 @@ from seerd.protocol import ErrorReply
 
 log = logging.getLogger("seerd.front")
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 TALLY_EVERY_S = 1.0  # how often a front tells the coordinator its refusal and guard counters
 _FRAME_HEADER = 4  # bytes of a frame's length, big-endian, before its msgpack
 
@@ -264,6 +267,7 @@ async def serve_front(listen_fd: int, link_fd: int) -> None:
     app = SignedCalls(BodyLimitMiddleware(Forwarder(front), setup.max_body_bytes), setup.secret, front.counts,
                       address=setup.address, metrics_token=setup.metrics_token, check_nonces=False)
     server = api_server(app, guard)
+    server.capture_signals = contextlib.nullcontext  # uvicorn's own makes SIGINT and SIGTERM stop it
     serving = asyncio.create_task(server.serve(sockets=[socket.socket(fileno=listen_fd)]))
     while not server.started and not serving.done():
         await asyncio.sleep(0.01)
@@ -288,7 +292,13 @@ def main(argv: list[str]) -> None:
     from seerd.event_loop import run_event_loop
     from seerd.parent_death import die_with_parent
 
-    die_with_parent()
+    # The coordinator decides when its API stops: a terminal's Ctrl-C, Slurm's SIGTERM and its
+    # warning signals (USR1/USR2) reach every process of the job, and a front that died of one
+    # would leave the workers unable to report during the drain the coordinator starts on it.
+    # Its Stop, its link's end or its death (SIGKILL, which cannot be ignored) end a front.
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+    die_with_parent(signal.SIGKILL)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     run_event_loop(serve_front(int(argv[1]), int(argv[2])))
 

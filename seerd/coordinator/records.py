@@ -25,6 +25,12 @@ class RetiredWorker(UnknownWorker):
         self.reason = reason
 
 
+class BookBroken(RuntimeError):
+    """A write failed after the book's state had moved past the database (the leases of one
+    transaction are applied as they are planned, `LeaseBook.lease_calls`): the book refuses every
+    change from then on and the daemon stops the run, which resumes from the database."""
+
+
 class ReportCall(NamedTuple):
     """One worker's report call, as `LeaseBook.report_calls` takes a batch of them."""
 

@@ -103,3 +103,27 @@ def test_the_load_tool_runs_64_workers_and_5000_requests_each_exactly_once(tmp_p
     assert result["calls"]["/v1/register"]["calls"] == 64
     assert result["joining_leases"]["calls"] == 64  # one first lease each, out of the serving figures
     assert result["calls_serving"]["/v1/lease"]["calls"] == result["calls"]["/v1/lease"]["calls"] - 64
+
+
+def test_the_load_tool_runs_through_api_front_processes_each_request_exactly_once(tmp_path):
+    """The same with the API served by two front processes (coordinator/front.py), as from 600
+    workers: every call forwarded to the coordinator's handlers, every request ends once, and
+    the fronts' CPU is counted as the coordinator's (its load figures name them)."""
+    import sqlite3
+    import subprocess
+    import sys
+
+    from tests.integration.harness import REPO_ROOT
+
+    done = subprocess.run([sys.executable, "tools/load.py", "--workers", "16", "--requests", "1000", "--time-scale", "1",
+                           "--api-processes", "2", "--json", "--work-dir", str(tmp_path)],
+                          capture_output=True, text=True, cwd=REPO_ROOT, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["exactly_once"] and not result["problems"], result["problems"]
+    assert (result["workers"], result["requests"], result["api_processes"]) == (16, 1000, 2)
+    assert result["calls"]["/v1/register"]["calls"] == 16
+    with sqlite3.connect(tmp_path / "run" / "state.db") as db:
+        load = json.loads(db.execute("select data_json from events where kind = 'coordinator_load'").fetchone()[0])
+    assert {"api-front-0", "api-front-1"} <= set(load["generation_cpu_by_thread_s"])
+    assert result["server_calls"]["/v1/register"]["calls"] == 16  # timed in the coordinator, as in one process

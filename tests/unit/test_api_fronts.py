@@ -156,6 +156,24 @@ def test_a_killed_front_is_started_again_and_the_workers_are_served(tmp_path):
     assert replacement != victim and registered.worker_id and lease.chunks and not heartbeat.done
 
 
+def test_fronts_ignore_the_stop_signals_that_reach_every_process_of_a_job(tmp_path):
+    """Ctrl-C, Slurm's SIGTERM and its warning signals reach the fronts too; the coordinator
+    drains on them and its workers must still reach it, so the fronts leave the stopping to the
+    coordinator (uvicorn's own handlers, which would stop a front's server, are not installed)."""
+    async def scenario():  # noqa: ANN202
+        async with fronted(tmp_path) as (_url, _address, server, _book):
+            return [_ignored_signals(front.process.pid) for front in server._fronts.values()]  # noqa: SLF001
+
+    for ignored in asyncio.run(scenario()):
+        assert {signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2} <= ignored
+
+
+def _ignored_signals(pid: int) -> set[int]:
+    with open(f"/proc/{pid}/status") as status:
+        mask = int(next(line for line in status if line.startswith("SigIgn:")).split()[1], 16)
+    return {signum for signum in range(1, 64) if mask & (1 << (signum - 1))}
+
+
 # A coordinator's API on fronts in its own process, its front pids printed, until it is killed.
 FRONTED_COORDINATOR = """
 import asyncio, json, sys, time

@@ -7,13 +7,17 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import pytest
+from sqlalchemy import text
+
 from seerd import protocol
 from seerd.coordinator.api import CoordinatorControl, create_app
-from seerd.coordinator.book import ReportCall, UnknownWorker
+from seerd.coordinator.book import LeaseBook, ReportCall, UnknownWorker
+from seerd.coordinator.records import BookBroken
 from seerd.db.base import CommitTimes
 from seerd.protocol import ChunkReport, EngineSettings, LeaseBody, RegisterBody, ReportBody
 from seerd.worker.client import CoordinatorClient
-from tests.unit.helpers import FakeClock, loopback_socket, make_book, rows, served
+from tests.unit.helpers import VOCAB_SIZE, FakeClock, loopback_socket, make_book, rows, served
 
 SECRET = "s3cret-token"
 WORKERS = 5
@@ -36,7 +40,7 @@ def test_report_calls_queued_while_the_state_thread_is_busy_share_one_durable_co
                                                                         kv_capacity_tokens=1000))
                 (grant,) = (await client.call(protocol.LEASE, LeaseBody(reg.worker_id, 1))).chunks
                 grants.append((reg.worker_id, grant))
-            durable_before = CommitTimes.durable
+            durable_before, relaxed_before = CommitTimes.durable, CommitTimes.relaxed
             release = threading.Event()
             blocker = asyncio.ensure_future(control.run(release.wait, 30))  # the state thread, busy
             sent = [asyncio.ensure_future(client.call(protocol.REPORT, ReportBody(worker, [
@@ -48,6 +52,7 @@ def test_report_calls_queued_while_the_state_thread_is_busy_share_one_durable_co
             replies = await asyncio.gather(*sent)
             await blocker
             assert CommitTimes.durable - durable_before == 1  # one fsync for the five calls
+            assert CommitTimes.relaxed - relaxed_before == 1  # and one transaction for their five leases
             for client in clients:
                 await client.close()
             return [(reply, grant) for reply, (_, grant) in zip(replies, grants)]
@@ -76,3 +81,32 @@ def test_in_a_group_commit_an_unknown_worker_fails_its_call_alone(tmp_path):
     outcomes, grants = real
     assert [o.accepted for o in outcomes] == [True] and len(grants) == 1
     assert book.state.finished_requests == 1
+
+
+def test_a_lease_write_the_database_refuses_after_leases_were_applied_stops_the_book_and_loses_nothing(tmp_path):
+    """The leases of one state-thread call share a transaction, each applied to the book as it is
+    planned (the next plan must see it): when the database refuses a later one (here a trigger,
+    as a full disk would), the book is ahead of the database and refuses every change; a book
+    loaded again from the database (a resumed run) holds no lease the database lacks."""
+    clock = FakeClock()
+    book = make_book(tmp_path, policy="divided", prompt_rows=rows(groups=2, n=2, max_tokens=20), now=clock())
+    for rank in range(2):
+        book.register(rank=rank, address="x", max_chunks=1, kv_capacity_tokens=1000, worker_id=f"w{rank}",
+                      now=clock())
+    with book.writer.begin() as conn:
+        conn.execute(text("CREATE TRIGGER refuse_w1 BEFORE INSERT ON events WHEN NEW.kind = 'chunk_leased' "
+                          "AND NEW.worker_id = 'w1' BEGIN SELECT RAISE(ABORT, 'database or disk is full'); END"))
+    with pytest.raises(BookBroken, match="disk is full"):
+        book.lease_calls([("w0", 1, ()), ("w1", 1, ())], clock())
+    assert "disk is full" in book.broken
+    for change in (lambda: book.lease("w0", 1, clock()), lambda: book.expire(clock()),
+                   lambda: book.report_calls([ReportCall("w0", [])], clock())):
+        with pytest.raises(BookBroken):
+            change()
+    with book.writer.begin() as conn:
+        assert conn.execute(text("select count(*) from chunks")).scalar_one() == 0  # w0's lease rolled back
+    book.close()
+    again = LeaseBook(book.sessions, book.rollout_id, book.policy, chunk_tokens=16, lease_ttl_s=10.0, seed=0,
+                      vocab_size=VOCAB_SIZE)
+    again.load(clock())
+    assert not again.state.leases and len(again.state.queue) == 4
