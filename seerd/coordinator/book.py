@@ -29,11 +29,10 @@ from sqlalchemy import Connection, Engine, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from seerd.coordinator.latency import Laps
-from seerd.coordinator.leases import read_tokens, write_leases
+from seerd.coordinator.leases import chunk_grant, read_tokens, write_leases
 from seerd.coordinator.liveness import WorkerLiveness, chunk_done, chunk_failed, refuted_reason
 from seerd.coordinator.records import (
     BookBroken, Failure, GroupInputs, LeaseTerms, ReportCall, RequestProgress, Requeue, RetiredWorker, UnknownWorker,
-    chunk_seed,
 )
 from seerd.coordinator.reports import (
     ReportOutcome, judge_unleased, sort_reports, with_queued_contexts, write_results,
@@ -266,23 +265,18 @@ class LeaseBook:
         written, ahead of the commit, so a failed write leaves the book ahead of the database
         (`BookBroken`). Per call its grants, or the `UnknownWorker` its worker is."""
         self.refuse_if_broken()
-        answers: list[list[ChunkGrant] | UnknownWorker] = [[] for _ in calls]
-        wanted_any = [i for i, (worker_id, wanted, _) in enumerate(calls) if wanted > 0]
-        for i, (worker_id, _, _) in enumerate(calls):
-            try:
-                self._worker(worker_id)
-            except UnknownWorker as exc:
-                answers[i] = exc
-        if not len(self.state.queue) or not any(isinstance(answers[i], list) for i in wanted_any):
-            return answers  # a call that asks for nothing gets nothing, whatever the policy would hand out
+        answers: list[list[ChunkGrant] | UnknownWorker] = [self._known_or_not(worker_id) for worker_id, _, _ in calls]
+        # A call that asks for nothing gets nothing, whatever the policy would hand out.
+        leasing = [i for i, (worker_id, wanted, _) in enumerate(calls) if wanted > 0 and isinstance(answers[i], list)
+                   and self.workers[worker_id].status == WorkerStatus.ALIVE]
+        if not len(self.state.queue) or not leasing:
+            return answers
         applied = False
         try:
             with self.writer.begin(durable=False) as conn:
-                for i in wanted_any:
-                    worker_id, wanted, continuing = calls[i]
-                    if isinstance(answers[i], list) and self.workers[worker_id].status == WorkerStatus.ALIVE:
-                        answers[i] = self._lease_in(conn, worker_id, wanted, now, continuing)
-                        applied = applied or bool(answers[i])
+                for i in leasing:
+                    grants = self._lease_in(conn, *calls[i][:2], now, calls[i][2])
+                    answers[i], applied = grants or [], applied or grants is not None
         except Exception as exc:
             if applied:
                 self.broken = f"a lease transaction failed after its leases were applied: {exc!r}"
@@ -290,17 +284,25 @@ class LeaseBook:
             raise
         return answers
 
+    def _known_or_not(self, worker_id: str) -> list[ChunkGrant] | UnknownWorker:
+        try:
+            self._worker(worker_id)
+        except UnknownWorker as exc:
+            return exc
+        return []
+
     def refuse_if_broken(self) -> None:
         if self.broken is not None:
             raise BookBroken(self.broken)
 
     def _lease_in(self, conn: Connection, worker_id: str, wanted: int, now: float,
-                  continuing: Collection[int]) -> list[ChunkGrant]:
+                  continuing: Collection[int]) -> list[ChunkGrant] | None:
+        """One lease in the caller's transaction: its grants, None if it changed nothing."""
         if not len(self.state.queue):
-            return []
+            return None
         plan = self.policy.plan(self.state.snapshot(worker_id, wanted, now, frozenset(continuing)))
         if not plan.assignments and not plan.new_bindings:
-            return []
+            return None
         self.state.check_plan(plan, worker_id)
         deadline = now + self.lease_ttl_s
         chunk_ids, epochs = write_leases(conn, self.rollout_id, self.progress, worker_id, plan, now, deadline,
@@ -314,7 +316,7 @@ class LeaseBook:
             progress = self.progress[lease.request_id]
             progress.open_chunk = None
             self.terms[lease.chunk_id] = LeaseTerms(epoch, progress.num_chunks, deadline)
-            grants.append(self._grant(lease.chunk_id, lease.request_id, lease.max_tokens,
+            grants.append(chunk_grant(self, lease.chunk_id, lease.request_id, lease.max_tokens,
                                       continues=lease.request_id in continuing))
             if lease.request_id in continuing:
                 # No copy of what runs in place (at a GPU job's scale, gigabytes: the tokens in
@@ -330,27 +332,6 @@ class LeaseBook:
         if progress.tokens is not None and not self.state.requests[request_id].finished:
             return list(progress.tokens)
         return list(read_tokens(conn, request_id))
-
-    def _grant(self, chunk_id: int, request_id: int, max_tokens: int, *, continues: bool = False) -> ChunkGrant:
-        request = self.state.requests[request_id]
-        group = self.state.groups[request.group_id]
-        inputs = self.inputs[request.group_id]
-        terms = self.terms[chunk_id]
-        sampling = dict(inputs.sampling)
-        # A row's own seed still differs per response and chunk; otherwise the rollout's seed.
-        base_seed = self.seed if sampling.get("seed") is None else int(sampling["seed"])
-        sampling["seed"] = chunk_seed(base_seed, group.index, request.response_index, terms.seq)
-        context = []  # a continuation runs on in the engine request holding its context
-        if not continues:
-            context = inputs.prompt.tolist()
-            context.extend(self.progress[request_id].tokens)
-        target = self.worker_only_targets.get(request_id)
-        remaining = request.max_tokens - request.generated
-        return ChunkGrant(chunk_id, terms.epoch, request_id, context, max_tokens, sampling, terms.deadline,
-                          None if target is None else target - request.generated,
-                          group_id=request.group_id, prompt_len=group.prompt_len, is_probe=request.is_probe,
-                          run_on=self.in_place and max_tokens < remaining, response_remaining=remaining,
-                          continues=continues, batch=self.rollout_id)
 
     # ----------------------------------------------------------------- reports
     def report(self, worker_id: str, report: ChunkReport | UnreadableReport, now: float) -> ReportOutcome:

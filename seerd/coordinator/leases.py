@@ -1,6 +1,6 @@
 """The rows a lease writes: a checked plan's chunks leased and requests running, in the lease
-book's transaction (as `reports.write_results` is for reports). Pure of the book's state but the
-requests' progress it is handed: the book applies the plan to its state after the commit."""
+book's transaction (as `reports.write_results` is for reports), pure of the book's state but the
+requests' progress it is handed; and the grant that tells the worker of each chunk."""
 
 from __future__ import annotations
 
@@ -9,12 +9,13 @@ from collections.abc import Collection, Mapping
 
 from sqlalchemy import Connection, bindparam
 
-from seerd.coordinator.records import RequestProgress
+from seerd.coordinator.records import RequestProgress, chunk_seed
 from seerd.coordinator.statements import BIND_GROUP, CHUNKS, DONE_TOKENS, FIRST_START, INSERT_EVENT, REQUESTS
 from seerd.db import ChunkStatus, RequestStatus, driver
 from seerd.db.event import event_row
 from seerd.db.transitions import ROW_EPOCH, ROW_ID, change_status, insert_many_returning_ids
 from seerd.io.codec import unpack_ints
+from seerd.protocol import ChunkGrant
 from seerd.scheduler.views import Plan
 
 
@@ -68,3 +69,27 @@ def read_tokens(conn: Connection, request_id: int) -> array:
     for blob in conn.execute(DONE_TOKENS, {"rid": request_id}).scalars():
         tokens.extend(unpack_ints(blob))
     return tokens
+
+
+def chunk_grant(book, chunk_id: int, request_id: int, max_tokens: int, *,  # noqa: ANN001 - the LeaseBook (a cycle)
+                continues: bool = False) -> ChunkGrant:
+    """What the worker is told of a chunk the `LeaseBook` just leased it (`LeaseBook.lease_calls`)."""
+    request = book.state.requests[request_id]
+    group = book.state.groups[request.group_id]
+    inputs = book.inputs[request.group_id]
+    terms = book.terms[chunk_id]
+    sampling = dict(inputs.sampling)
+    # A row's own seed still differs per response and chunk; otherwise the rollout's seed.
+    base_seed = book.seed if sampling.get("seed") is None else int(sampling["seed"])
+    sampling["seed"] = chunk_seed(base_seed, group.index, request.response_index, terms.seq)
+    context = []  # a continuation runs on in the engine request holding its context
+    if not continues:
+        context = inputs.prompt.tolist()
+        context.extend(book.progress[request_id].tokens)
+    target = book.worker_only_targets.get(request_id)
+    remaining = request.max_tokens - request.generated
+    return ChunkGrant(chunk_id, terms.epoch, request_id, context, max_tokens, sampling, terms.deadline,
+                      None if target is None else target - request.generated,
+                      group_id=request.group_id, prompt_len=group.prompt_len, is_probe=request.is_probe,
+                      run_on=book.in_place and max_tokens < remaining, response_remaining=remaining,
+                      continues=continues, batch=book.rollout_id)
