@@ -5,7 +5,8 @@ loads, bindings) lives in `self.state`, the very object the simulator drives; th
 only a real run has: SQLite, lease epochs and deadlines, heartbeats, prompts and tokens for
 grants, target lengths. Every mutation happens in one method, in one `BEGIN IMMEDIATE`
 transaction, every status write through `seerd/db/transitions.py`, and the in-memory state
-changes only after that transaction commits. A worker's report is acknowledged (the method
+changes only after that transaction commits (leases: as each is written, the commit last for
+all of one call, `lease_calls`). A worker's report is acknowledged (the method
 returns) only after its durable commit, so every token is either durable or was never
 acknowledged; what a restarted coordinator redoes anyway (leases, registrations, expiries,
 heartbeats, forecasts) commits without waiting for the disk (`db.base.begin`).
@@ -29,7 +30,7 @@ from sqlalchemy import Connection, Engine, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from seerd.coordinator.latency import Laps
-from seerd.coordinator.leases import chunk_grant, read_tokens, write_leases
+from seerd.coordinator.leases import grant_leases, read_tokens, write_leases
 from seerd.coordinator.liveness import WorkerLiveness, chunk_done, chunk_failed, refuted_reason
 from seerd.coordinator.records import (
     BookBroken, Failure, GroupInputs, LeaseTerms, ReportCall, RequestProgress, Requeue, RetiredWorker, UnknownWorker,
@@ -60,7 +61,6 @@ MAX_FAILED_ATTEMPTS = 3
 # a new growth table makes every unfinished group's due at once, 12,500 at 100,000 requests:
 # 0.1-0.3 s of one state-thread turn, every call queued behind it (tools/load.py).
 FORECASTS_PER_TICK = 2048
-
 
 
 class LeaseBook:
@@ -258,12 +258,10 @@ class LeaseBook:
 
     def lease_calls(self, calls: Sequence[tuple[str, int, Collection[int]]], now: float
                     ) -> list[list[ChunkGrant] | UnknownWorker]:
-        """`lease` for each (worker, wanted, continuing) in turn, in one transaction: a
-        transaction per lease (begin, its WAL pages, commit) was a fifth of the state thread's time
-        when ~1,000 report calls of one group commit each leased (py-spy, tools/load.py, 1,000
-        workers). Each plan sees the leases before it: the state follows each lease as it is
-        written, ahead of the commit, so a failed write leaves the book ahead of the database
-        (`BookBroken`). Per call its grants, or the `UnknownWorker` its worker is."""
+        """`lease` for each (worker, wanted, continuing) in turn, in one transaction (one per lease
+        was a fifth of the state thread at 1,000 workers: py-spy, tools/load.py). Each plan sees
+        the leases before it, applied as written, so a failed write leaves the book ahead of the
+        database (`BookBroken`). Per call its grants, or the `UnknownWorker` its worker is."""
         self.refuse_if_broken()
         answers: list[list[ChunkGrant] | UnknownWorker] = [self._known_or_not(worker_id) for worker_id, _, _ in calls]
         # A call that asks for nothing gets nothing, whatever the policy would hand out.
@@ -311,20 +309,7 @@ class LeaseBook:
         if self.first_lease_at is None:
             self.first_lease_at = now
             self.first_lease_cpu = CpuSnapshot.now()
-        grants = []
-        for lease, epoch in zip(leases, epochs):
-            progress = self.progress[lease.request_id]
-            progress.open_chunk = None
-            self.terms[lease.chunk_id] = LeaseTerms(epoch, progress.num_chunks, deadline)
-            grants.append(chunk_grant(self, lease.chunk_id, lease.request_id, lease.max_tokens,
-                                      continues=lease.request_id in continuing))
-            if lease.request_id in continuing:
-                # No copy of what runs in place (at a GPU job's scale, gigabytes: the tokens in
-                # flight): it is read back from the database should the request run elsewhere.
-                # Requests re-leased with their context keep theirs (reading it back per lease
-                # cost 5x the CPU per chunk, tools/bench_book_cpu.py --groups 2).
-                progress.tokens = None
-        return grants
+        return grant_leases(self, leases, epochs, deadline, continuing)
 
     def response_tokens(self, conn: Connection, request_id: int) -> list[int]:
         """A request's tokens so far: from memory while it runs, else from its done chunks."""

@@ -5,17 +5,18 @@ requests' progress it is handed; and the grant that tells the worker of each chu
 from __future__ import annotations
 
 from array import array
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 
 from sqlalchemy import Connection, bindparam
 
-from seerd.coordinator.records import RequestProgress, chunk_seed
+from seerd.coordinator.records import LeaseTerms, RequestProgress, chunk_seed
 from seerd.coordinator.statements import BIND_GROUP, CHUNKS, DONE_TOKENS, FIRST_START, INSERT_EVENT, REQUESTS
 from seerd.db import ChunkStatus, RequestStatus, driver
 from seerd.db.event import event_row
 from seerd.db.transitions import ROW_EPOCH, ROW_ID, change_status, insert_many_returning_ids
 from seerd.io.codec import unpack_ints
 from seerd.protocol import ChunkGrant
+from seerd.scheduler.state import LeaseRecord
 from seerd.scheduler.views import Plan
 
 
@@ -93,3 +94,22 @@ def chunk_grant(book, chunk_id: int, request_id: int, max_tokens: int, *,  # noq
                       group_id=request.group_id, prompt_len=group.prompt_len, is_probe=request.is_probe,
                       run_on=book.in_place and max_tokens < remaining, response_remaining=remaining,
                       continues=continues, batch=book.rollout_id)
+
+
+def grant_leases(book, leases: Sequence[LeaseRecord], epochs: Sequence[int], deadline: float,  # noqa: ANN001
+                 continuing: Collection[int]) -> list[ChunkGrant]:
+    """The `LeaseBook`'s terms of leases just applied, and their grants."""
+    grants = []
+    for lease, epoch in zip(leases, epochs):
+        progress = book.progress[lease.request_id]
+        progress.open_chunk = None
+        book.terms[lease.chunk_id] = LeaseTerms(epoch, progress.num_chunks, deadline)
+        grants.append(chunk_grant(book, lease.chunk_id, lease.request_id, lease.max_tokens,
+                                  continues=lease.request_id in continuing))
+        if lease.request_id in continuing:
+            # No copy of what runs in place (at a GPU job's scale, gigabytes: the tokens in
+            # flight): it is read back from the database should the request run elsewhere.
+            # Requests re-leased with their context keep theirs (reading it back per lease
+            # cost 5x the CPU per chunk, tools/bench_book_cpu.py --groups 2).
+            progress.tokens = None
+    return grants
