@@ -11,6 +11,7 @@ its state is in the database; but the time would be).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -53,13 +54,10 @@ def run_footprint(engine: Engine, rollout_id: int, workers: int) -> Footprint:
 
 def mem_available_bytes() -> int | None:
     """The kernel's estimate of memory available to a new workload (MemAvailable), None where unknown."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
     return None
 
 

@@ -21,6 +21,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field, fields
 
+import msgspec
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.routing import Route
@@ -110,8 +111,6 @@ def _body_once(body: bytes):  # noqa: ANN202
 
 
 def _error(call_id: int, status: int, detail: str, *, close: bool = False, fresh: bool = True) -> Answer:
-    import msgspec
-
     return Answer(call_id, status, msgspec.json.encode(ErrorReply(detail)), _JSON, close, fresh)
 
 

@@ -62,7 +62,7 @@ class Answer(msgspec.Struct, tag="answer", array_like=True):
 
 
 class Stop(msgspec.Struct, tag="stop", array_like=True):
-    pass
+    """Stop accepting; finish the calls in flight, then exit (the coordinator is stopping)."""
 
 
 # What a front sends the coordinator.
@@ -151,7 +151,7 @@ class _NoLatencies:
     """The front does not time calls: the coordinator times its handlers (forwarding.py)."""
 
     def add(self, endpoint: str, seconds: float) -> None:
-        pass
+        """Nothing to keep."""
 
 
 class FrontCounts:
@@ -277,10 +277,8 @@ async def serve_front(listen_fd: int, link_fd: int) -> None:
 
     while not front.stopping.is_set() and not serving.done():
         front.link.send(tally())
-        try:
+        with contextlib.suppress(TimeoutError):  # the next tally is due
             await asyncio.wait_for(front.stopping.wait(), TALLY_EVERY_S)
-        except TimeoutError:
-            pass
     server.should_exit = True  # calls in flight finish (their answers still come over the link)
     await serving
     front.link.send(tally())
