@@ -6,7 +6,7 @@ only a real run has: SQLite, lease epochs and deadlines, heartbeats, prompts and
 grants, target lengths. Every mutation happens in one method, in one `BEGIN IMMEDIATE`
 transaction, every status write through `seerd/db/transitions.py`, and the in-memory state
 changes only after that transaction commits (leases: as each is written, the commit last for
-all of one call, `lease_calls`). A worker's report is acknowledged (the method
+all of one `leasing` block). A worker's report is acknowledged (the method
 returns) only after its durable commit, so every token is either durable or was never
 acknowledged; what a restarted coordinator redoes anyway (leases, registrations, expiries,
 heartbeats, forecasts) commits without waiting for the disk (`db.base.begin`).
@@ -22,15 +22,16 @@ of unfinished requests in memory; the ORM models still define the schema.
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from sqlalchemy import Connection, Engine, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from seerd.coordinator.latency import Laps
-from seerd.coordinator.leases import grant_leases, read_tokens, write_leases
+from seerd.coordinator.leases import grant_leases, write_leases
 from seerd.coordinator.liveness import WorkerLiveness, chunk_done, chunk_failed, refuted_reason
 from seerd.coordinator.records import (
     BookBroken, Failure, GroupInputs, LeaseTerms, ReportCall, RequestProgress, Requeue, RetiredWorker, UnknownWorker,
@@ -248,9 +249,8 @@ class LeaseBook:
     # ----------------------------------------------------------------- leasing
     def lease(self, worker_id: str, wanted: int, now: float, *,
               continuing: Collection[int] = ()) -> list[ChunkGrant]:
-        """Up to `wanted` chunks for `worker_id`, as its policy plans them. `continuing`: requests
-        whose engine requests run on at this worker (`report_and_continue`): a grant for one of
-        them continues it in place, without its context."""
+        """Up to `wanted` chunks for `worker_id`, as its policy plans them. `continuing`: requests whose
+        engine requests run on here (`report_and_continue`): their grants continue them in place."""
         (grants,) = self.lease_calls([(worker_id, wanted, continuing)], now)
         if isinstance(grants, UnknownWorker):
             raise grants
@@ -258,36 +258,47 @@ class LeaseBook:
 
     def lease_calls(self, calls: Sequence[tuple[str, int, Collection[int]]], now: float
                     ) -> list[list[ChunkGrant] | UnknownWorker]:
-        """`lease` for each (worker, wanted, continuing) in turn, in one transaction (one per lease
-        was a fifth of the state thread at 1,000 workers: py-spy, tools/load.py). Each plan sees
-        the leases before it, applied as written, so a failed write leaves the book ahead of the
-        database (`BookBroken`). Per call its grants, or the `UnknownWorker` its worker is."""
-        self.refuse_if_broken()
-        answers: list[list[ChunkGrant] | UnknownWorker] = [self._known_or_not(worker_id) for worker_id, _, _ in calls]
-        # A call that asks for nothing gets nothing, whatever the policy would hand out.
-        leasing = [i for i, (worker_id, wanted, _) in enumerate(calls) if wanted > 0 and isinstance(answers[i], list)
-                   and self.workers[worker_id].status == WorkerStatus.ALIVE]
-        if not len(self.state.queue) or not leasing:
-            return answers
-        applied = False
-        try:
-            with self.writer.begin(durable=False) as conn:
-                for i in leasing:
-                    grants = self._lease_in(conn, *calls[i][:2], now, calls[i][2])
-                    answers[i], applied = grants or [], applied or grants is not None
-        except Exception as exc:
-            if applied:
-                self.broken = f"a lease transaction failed after its leases were applied: {exc!r}"
-                raise BookBroken(self.broken) from exc
-            raise
-        return answers
+        """`lease` for each (worker, wanted, continuing) in turn, in one transaction (`leasing`)."""
+        with self.leasing(now) as lease:
+            return [lease(worker_id, wanted, continuing) for worker_id, wanted, continuing in calls]
 
-    def _known_or_not(self, worker_id: str) -> list[ChunkGrant] | UnknownWorker:
-        try:
-            self._worker(worker_id)
-        except UnknownWorker as exc:
-            return exc
-        return []
+    @contextlib.contextmanager
+    def leasing(self, now: float) -> Iterator[Callable[..., list[ChunkGrant] | UnknownWorker]]:
+        """Leases in one transaction, committed as the block ends (one each was a fifth of the state
+        thread at 1,000 workers: py-spy, tools/load.py). Yields `lease(worker_id, wanted,
+        continuing=())`: the grants, or the `UnknownWorker` its worker is; hand them out only after
+        the block. Each plan sees the leases before it, applied as written: a write failing after
+        one was applied leaves the book ahead of the database (`BookBroken`). An error in the
+        block rolls every lease of it back."""
+        self.refuse_if_broken()
+        applied = False
+        with contextlib.ExitStack() as transaction:
+            conn: Connection | None = None  # begun by the first lease that plans
+
+            def lease(worker_id: str, wanted: int, continuing: Collection[int] = ()) -> list[ChunkGrant] | UnknownWorker:
+                nonlocal applied, conn
+                self.refuse_if_broken()
+                try:
+                    worker = self._worker(worker_id)
+                except UnknownWorker as exc:
+                    return exc
+                # A call that asks for nothing gets nothing, whatever the policy would hand out.
+                if wanted <= 0 or not len(self.state.queue) or worker.status != WorkerStatus.ALIVE:
+                    return []
+                if conn is None:
+                    conn = transaction.enter_context(self.writer.begin(durable=False))
+                grants = self._lease_in(conn, worker_id, wanted, now, continuing)
+                applied = applied or grants is not None
+                return grants or []
+
+            try:
+                yield lease
+                transaction.close()  # the commit, inside the try: a failed one breaks the book too
+            except Exception as exc:
+                if applied:
+                    self.broken = f"a lease transaction failed after its leases were applied: {exc!r}"
+                    raise BookBroken(self.broken) from exc
+                raise
 
     def refuse_if_broken(self) -> None:
         if self.broken is not None:
@@ -295,9 +306,7 @@ class LeaseBook:
 
     def _lease_in(self, conn: Connection, worker_id: str, wanted: int, now: float,
                   continuing: Collection[int]) -> list[ChunkGrant] | None:
-        """One lease in the caller's transaction: its grants, None if it changed nothing."""
-        if not len(self.state.queue):
-            return None
+        """One lease in the caller's transaction (`leasing`): its grants, None if it changed nothing."""
         plan = self.policy.plan(self.state.snapshot(worker_id, wanted, now, frozenset(continuing)))
         if not plan.assignments and not plan.new_bindings:
             return None
@@ -305,18 +314,11 @@ class LeaseBook:
         deadline = now + self.lease_ttl_s
         chunk_ids, epochs = write_leases(conn, self.rollout_id, self.progress, worker_id, plan, now, deadline,
                                          continuing)
-        leases = self.state.apply_leases(worker_id, plan, chunk_ids)  # before the commit: `lease_calls`
+        leases = self.state.apply_leases(worker_id, plan, chunk_ids)  # before the commit: `leasing`
         if self.first_lease_at is None:
             self.first_lease_at = now
             self.first_lease_cpu = CpuSnapshot.now()
         return grant_leases(self, leases, epochs, deadline, continuing)
-
-    def response_tokens(self, conn: Connection, request_id: int) -> list[int]:
-        """A request's tokens so far: from memory while it runs, else from its done chunks."""
-        progress = self.progress[request_id]
-        if progress.tokens is not None and not self.state.requests[request_id].finished:
-            return list(progress.tokens)
-        return list(read_tokens(conn, request_id))
 
     # ----------------------------------------------------------------- reports
     def report(self, worker_id: str, report: ChunkReport | UnreadableReport, now: float) -> ReportOutcome:

@@ -24,6 +24,9 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
+from sqlalchemy import Connection
+
+from seerd.coordinator.leases import read_tokens
 from seerd.db import read
 from seerd.drafts.server import DraftError, DraftServer
 from seerd.ownership import Ownership
@@ -88,8 +91,16 @@ class DraftHost:
 def book_sequences(book) -> dict[int, dict[int, list[int]]]:  # noqa: ANN001
     """On the state thread: every unfinished group's requests and their tokens so far."""
     with book.engine.connect() as conn:
-        return {gid: {rid: book.response_tokens(conn, rid) for rid in book.state.groups[gid].request_ids}
+        return {gid: {rid: response_tokens(book, conn, rid) for rid in book.state.groups[gid].request_ids}
                 for gid in book.state.unfinished_groups}
+
+
+def response_tokens(book, conn: Connection, request_id: int) -> list[int]:  # noqa: ANN001
+    """A request's tokens so far: from the book's memory while it runs, else from its done chunks."""
+    progress = book.progress[request_id]
+    if progress.tokens is not None and not book.state.requests[request_id].finished:
+        return list(progress.tokens)
+    return list(read_tokens(conn, request_id))
 
 
 def history_sequences(history_db: Path, this_db: Path, groups: Sequence[int], *,

@@ -27,7 +27,7 @@ class RetiredWorker(UnknownWorker):
 
 class BookBroken(RuntimeError):
     """A write failed after the book's state had moved past the database (the leases of one
-    transaction are applied as they are planned, `LeaseBook.lease_calls`): the book refuses every
+    transaction are applied as they are planned, `LeaseBook.leasing`): the book refuses every
     change from then on and the daemon stops the run, which resumes from the database."""
 
 

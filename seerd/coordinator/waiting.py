@@ -23,6 +23,7 @@ import heapq
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager as ContextManager
 from typing import NamedTuple
 
 # How many plans in vain one batch of work may cost beyond one per request queued (`serve`).
@@ -104,14 +105,18 @@ class LeaseLine:
             _answer(call, Waited(None, now, call.plans, woken=True))
 
     # ---------------------------------------------------------- the state thread's side
-    def serve(self, requests: int, context: int, ready_at: float, lease: Callable[[str, int], list]) -> int:
+    def serve(self, requests: int, context: int, ready_at: float,
+              leasing: Callable[[], ContextManager[Callable[[str, int], object]]]) -> int:
         """Plan for waiting calls, on the state thread, after `requests` were queued (the shortest
         with `context` tokens) at `ready_at`: calls whose worker could take one (`room_for`), those
         planned for in vain the fewest times first, then the workers with the most KV room (admission
         leaves a request that does not fit the asking worker to the one with the most room: its plan
         takes it), then the longest waiting; until the requests are handed out or `requests` +
         `EXTRA_PLANS` plans were made. A call given chunks is answered; the others wait on.
-        `lease(worker_id, wanted)` is the book's lease. Returns the plans made."""
+        `leasing()` opens the book's leases of one transaction (`LeaseBook.leasing`): its
+        `lease(worker_id, wanted)` gives the grants, or the exception of that call alone (an
+        unknown or retired worker). The answers go out once it committed; if it fails, every call
+        planned for in it gets the error. Returns the plans made."""
         with self._lock:
             candidates = []
             for place, call in enumerate(self._calls):
@@ -120,42 +125,45 @@ class LeaseLine:
                 room = self.room_for(call.worker_id, context)
                 if room is not None:
                     candidates.append((-call.vain, room, -place, call))
-            chosen = heapq.nlargest(requests + EXTRA_PLANS, candidates, key=lambda c: c[:3])
-            for *_, call in chosen:
+            chosen = [call for *_, call in heapq.nlargest(requests + EXTRA_PLANS, candidates, key=lambda c: c[:3])]
+            for call in chosen:
                 call.claimed = True
-        plans = 0
         left = requests
-        for index, (*_, call) in enumerate(chosen):
-            if left <= 0 or plans >= requests + EXTRA_PLANS:
-                self._release(chosen[index:])
-                break
-            plans += 1
-            call.plans += 1
-            try:
-                grants = lease(call.worker_id, call.wanted)
-            except Exception as exc:  # noqa: BLE001 - that call's to raise (an unknown or retired worker)
+        outcomes: list[tuple[_Call, object]] = []  # each call planned for, and its grants or error
+        try:
+            with leasing() as lease:
+                for call in chosen:
+                    if left <= 0 or len(outcomes) >= requests + EXTRA_PLANS:
+                        break
+                    call.plans += 1
+                    outcomes.append((call, lease(call.worker_id, call.wanted)))
+                    left -= len(outcomes[-1][1]) if isinstance(outcomes[-1][1], list) else 0
+        except Exception as exc:
+            self._release(chosen[len(outcomes):])
+            for call, _ in outcomes:
                 self._take(call)
                 _answer(call, exc)
-                continue
-            if grants:
-                left -= len(grants)
+            raise
+        self._release(chosen[len(outcomes):])
+        for call, outcome in outcomes:
+            if isinstance(outcome, BaseException) or outcome:
                 self._take(call)
-                _answer(call, Waited(grants, ready_at, call.plans))
+                _answer(call, outcome if isinstance(outcome, BaseException) else Waited(outcome, ready_at, call.plans))
             else:
                 call.vain += 1
-                self._release([(None, call)])
-        return plans
+                self._release([call])
+        return len(outcomes)
 
     def _take(self, call: _Call) -> None:
         with self._lock:
             self._calls.remove(call)
 
-    def _release(self, chosen: list) -> None:
+    def _release(self, chosen: list[_Call]) -> None:
         """Calls planned for (or about to be) that got nothing: back to waiting, or answered as
         timed out if their wait ran out meanwhile."""
         timed_out = []
         with self._lock:
-            for *_, call in chosen:
+            for call in chosen:
                 call.claimed = False
                 if call.expired:
                     self._calls.remove(call)

@@ -373,7 +373,7 @@ def test_the_draft_sync_threads_transport_appends_and_fetches_over_a_real_socket
 def test_a_long_state_thread_turn_hands_over_the_answers_it_has_before_it_ends():
     # The second call of the turn only ends once the first call's answer has reached the loop: a
     # turn that answered every call at its end would never let it (the wait times out and fails).
-    from seerd.coordinator.api import ANSWERS_EVERY_S
+    from seerd.coordinator.control import ANSWERS_EVERY_S
 
     async def scenario() -> list[str]:
         control = CoordinatorControl()

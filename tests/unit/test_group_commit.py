@@ -70,6 +70,47 @@ def test_report_calls_queued_while_the_state_thread_is_busy_share_one_durable_co
     assert book.state.finished_requests == WORKERS
 
 
+def test_lease_calls_queued_while_the_state_thread_is_busy_share_one_transaction(tmp_path):
+    # `CoordinatorControl.lease`: the lease calls of one state-thread turn plan in arrival order,
+    # each seeing the ones before (no chunk twice), and commit once.
+    clock = FakeClock()
+    book = make_book(tmp_path, policy="divided", prompt_rows=rows(groups=WORKERS, n=2, max_tokens=20), now=clock())
+    control = CoordinatorControl()
+    sock, address = loopback_socket()
+    app = create_app(book, SECRET, control, clock, address=address)
+    app.state.engine_settings = EngineSettings("m", {}, 0)
+
+    async def scenario() -> tuple[list, int]:
+        async with served(app, sock) as url:
+            clients = [CoordinatorClient(url, SECRET, patience_s=5.0) for _ in range(WORKERS)]
+            workers = [(await client.call(protocol.REGISTER, RegisterBody(f"w{rank}", rank, "x", max_chunks=2,
+                                                                          kv_capacity_tokens=1000))).worker_id
+                       for rank, client in enumerate(clients)]
+            relaxed_before = CommitTimes.relaxed
+            holding, release = threading.Event(), threading.Event()
+            blocker = asyncio.ensure_future(control.run(lambda: holding.set() or release.wait(30)))
+            while not holding.is_set():  # the state thread busy before any lease queues (else its turn takes some)
+                await asyncio.sleep(0.01)
+            sent = [asyncio.ensure_future(client.call(protocol.LEASE, LeaseBody(worker, 2)))
+                    for client, worker in zip(clients, workers)]
+            while len(control._calls) < WORKERS:  # every call queued behind the busy state thread
+                await asyncio.sleep(0.01)
+            release.set()
+            replies = await asyncio.gather(*sent)
+            await blocker
+            committed = CommitTimes.relaxed - relaxed_before
+            for client in clients:
+                await client.close()
+            return [reply.chunks for reply in replies], committed
+
+    granted, committed = asyncio.run(asyncio.wait_for(scenario(), 60))
+    assert committed == 1  # one transaction for the five calls' leases
+    assert [len(chunks) for chunks in granted] == [2] * WORKERS
+    chunk_ids = [grant.chunk_id for chunks in granted for grant in chunks]
+    assert len(set(chunk_ids)) == 2 * WORKERS and len(book.state.leases) == 2 * WORKERS
+    assert control.largest_turn["calls"] == WORKERS
+
+
 def test_in_a_group_commit_an_unknown_worker_fails_its_call_alone(tmp_path):
     clock = FakeClock()
     book = make_book(tmp_path, policy="divided", prompt_rows=rows(groups=1, n=2, max_tokens=20), now=clock())

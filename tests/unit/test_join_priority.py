@@ -9,7 +9,7 @@ import asyncio
 import threading
 import time
 
-from seerd.coordinator import api
+from seerd.coordinator import control as state_thread
 from seerd.coordinator.api import CoordinatorControl
 
 
@@ -40,7 +40,7 @@ def test_calls_of_registered_workers_run_before_registrations_queued_earlier():
 
 
 def test_a_call_queued_during_a_long_run_of_joins_goes_before_the_joins_left(monkeypatch):
-    monkeypatch.setattr(api, "JOINS_EVERY_S", 60.0)  # the joins' time budget never runs out here
+    monkeypatch.setattr(state_thread, "JOINS_EVERY_S", 60.0)  # the joins' time budget never runs out here
     control = CoordinatorControl()
     ran: list[str] = []
     lease_queued = threading.Event()
@@ -65,7 +65,7 @@ def test_a_call_queued_during_a_long_run_of_joins_goes_before_the_joins_left(mon
 
 
 def test_joins_beyond_a_turns_budget_run_in_turns_of_their_own(monkeypatch):
-    monkeypatch.setattr(api, "JOINS_EVERY_S", 0.0)  # one join a turn, past the turn's other calls
+    monkeypatch.setattr(state_thread, "JOINS_EVERY_S", 0.0)  # one join a turn, past the turn's other calls
     control = CoordinatorControl()
     ran: list[str] = []
 
@@ -100,7 +100,7 @@ def test_a_failing_join_fails_its_caller_alone():
 
 
 def test_a_registration_passed_over_turn_after_turn_runs_after_a_bounded_number_of_them(monkeypatch):
-    monkeypatch.setattr(api, "JOINS_MAY_WAIT_TURNS", 4)
+    monkeypatch.setattr(state_thread, "JOINS_MAY_WAIT_TURNS", 4)
     control = CoordinatorControl()
     ran: list[str] = []
     chained: list[asyncio.Future] = []

@@ -7,6 +7,7 @@ between the event loop and the state thread."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 
@@ -25,9 +26,11 @@ async def parked(line: LeaseLine, workers: list[str], timeout_s: float = 60.0) -
     return calls
 
 
-async def serve(line: LeaseLine, requests: int, lease, context: int = 0) -> int:  # noqa: ANN001
-    """`LeaseLine.serve` on a thread of its own, as the state thread runs it."""
-    return await asyncio.get_running_loop().run_in_executor(None, line.serve, requests, context, 1.0, lease)
+async def serve(line: LeaseLine, requests: int, lease, context: int = 0, leasing=None) -> int:  # noqa: ANN001
+    """`LeaseLine.serve` on a thread of its own, as the state thread runs it; `lease` stands in for
+    the lease of the book's transaction (`leasing`: the transaction itself, by default none)."""
+    leasing = leasing or (lambda: contextlib.nullcontext(lease))
+    return await asyncio.get_running_loop().run_in_executor(None, line.serve, requests, context, 1.0, leasing)
 
 
 async def answered(calls: list[tuple[str, asyncio.Task]]) -> dict[str, Waited]:
@@ -138,15 +141,15 @@ def test_wake_all_answers_every_waiting_call_as_woken():
     assert sorted(outcomes) == ["a", "b"] and all(o.woken and o.grants is None for o in outcomes.values())
 
 
-def test_a_lease_that_raises_raises_in_its_waiting_call_alone():
+def test_a_lease_refused_for_one_worker_fails_that_waiting_call_alone():
     async def scenario() -> tuple[object, dict[str, Waited]]:
         line = LeaseLine()
         line.room_for = lambda worker, _context: {"gone": 900, "ok": 100}[worker]
         calls = await parked(line, ["gone", "ok"])
 
-        def lease(worker: str, wanted: int) -> list[str]:
+        def lease(worker: str, wanted: int) -> list[str] | KeyError:
             if worker == "gone":
-                raise KeyError(worker)  # as the book's for a worker it no longer knows
+                return KeyError(worker)  # as the book's lease answers for a worker it no longer knows
             return ["chunk"]
 
         await serve(line, 1, lease)
@@ -159,3 +162,36 @@ def test_a_lease_that_raises_raises_in_its_waiting_call_alone():
 
     error, served = asyncio.run(scenario())
     assert isinstance(error, KeyError) and served["ok"].grants == ["chunk"]
+
+
+def test_a_failed_lease_transaction_answers_every_call_it_planned_for_with_the_error_and_no_grants():
+    # Grants are answered only after their transaction commits: one that fails leaves every call
+    # planned for in it without the chunks it rolled back, and the calls not reached waiting on.
+    class DiskFull(OSError):
+        pass
+
+    @contextlib.contextmanager
+    def failing_commit():
+        yield lambda worker, wanted: [f"chunk for {worker}"]
+        raise DiskFull("the commit failed")
+
+    async def scenario() -> tuple[dict[str, object], int, BaseException | None]:
+        line = LeaseLine()
+        line.room_for = lambda worker, _context: {"a": 900, "b": 500, "c": 100}[worker]
+        calls = await parked(line, ["a", "b", "c"])
+        raised = None
+        try:
+            await serve(line, 2, None, leasing=failing_commit)
+        except DiskFull as exc:
+            raised = exc
+        for _ in range(5):
+            await asyncio.sleep(0)
+        outcomes = {worker: (task.exception() if task.done() else "waiting") for worker, task in calls}
+        for _, task in calls:
+            task.cancel()
+        return outcomes, len(line), raised
+
+    outcomes, left, raised = asyncio.run(scenario())
+    assert isinstance(raised, DiskFull)
+    assert isinstance(outcomes["a"], DiskFull) and isinstance(outcomes["b"], DiskFull), outcomes
+    assert outcomes["c"] == "waiting" and left == 1

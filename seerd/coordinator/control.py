@@ -1,0 +1,344 @@
+"""The coordinator's state thread and what the API needs from the daemon (`CoordinatorControl`).
+
+Every call into the lease book runs on one thread: the book has a single owner, its transactions
+never interleave, and a commit's fsync never blocks the event loop that parses the workers'
+requests. Calls that queue while the thread is busy run in one turn of it (`run`, `join`); lease
+calls that queue together share one transaction (`lease`), report calls one durable group commit
+(`report`); the line of long-polling lease calls is served there as work is queued (`work_queued`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager as ContextManager
+from functools import partial
+from typing import NamedTuple
+
+from seerd.coordinator.book import LeaseBook, ReportCall, UnknownWorker
+from seerd.coordinator.latency import CallLatencies, Laps, PlansPerCall, SlowTurns
+from seerd.coordinator.reports import ReportOutcome
+from seerd.coordinator.waiting import LeaseLine
+from seerd.db.base import CommitTimes
+from seerd.protocol import ChunkGrant
+
+log = logging.getLogger(__name__)
+
+
+class CoordinatorControl:
+    """What the API needs from the daemon besides the book: whether to hand out work at all, and
+    the state thread.
+
+    Every call into the lease book runs on one dedicated thread (`run`): the book stays single-
+    owner, and a commit's fsync (milliseconds on a loaded disk) never blocks the event loop that
+    parses the other workers' requests. Report calls are committed in groups (`report`).
+    """
+
+    def __init__(self) -> None:
+        self._state_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="seerd-state")
+        # Status snapshots read for other hosts (`seerd status` of a run on a network filesystem):
+        # never on the state thread, and one at a time however many watch.
+        self._reader_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="seerd-reader")
+        self.accepting = True  # false while draining (shutdown, preemption)
+        self.scheduling_gate: Callable[[], bool] = lambda: True  # e.g. wait for every worker
+        self.worker_stats: dict[str, dict] = {}
+        self.told_done: set[str] = set()  # workers that have heard the rollout is complete
+        self.left: set[str] = set()  # workers that said goodbye (`HeartbeatBody.leaving`) with their final figures
+        self.busy_s = 0.0  # wall time inside API calls (overlapping calls count twice)
+        self.calls = 0
+        self.latencies = CallLatencies()  # the coordinator's own answer times (long-poll waits out)
+        # The state thread's turns: how long the oldest call of each waited for it, how long the
+        # turn ran, and how many calls it held ("reports": group commits; "calls": the rest).
+        self.turns = CallLatencies()
+        self.largest_turn = {"reports": 0, "calls": 0}
+        self.slow_turns = SlowTurns()  # what the slowest turns held, call by call
+        self.lease_plans = PlansPerCall()  # plans made for each lease call (long polls planned for in vain)
+        self._calls_since = self._reports_since = 0.0  # when the oldest queued call was queued
+        self.refused: dict[str, int] = {}  # calls refused by the signature check (auth.py), by reason
+        self.line = LeaseLine()  # lease calls long-polling for work (`work_queued` serves them)
+        # Work queued since the state thread last served the line: how many requests, the
+        # shortest context among them, and when the first of them was queued.
+        self._owed = 0
+        self._owed_context = NO_CONTEXT
+        self._owed_since = 0.0
+        # The book's leases for waiting calls (`LeaseLine.serve`), set by `create_app`.
+        self.leasing_for_waiting: Callable[[], ContextManager[Callable[[str, int], object]]] = (
+            lambda: contextlib.nullcontext(lambda _worker_id, _wanted: []))
+        self._reports: list[tuple[ReportCall, asyncio.Future]] = []  # waiting for the next group commit
+        self._reports_lock = threading.Lock()  # the loop appends, the state thread takes
+        self._commit_queued = False
+        self._calls: list[tuple[Callable[[], object], asyncio.Future]] = []  # other calls, likewise (`run`)
+        self._joins: collections.deque[tuple[Callable[[], object], asyncio.Future]] = collections.deque()  # (`join`)
+        self._calls_lock = threading.Lock()  # guards both lists and the flag
+        self._calls_queued = False  # a `_run_calls` is submitted and has not taken its calls yet
+        self._joins_passed = 0  # turns in a row that ended with joins waiting, for calls queued meanwhile
+        self.report_commits = 0  # group commits of report calls, and the calls they held
+        self.reports_committed = 0
+
+    async def run(self, fn, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN201
+        """Run `fn` on the state thread and wait for it without blocking the loop. Calls that
+        queue while the state thread is busy run in one turn of it and are answered with one
+        wake-up of the loop: a hand-over each (an executor future, a self-pipe write) was a
+        tenth of the loop's CPU with 512 workers (py-spy, tools/load.py)."""
+        return await self._queued(partial(fn, *args, **kwargs), joining=False)
+
+    async def lease(self, book: LeaseBook, worker_id: str, wanted: int, now: float) -> list[ChunkGrant]:
+        """`run` of `book.lease`: the lease calls that queue together run in one transaction
+        (`LeaseBook.leasing`) and are answered once it committed."""
+        return await self._queued(QueuedLease(book, worker_id, wanted, now), joining=False)
+
+    async def join(self, fn, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN201
+        """`run` for a worker joining (its registration): it waits behind the calls of workers
+        already registered, a few milliseconds of joins a turn (`JOINS_EVERY_S`). When 512
+        workers register and lease in the same second, the first leases of those registered
+        queued behind everyone's registration in arrival order, 0.6-0.9 s each; a running job's
+        leases and heartbeats likewise waited behind a burst of replacements registering."""
+        return await self._queued(partial(fn, *args, **kwargs), joining=True)
+
+    async def _queued(self, call: Callable[[], object], *, joining: bool):  # noqa: ANN202
+        loop = asyncio.get_running_loop()
+        answer = loop.create_future()
+        with self._calls_lock:
+            # The list read under the lock: a turn swaps `_calls` for a new one when it takes its
+            # calls, and a call added to the list it took would never run (a heartbeat waited for
+            # ever, and the coordinator's shutdown with it, once in a 100,000-request load run).
+            (self._joins if joining else self._calls).append((call, answer))
+            start, self._calls_queued = not self._calls_queued, True
+            if start:
+                self._calls_since = time.perf_counter()
+        if start:
+            self._state_thread.submit(self._run_calls, loop)
+        outcome, failed = await answer
+        if failed:
+            raise outcome
+        return outcome
+
+    def _run_calls(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On the state thread: every call queued by now, in order, then joins (`join`) for up to
+        `JOINS_EVERY_S`, another turn queued for those left; the answers handed to the loop
+        together, every `ANSWERS_EVERY_S` of a long turn (the first fill's turns of 256 first
+        leases ran 0.4 s: the first of them waited for the last)."""
+        with self._calls_lock:
+            batch, self._calls = self._calls, []
+            self._calls_queued = False
+            started = time.perf_counter()
+            self.turns.add("calls waited", started - self._calls_since)
+        cpu_at_start = time.thread_time()
+        answers = []
+        handed = started
+        held: dict[str, list] = {}  # what the turn ran: call name -> [count, seconds]
+        ran = 0
+        joins_began: float | None = None  # when this turn ran its first join
+        while True:
+            if ran < len(batch):
+                call, future = batch[ran]
+            else:
+                with self._calls_lock:
+                    # Calls queued meanwhile go first (their turn is submitted), unless the joins
+                    # were passed over `JOINS_MAY_WAIT_TURNS` turns in a row: none waits for ever.
+                    overtaken = bool(self._calls) and self._joins_passed < JOINS_MAY_WAIT_TURNS
+                    if not self._joins or overtaken or (
+                            joins_began is not None and time.perf_counter() - joins_began > JOINS_EVERY_S):
+                        if overtaken and self._joins:
+                            self._joins_passed += 1
+                        requeue = bool(self._joins) and not self._calls_queued
+                        if requeue:  # the joins left: after whatever queued meanwhile (reports too)
+                            self._calls_queued = True
+                            self._calls_since = time.perf_counter()
+                        break
+                    self._joins_passed = 0
+                    call, future = self._joins.popleft()
+                    if joins_began is None:
+                        joins_began = time.perf_counter()
+            began = time.perf_counter()
+            if isinstance(call, QueuedLease):  # with the lease calls queued right after it
+                together = [batch[ran]]
+                while ran + len(together) < len(batch) and isinstance(batch[ran + len(together)][0], QueuedLease):
+                    together.append(batch[ran + len(together)])
+                answers.extend(_lease_together(together))
+                ran += len(together)
+                name, count = "lease", len(together)
+            else:
+                ran += 1
+                try:
+                    answers.append((future, (call(), False)))
+                except BaseException as exc:  # noqa: BLE001 - the caller's to handle, as if it ran there
+                    answers.append((future, (exc, True)))
+                name, count = getattr(call.func, "__name__", "?"), 1
+            ended = time.perf_counter()
+            spent = held.setdefault(name, [0, 0.0])
+            spent[0] += count
+            spent[1] += ended - began
+            if ended - handed > ANSWERS_EVERY_S:
+                loop.call_soon_threadsafe(_settle_all, answers)
+                answers, handed = [], ended
+        self._turn_ran("calls", started, ran, held, cpu_at_start)
+        loop.call_soon_threadsafe(_settle_all, answers)
+        if requeue:
+            self._state_thread.submit(self._run_calls, loop)
+
+    def _turn_ran(self, kind: str, started: float, calls: int, held: dict[str, list],
+                  cpu_at_start: float) -> None:
+        ran = time.perf_counter() - started
+        # Of the turn's wall time, the thread's CPU: the rest it waited (the GIL, a core, the
+        # disk), which tells a turn with too much work from one kept waiting. (The run-queue wait
+        # from /proc/thread-self/schedstat too cost an eighth of the state thread's samples:
+        # opening a procfs file is slow.)
+        held["thread cpu"] = [1, time.thread_time() - cpu_at_start]
+        self.turns.add(f"{kind} ran", ran)
+        self.largest_turn[kind] = max(self.largest_turn[kind], calls)
+        self.slow_turns.add(started, ran, held)
+
+    async def read(self, fn, *args):  # noqa: ANN001, ANN002, ANN201
+        """Run the database reader `fn` on the reader thread and wait for it."""
+        return await asyncio.get_running_loop().run_in_executor(self._reader_thread, partial(fn, *args))
+
+    async def report(self, book: LeaseBook, call: ReportCall, clock: Callable[[], float]
+                     ) -> tuple[list[ReportOutcome], list[ChunkGrant], list[int] | None]:
+        """One worker's report call, committed with every other that queues while the state
+        thread is busy (a commit's fsync, say): one durable transaction and one fsync for all of
+        them (`LeaseBook.report_calls`), where one each made the disk the coordinator's limit
+        (tools/load.py). Its answer comes once that commit is done; the order of the calls is
+        kept. Raises `UnknownWorker` for a worker the book does not know (that call alone).
+        Returns the outcomes, the grants, and the chunks to abort of the heartbeat the call
+        carried (None without one)."""
+        loop = asyncio.get_running_loop()
+        answer = loop.create_future()
+        with self._reports_lock:
+            self._reports.append((call, answer))
+            start, self._commit_queued = not self._commit_queued, True
+            if start:
+                self._reports_since = time.perf_counter()
+        if start:
+            self._state_thread.submit(self._commit_reports, book, clock, loop)
+        result = await answer
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def _commit_reports(self, book: LeaseBook, clock: Callable[[], float], loop: asyncio.AbstractEventLoop) -> None:
+        """On the state thread: every report call queued by now, in one group commit."""
+        with self._reports_lock:
+            batch, self._reports = self._reports, []
+            self._commit_queued = False
+            started = time.perf_counter()
+            self.turns.add("reports waited", started - self._reports_since)
+        transactions = CommitTimes.durable + CommitTimes.relaxed, CommitTimes.total_s
+        cpu_at_start = time.thread_time()
+        held: dict[str, list] = {}  # the phases of `report_calls`, then the whole
+        now = clock()
+        calls = [call for call, _ in batch]
+        try:
+            beats = [_beat(book, call, now) for call in calls]
+            answers = book.report_calls(calls, now, laps=Laps(held))
+            answers = [a if isinstance(a, BaseException) else (*a, beat) for a, beat in zip(answers, beats)]
+        except Exception as exc:  # noqa: BLE001 - the commit failed (disk): every call of it answers 5xx
+            answers = [exc] * len(batch)
+        self.report_commits += 1
+        self.reports_committed += len(batch)
+        held["report_calls"] = [len(batch), time.perf_counter() - started]
+        # Of the turn, its transactions (begin to commit: the fsync among them): the disk's share.
+        held["transactions"] = [CommitTimes.durable + CommitTimes.relaxed - transactions[0],
+                                CommitTimes.total_s - transactions[1]]
+        self._turn_ran("reports", started, len(batch), held, cpu_at_start)
+        loop.call_soon_threadsafe(_settle_all, [(future, answer) for (_, future), answer in zip(batch, answers)])
+
+    def close(self) -> None:
+        self._reader_thread.shutdown(wait=True)
+        self._state_thread.shutdown(wait=True)
+
+    def work_queued(self, requests: int | None = None, smallest_context: int = 0) -> None:
+        """Work for lease calls waiting (a chunk was re-queued, a lease expired): `requests` newly
+        queued, the shortest with `smallest_context` tokens; the state thread plans for waiting
+        calls in its next turn (`LeaseLine.serve`), once however many calls of this turn of the
+        event loop queued work. None: every waiting call answers now (the rollout is done, or
+        the coordinator stops handing out work).
+
+        What each rule cut (tools/load.py, 512 workers, 100,000 requests): waking every waiting
+        call for each report made hundreds of empty lease calls queue on the state thread ahead
+        of the reports; four extra per report call, when a group commit answered dozens at once,
+        made turns of up to 427 plans (~1 s); waking workers without room for any of the work
+        (most of them, KV-bound, under load) made 3.6 plans in vain per lease call; woken calls
+        that planned for themselves waited for a state-thread turn per plan, up to 45 of them."""
+        if requests is None:
+            self.line.wake_all()
+            return
+        if not self._owed:
+            self._owed_since = time.monotonic()
+            asyncio.get_running_loop().call_soon(self._serve_owed)
+        self._owed += requests
+        self._owed_context = min(self._owed_context, smallest_context)
+
+    def _serve_owed(self) -> None:
+        requests, context, since = self._owed, self._owed_context, self._owed_since
+        self._owed, self._owed_context = 0, NO_CONTEXT
+        if not len(self.line) or not self.accepting:
+            return
+        served = asyncio.ensure_future(self.run(self.line.serve, requests, context, since, self.leasing_for_waiting))
+        served.add_done_callback(_log_failure)
+
+    @property
+    def waiting_lease_calls(self) -> int:
+        return len(self.line)
+
+
+# How long a state-thread turn runs calls before it hands the answers so far to the loop (`_run_calls`).
+ANSWERS_EVERY_S = 0.02
+# How long a turn runs joins (`join`) once its other calls are done, from its first join.
+JOINS_EVERY_S = 0.01
+JOINS_MAY_WAIT_TURNS = 4
+NO_CONTEXT = 1 << 62  # no work queued since the line was last served: nothing to fit
+
+
+def _beat(book: LeaseBook, call: ReportCall, now: float) -> list[int] | None:
+    """The heartbeat a report call carries, before its reports (their chunks, still held, are
+    renewed, not aborted): the chunks to abort, or None without one or for an unknown worker
+    (its reports answer for it)."""
+    beat = call.heartbeat
+    if beat is None:
+        return None
+    try:
+        return book.heartbeat(beat.worker_id, beat.running, now, beat.stats, beat.engine)
+    except UnknownWorker:
+        return None
+
+
+class QueuedLease(NamedTuple):
+    """A lease call waiting for the state thread (`CoordinatorControl.lease`)."""
+
+    book: LeaseBook
+    worker_id: str
+    wanted: int
+    now: float
+
+
+def _lease_together(queued: list[tuple[QueuedLease, asyncio.Future]]) -> list[tuple[asyncio.Future, tuple]]:
+    """Lease calls one after another in one transaction (`LeaseBook.lease_calls`), as `run`'s
+    answers: an unknown worker's call raises alone, a failed transaction in every call of it."""
+    calls = [lease for lease, _ in queued]
+    try:
+        outcomes = calls[0].book.lease_calls([(c.worker_id, c.wanted, ()) for c in calls], max(c.now for c in calls))
+    except Exception as exc:  # noqa: BLE001 - the callers' to handle, as if each ran there
+        return [(future, (exc, True)) for _, future in queued]
+    return [(future, (outcome, isinstance(outcome, BaseException))) for (_, future), outcome in zip(queued, outcomes)]
+
+
+def _log_failure(task: asyncio.Future) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("serving the waiting lease calls failed", exc_info=task.exception())
+
+
+def _settle(future: asyncio.Future, answer: object) -> None:
+    if not future.done():  # else its call went away (the client disconnected)
+        future.set_result(answer)
+
+
+def _settle_all(answers: list[tuple[asyncio.Future, object]]) -> None:
+    for future, answer in answers:
+        _settle(future, answer)
