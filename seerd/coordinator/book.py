@@ -23,7 +23,6 @@ of unfinished requests in memory; the ORM models still define the schema.
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -41,7 +40,7 @@ from seerd.coordinator.reports import (
 )
 from seerd.coordinator.saved import read_saved_rollout
 from seerd.coordinator.statements import (
-    CHUNKS, GROUP_FORECAST, INSERT_EVENT, REQUESTS, ROLLOUTS, WORKER_FIGURES, WORKERS,
+    CHUNKS, GROUP_FORECAST, INSERT_EVENT, REQUESTS, ROLLOUTS, WORKER_FIGURES, WORKERS, stats_json,
 )
 from seerd.cpu import CpuSnapshot
 from seerd.db import ChunkStatus, RequestStatus, RolloutStatus, WorkerStatus
@@ -89,7 +88,7 @@ class LeaseBook:
         self.progress: dict[int, RequestProgress] = {}  # request id ->
         self.terms: dict[int, LeaseTerms] = {}  # chunk id -> (every lease in self.state.leases)
         self.workers: dict[str, WorkerLiveness] = {}
-        self.unwritten_heartbeats: dict[str, dict] = {}  # worker id -> its last heartbeat's row values
+        self.unwritten_heartbeats: dict[str, dict] = {}  # worker id -> its last heartbeat (time, figures)
         self._revoked_unannounced = 0  # requests re-queued by taking workers out, until `expire` tells
         # request_id -> target length; never part of the scheduler's state (module docstring).
         self.worker_only_targets: dict[int, int] = {}
@@ -105,8 +104,7 @@ class LeaseBook:
         self.on_request_finished: Callable[[int, int], None] | None = None  # (group, request), e.g. the KV pool
 
     def close(self) -> None:
-        """Give back the connections the book keeps for its writes (`db.base.Writer`) and its
-        re-key thread."""
+        """Give back the connections the book keeps for its writes (`db.base.Writer`), its re-key thread."""
         self.writer.close()
         self._rekeys.shutdown(wait=False, cancel_futures=True)
 
@@ -165,15 +163,15 @@ class LeaseBook:
 
     def heartbeat(self, worker_id: str, running: Iterable[int], now: float, stats: dict | None = None,
                   engine: EngineProgress | None = None) -> list[int]:
-        """Extend the leases the worker still runs, when its engine shows progress
-        (`coordinator.liveness`); return the chunks it must abort. `stats`, the worker's own
-        figures (seerd/worker/stats.py), are kept for `seerd status` as they come."""
+        """Extend the leases the worker still runs, when its engine shows progress (`liveness.py`);
+        return the chunks it must abort. `stats` (seerd/worker/stats.py): kept for `seerd status`."""
         worker = self._worker(worker_id)
         running = set(running)
-        figures = {"last_heartbeat": now, "stats_json": json.dumps(stats, separators=(",", ":")) if stats else None}
+        figures = {"last_heartbeat": now, "stats": stats}  # encoded when written: most are overwritten first
         if worker.status == WorkerStatus.STALE:
             with self.writer.begin(durable=False) as conn:
-                change_one(conn, WORKERS, worker_id, WorkerStatus.STALE, WorkerStatus.ALIVE, **figures)
+                change_one(conn, WORKERS, worker_id, WorkerStatus.STALE, WorkerStatus.ALIVE, last_heartbeat=now,
+                           stats_json=stats_json(stats))
                 conn.execute(INSERT_EVENT, [event_row(self.rollout_id, now, "worker_alive", worker_id)])
             self.unwritten_heartbeats.pop(worker_id, None)
         else:  # soft state: written with the next `persist_soft_state`, not one commit per heartbeat
@@ -583,7 +581,7 @@ class LeaseBook:
                 driver.executemany(conn, GROUP_FORECAST, [{"gid": gid, "forecast": forecast}
                                                           for gid, forecast in changed.items()])
                 driver.executemany(conn, WORKER_FIGURES, [{"wid": wid, "beat": f["last_heartbeat"],
-                                                           "stats": f["stats_json"]} for wid, f in heartbeats.items()])
+                                                           "stats": stats_json(f["stats"])} for wid, f in heartbeats.items()])
         return len(changed) + len(heartbeats)
 
     def set_rollout_status(self, status: RolloutStatus, now: float, reason: str | None = None) -> None:

@@ -5,6 +5,8 @@ for why building them on every call cost CPU)."""
 
 from __future__ import annotations
 
+import json
+
 from sqlalchemy import bindparam, insert, select, update
 
 from seerd.db import Chunk, ChunkStatus, Event, Group, Request, Rollout, Worker
@@ -32,3 +34,8 @@ REQUEST_COUNT_VALUES = {"generated_tokens": bindparam("gen"), "num_chunks": bind
 REQUEST_FINISH_REASON = bindparam("fr")
 DONE_TOKENS = select(CHUNKS.c.token_ids).where(
     CHUNKS.c.request_id == bindparam("rid"), CHUNKS.c.status == ChunkStatus.DONE.value).order_by(CHUNKS.c.seq)
+
+
+def stats_json(stats: dict | None) -> str | None:
+    """A worker's heartbeat figures as `workers.stats_json` holds them (WORKER_FIGURES)."""
+    return json.dumps(stats, separators=(",", ":")) if stats else None
