@@ -5,11 +5,10 @@ for why building them on every call cost CPU)."""
 
 from __future__ import annotations
 
-import json
-
 from sqlalchemy import bindparam, insert, select, update
 
 from seerd.db import Chunk, ChunkStatus, Event, Group, Request, Rollout, Worker
+from seerd.db.event import encode_json
 from seerd.db.transitions import ROW_ID
 
 CHUNKS, REQUESTS, GROUPS, EVENTS = Chunk.__table__, Request.__table__, Group.__table__, Event.__table__
@@ -37,5 +36,7 @@ DONE_TOKENS = select(CHUNKS.c.token_ids).where(
 
 
 def stats_json(stats: dict | None) -> str | None:
-    """A worker's heartbeat figures as `workers.stats_json` holds them (WORKER_FIGURES)."""
-    return json.dumps(stats, separators=(",", ":")) if stats else None
+    """A worker's heartbeat figures as `workers.stats_json` holds them (WORKER_FIGURES): with
+    msgspec's encoder, as the event rows (`db.event`); json.dumps was 4% of the state thread at
+    1,000 workers (py-spy)."""
+    return encode_json(stats).decode() if stats else None

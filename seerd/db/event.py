@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import msgspec
 from sqlalchemy import Float, ForeignKey, Integer, String, Text
 from sqlalchemy.orm import Mapped, mapped_column
 
@@ -41,4 +42,9 @@ def event_row(rollout_id: int, ts: float, kind: str, worker_id: str | None = Non
               chunk_id: int | None = None, data: dict | None = None) -> dict:
     """An event as a row for a Core `insert(Event.__table__)` (hot paths write many at once)."""
     return {"rollout_id": rollout_id, "ts": ts, "kind": kind, "worker_id": worker_id, "request_id": request_id,
-            "chunk_id": chunk_id, "data_json": json.dumps(data, separators=(",", ":")) if data else None}
+            "chunk_id": chunk_id, "data_json": encode_json(data).decode() if data else None}
+
+
+# msgspec's encoder: 1 us against json.dumps's 19 on a lease event's dict (one event row per chunk
+# leased and per report, on the state thread); compact JSON all the same, NaN written as null.
+encode_json = msgspec.json.Encoder().encode

@@ -147,7 +147,7 @@ def admit(snapshot: Snapshot, ordered: Iterable[QueuedRequest],
         return Plan()  # what both passes below would end with, after looking at up to 257 requests each
     seen: list[QueuedRequest] = []
     ordered = iter(ordered)
-    plan = _admit(snapshot, _recording(ordered, seen), skip, limit, lean=False)
+    plan = _admit(snapshot, ordered, skip, limit, lean=False, seen=seen)
     if plan is not None:
         return plan
     # The KV ran short: again from the first request, every chunk lean.
@@ -170,15 +170,10 @@ def _room_for_any(snapshot: Snapshot) -> bool:
     return -(-(shortest + 1) // block) * block <= load.kv_capacity_tokens - load.reserved_kv_tokens
 
 
-def _recording(requests: Iterator[QueuedRequest], seen: list[QueuedRequest]) -> Iterator[QueuedRequest]:
-    for request in requests:
-        seen.append(request)
-        yield request
-
-
 def _admit(snapshot: Snapshot, ordered: Iterable[QueuedRequest], skip: Callable[[QueuedRequest], bool],
-           limit: int | None, *, lean: bool) -> Plan | None:
-    """One admission pass (see `admit`); None when, with whole chunks, the KV ran short."""
+           limit: int | None, *, lean: bool, seen: list[QueuedRequest] | None = None) -> Plan | None:
+    """One admission pass (see `admit`); None when, with whole chunks, the KV ran short. `seen`
+    gets each request taken from `ordered` (a second pass starts over with them)."""
     load = snapshot.worker(snapshot.worker_id)
     slots = free_slots(snapshot) if limit is None else min(limit, free_slots(snapshot))
     kv_free = load.kv_capacity_tokens - load.reserved_kv_tokens
@@ -190,6 +185,8 @@ def _admit(snapshot: Snapshot, ordered: Iterable[QueuedRequest], skip: Callable[
     assignments: list[Assignment] = []
     passed_over = 0
     for request in ordered:
+        if seen is not None:
+            seen.append(request)
         if len(assignments) >= slots or passed_over > MAX_PASSED_OVER:
             break
         if request.failed_on and live is None:

@@ -124,8 +124,9 @@ class SeerPolicy:
             starved.add(request.request_id)
             yield request
         growth = snapshot.growth
-        ordered = (r for r in snapshot.queued.ordered("seer", SeerKey(growth), growth.version, reads_growth)
-                   if r.request_id not in starved)
+        ordered = snapshot.queued.ordered("seer", SeerKey(growth), growth.version, reads_growth)
+        if starved:  # (a filter only when there are any: it was a layer over every request passed over)
+            ordered = (r for r in ordered if r.request_id not in starved)
         held = frozenset(rid for rid in snapshot.continuing - starved
                          if rid in snapshot.queued and not snapshot.queued.get(rid).is_probe)
         for request in ordered:  # probes first (their class), then the rest
@@ -165,8 +166,9 @@ class SeerPolicy:
             home = loads.get(request.last_worker)
             if home is None:
                 return False
-            slots, headroom = room_left.get(home.worker_id, (home.max_chunks - home.running_chunks,
-                                                             home.kv_capacity_tokens - home.reserved_kv_tokens))
+            left = room_left.get(home.worker_id)
+            slots, headroom = left if left is not None else (home.max_chunks - home.running_chunks,
+                                                             home.kv_capacity_tokens - home.reserved_kv_tokens)
             if (slots <= 0 or home.running_chunks - asking.running_chunks > self.affinity_spread
                     or snapshot.now - request.queued_at > self.starvation_s):
                 return False
