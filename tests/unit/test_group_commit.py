@@ -23,13 +23,19 @@ SECRET = "s3cret-token"
 WORKERS = 5
 
 
-def test_report_calls_queued_while_the_state_thread_is_busy_share_one_durable_commit(tmp_path):
+def _served_book(tmp_path):  # noqa: ANN001, ANN202
+    """A book of WORKERS groups of 2 under `divided`, its app and the socket it will serve on."""
     clock = FakeClock()
     book = make_book(tmp_path, policy="divided", prompt_rows=rows(groups=WORKERS, n=2, max_tokens=20), now=clock())
     control = CoordinatorControl()
     sock, address = loopback_socket()
     app = create_app(book, SECRET, control, clock, address=address)
     app.state.engine_settings = EngineSettings("m", {}, 0)
+    return book, control, app, sock
+
+
+def test_report_calls_queued_while_the_state_thread_is_busy_share_one_durable_commit(tmp_path):
+    book, control, app, sock = _served_book(tmp_path)
 
     async def scenario() -> list:
         async with served(app, sock) as url:
@@ -73,12 +79,7 @@ def test_report_calls_queued_while_the_state_thread_is_busy_share_one_durable_co
 def test_lease_calls_queued_while_the_state_thread_is_busy_share_one_transaction(tmp_path):
     # `CoordinatorControl.lease`: the lease calls of one state-thread turn plan in arrival order,
     # each seeing the ones before (no chunk twice), and commit once.
-    clock = FakeClock()
-    book = make_book(tmp_path, policy="divided", prompt_rows=rows(groups=WORKERS, n=2, max_tokens=20), now=clock())
-    control = CoordinatorControl()
-    sock, address = loopback_socket()
-    app = create_app(book, SECRET, control, clock, address=address)
-    app.state.engine_settings = EngineSettings("m", {}, 0)
+    book, control, app, sock = _served_book(tmp_path)
 
     async def scenario() -> tuple[list, int]:
         async with served(app, sock) as url:
