@@ -37,7 +37,8 @@ class CoordinatorControl:
 
     Every call into the lease book runs on one dedicated thread (`run`): the book stays single-
     owner, and a commit's fsync (milliseconds on a loaded disk) never blocks the event loop that
-    parses the other workers' requests. Report calls are committed in groups (`report`).
+    parses the other workers' requests. Report calls are committed in groups (`report`), lease
+    calls queued together in one transaction (`lease`).
     """
 
     def __init__(self) -> None:
@@ -73,7 +74,7 @@ class CoordinatorControl:
         self._reports: list[tuple[ReportCall, asyncio.Future]] = []  # waiting for the next group commit
         self._reports_lock = threading.Lock()  # the loop appends, the state thread takes
         self._commit_queued = False
-        self._calls: list[tuple[Callable[[], object], asyncio.Future]] = []  # other calls, likewise (`run`)
+        self._calls: list[tuple[Callable[[], object] | QueuedLease, asyncio.Future]] = []  # other calls (`run`, `lease`)
         self._joins: collections.deque[tuple[Callable[[], object], asyncio.Future]] = collections.deque()  # (`join`)
         self._calls_lock = threading.Lock()  # guards both lists and the flag
         self._calls_queued = False  # a `_run_calls` is submitted and has not taken its calls yet
