@@ -6,8 +6,8 @@ token; anything else gets 401 before routing (a plain ASGI middleware), and a bo
 the run's limit gets 413 before it is read. Handlers hand every call into the lease book to
 one state thread (`control.py`) and await it: the book has a single owner, so its transactions
 never interleave, and a commit's fsync never blocks the event loop. Bodies and replies are the
-message types of `seerd.protocol`, decoded, validated and encoded with msgspec: token lists are the bulk of the traffic and pydantic's per-element
-validation cost more than the database commit.
+message types of `seerd.protocol`, decoded, validated and encoded with msgspec: token lists are
+the bulk of the traffic and pydantic's per-element validation cost more than the database commit.
 """
 
 from __future__ import annotations

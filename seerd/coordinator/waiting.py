@@ -136,8 +136,10 @@ class LeaseLine:
                     if left <= 0 or len(outcomes) >= requests + EXTRA_PLANS:
                         break
                     call.plans += 1
-                    outcomes.append((call, lease(call.worker_id, call.wanted)))
-                    left -= len(outcomes[-1][1]) if isinstance(outcomes[-1][1], list) else 0
+                    outcome = lease(call.worker_id, call.wanted)
+                    outcomes.append((call, outcome))
+                    if isinstance(outcome, list):
+                        left -= len(outcome)
         except Exception as exc:
             self._release(chosen[len(outcomes):])
             for call, _ in outcomes:
