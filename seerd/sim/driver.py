@@ -273,11 +273,11 @@ class Simulation:
         """Lease calls answered at `now`, in the daemon's order, after `reporter`'s chunks ended
         (None: the start, when every worker makes its first call, in index order).
 
-        With `wake` (a report re-queued work) the coordinator wakes every long-polling call, the
-        workers with the most KV room first (`_waiting_in_wake_order`). Then come the calls made now: the reporter's, unless it was already
-        waiting (a full worker asks once its report is answered, after the woken calls). A worker
-        that got chunks calls again at once (it still has free slots), in rounds until a round
-        hands out nothing."""
+        With `wake` (a report re-queued work) the coordinator plans for the long-polling calls,
+        the workers with the most KV room first (`_waiting_in_wake_order`). Then come the calls
+        made now: the reporter's, unless it was already waiting (a full worker asks once its
+        report is answered, after the woken calls). A worker that got chunks calls again at once
+        (it still has free slots), in rounds until a round hands out nothing."""
         woken = self._waiting_in_wake_order(now) if wake else []
         was_woken = set(woken)
         if reporter is None:
@@ -321,8 +321,11 @@ class Simulation:
         self.waiting_since[i] = (now, self._asks) if self.running_chunks(i) < self.max_chunks else None
 
     def _waiting_in_wake_order(self, now: float) -> list[int]:
-        """The long-polling workers in the order the coordinator wakes them (`CoordinatorControl._wake`):
-        the most KV room first, then by when their current poll began. A poll times out after
+        """The long-polling workers in about the order the coordinator plans for them as work is
+        queued (`LeaseLine.serve`): the most KV room first, then by when their current poll began.
+        The daemon puts first the calls planned for in vain the fewest times and stops after the
+        requests queued plus `waiting.EXTRA_PLANS` plans; this model plans for every waiting call
+        (the simulator beside the daemon: docs/benchmarks.md, item 4). A poll times out after
         LONG_POLL_S and the worker asks again (a new wait)."""
         def wake_order(i: int) -> tuple[int, float, int]:
             began, ask = self.waiting_since[i]
