@@ -10,8 +10,9 @@ re-queued with a home among the workers) and `--workers` workers of the cpu-tiny
 sequences, 5,120 KV tokens in blocks of 16), then `--plans` plans of seer, each for a random
 worker, at three levels of KV room left on the workers, side by side in one run: the time per
 plan, the requests each walked (both passes), the plans that passed over more than
-`MAX_PASSED_OVER`, those that needed a lean pass and those that gave nothing. The plans' digest tells whether a change to the walk moved a decision:
-run it in both checkouts (its root goes first on the import path) and compare.
+`MAX_PASSED_OVER`, those that needed a lean pass and those that gave nothing. The plans' digest
+tells whether a change to the walk moved a decision: run it in both checkouts (its root goes
+first on the import path) and compare.
 
     .venv/bin/python tools/bench_plan_walk.py [--queued 65000] [--workers 512] [--plans 3000] [--seed 0]
 """
@@ -33,7 +34,8 @@ from seerd.scheduler.views import OpenWorkers  # noqa: E402
 
 KV_TOKENS, BLOCK, SEQUENCES, CHUNK, MAX_TOKENS, GROUP = 5120, 16, 32, 64, 512, 8
 # KV tokens left on a worker, drawn per worker: loose (room for any chunk), mixed, tight.
-ROOM_LEFT = {"loose": (2048, 3072, 4096), "mixed": (128, 512, 1024, 2048, 4096), "tight": (0, 64, 128, 256, 384, 512)}
+ROOM_LEFT = {"loose": (2048, 3072, 4096), "mixed": (128, 512, 1024, 2048, 4096),
+             "tight": (0, 64, 128, 256, 384, 512)}
 
 
 def queue_of(rng: random.Random, queued: int, workers: int) -> RequestQueue:
@@ -138,12 +140,13 @@ def main() -> None:
             for name, room in ROOM_LEFT.items()}
     print(f"seer plans on {args.queued:,} queued requests, {args.workers} workers, {args.plans} plans a row "
           f"(MAX_PASSED_OVER {base.MAX_PASSED_OVER})")
-    print("KV room left | mean ms | p50 ms | p99 ms | mean x loose | walked | past the cut | with a lean pass | gave nothing")
+    print("KV room left | mean ms | p50 ms | p99 ms | mean x loose | walked | past the cut | with a lean pass | "
+          "gave nothing")
     print("---|---|---|---|---|---|---|---|---")
     for name, row in rows.items():
         print(f"{name} | {row['mean_ms']:.3f} | {row['p50_ms']:.3f} | {row['p99_ms']:.3f} | "
-              f"{row['mean_ms'] / rows['loose']['mean_ms']:.1f} | {row['walked']:.0f} | {row['cut']:.0%} | {row['lean']:.0%} | "
-              f"{row['vain']:.0%}")
+              f"{row['mean_ms'] / rows['loose']['mean_ms']:.1f} | {row['walked']:.0f} | {row['cut']:.0%} | "
+              f"{row['lean']:.0%} | {row['vain']:.0%}")
     print(f"decisions digest {digest.hexdigest()[:16]}")
 
 
