@@ -45,9 +45,10 @@ def queue_of(rng: random.Random, queued: int, workers: int) -> RequestQueue:
         generated = 0 if rng.random() < 0.8 else CHUNK * rng.randint(1, 7)
         home = None if generated == 0 else f"w{rng.randrange(workers)}"
         estimate = MAX_TOKENS if rng.random() < 0.7 else rng.randint(CHUNK, MAX_TOKENS)
+        probe = rid % GROUP == 0 and rng.random() < 0.05
         requests.append(QueuedRequest(
-            rid, gid, gid, rid % GROUP, 50 + gid * 37 % 250, generated, MAX_TOKENS, rid % GROUP == 0 and rng.random() < 0.05,
-            estimate, home, rng.uniform(0, 300), group_size=GROUP, group_finished=rng.randint(0, 3),
+            rid, gid, gid, rid % GROUP, 50 + gid * 37 % 250, generated, MAX_TOKENS, probe, estimate, home,
+            rng.uniform(0, 300), group_size=GROUP, group_finished=rng.randint(0, 3),
             group_longest_unfinished=generated))
     return RequestQueue.of(requests)
 

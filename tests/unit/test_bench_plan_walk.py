@@ -11,8 +11,8 @@ TOOL = Path(__file__).resolve().parents[2] / "tools" / "bench_plan_walk.py"
 
 
 def test_the_plan_walk_bench_walks_further_when_the_workers_kv_is_tight():
-    out = subprocess.run([sys.executable, str(TOOL), "--queued", "20000", "--workers", "512", "--plans", "200"],
-                         capture_output=True, text=True, check=True, timeout=120).stdout
+    command = [sys.executable, str(TOOL), "--queued", "20000", "--workers", "512", "--plans", "200"]
+    out = subprocess.run(command, capture_output=True, text=True, check=True, timeout=120).stdout
     rows = {line.split(" | ")[0]: line.split(" | ") for line in out.splitlines() if " | " in line and
             line.split(" | ")[0] in ("loose", "mixed", "tight")}
     assert set(rows) == {"loose", "mixed", "tight"}, out
