@@ -151,7 +151,9 @@ def admit(snapshot: Snapshot, ordered: Iterable[QueuedRequest],
     if plan is not None:
         return plan
     # The KV ran short: again from the first request, every chunk lean.
-    plan = _admit(snapshot, itertools.chain(seen, ordered), skip, limit, lean=True)
+    restarted = getattr(ordered, "restarted", None)
+    again = itertools.chain(seen, ordered) if restarted is None else restarted(seen)
+    plan = _admit(snapshot, again, skip, limit, lean=True)
     assert plan is not None
     return plan
 
@@ -184,7 +186,30 @@ def _admit(snapshot: Snapshot, ordered: Iterable[QueuedRequest], skip: Callable[
     room_elsewhere: int | None = None
     assignments: list[Assignment] = []
     passed_over = 0
-    for request in ordered:
+    ordered = iter(ordered)
+    # An order that can pass over, in one call, the requests that fit another worker and not this
+    # one (`seer.PassingOrder`): with the workers' KV full they were 95% of the requests a plan looked
+    # at, each a step through the policy's generators and `skip` (docs/benchmarks.md).
+    pass_over = getattr(ordered, "pass_over_unfit", None)
+    block = load.kv_block_tokens
+    chunk_tokens = snapshot.chunk_tokens
+
+    def need_of(request: QueuedRequest) -> int:
+        budget = lean_budget(request, chunk_tokens, block) if lean else chunk_budget(request, chunk_tokens)
+        return kv_need(request, budget, block)
+
+    while True:
+        if pass_over is not None and len(assignments) < slots and passed_over <= MAX_PASSED_OVER:
+            if room_elsewhere is None:
+                room_elsewhere = snapshot.open_workers.most_room_but(load.worker_id)
+            passed = pass_over(need_of, kv_free, room_elsewhere, MAX_PASSED_OVER + 1 - passed_over,
+                               None if lean else (chunk_tokens, block))
+            if seen is not None:
+                seen.extend(passed)
+            passed_over += len(passed)
+        request = next(ordered, None)
+        if request is None:
+            break
         if seen is not None:
             seen.append(request)
         if len(assignments) >= slots or passed_over > MAX_PASSED_OVER:
@@ -194,9 +219,8 @@ def _admit(snapshot: Snapshot, ordered: Iterable[QueuedRequest], skip: Callable[
         if skip(request) or (request.failed_on and failed_here(request, snapshot.worker_id, live)):
             passed_over += 1
             continue
-        budget = (lean_budget(request, snapshot.chunk_tokens, load.kv_block_tokens) if lean
-                  else chunk_budget(request, snapshot.chunk_tokens))
-        need = kv_need(request, budget, load.kv_block_tokens)
+        budget = lean_budget(request, chunk_tokens, block) if lean else chunk_budget(request, chunk_tokens)
+        need = kv_need(request, budget, block)
         if need > kv_free:
             if room_elsewhere is None:
                 room_elsewhere = snapshot.open_workers.most_room_but(load.worker_id)
@@ -205,10 +229,10 @@ def _admit(snapshot: Snapshot, ordered: Iterable[QueuedRequest], skip: Callable[
                 continue  # another worker has room for it and takes it when it asks
             if not lean:
                 return None
-            budget = fitting_budget(request, kv_free, load.kv_block_tokens)
+            budget = fitting_budget(request, kv_free, block)
             if budget < min(MIN_SHRUNK_BUDGET, request.remaining):
                 break
-            need = kv_need(request, budget, load.kv_block_tokens)
+            need = kv_need(request, budget, block)
         kv_free -= need
         assignments.append(Assignment(request.request_id, snapshot.worker_id, budget))
     return Plan(tuple(assignments))

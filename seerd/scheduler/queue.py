@@ -113,6 +113,10 @@ class RequestQueue:
             heapq.heappop(contexts)
         return None
 
+    def oldest_queued_at(self) -> float | None:
+        """When the request queued longest ago was queued; None if none is."""
+        return self._fcfs[0][0] if self._fcfs else None
+
     def fcfs(self, after: tuple[float, int] | None = None) -> Iterator[QueuedRequest]:
         """Oldest first; ties by request id. With `after` (a queued_at and request id), only the
         requests queued after it in that order."""
@@ -273,3 +277,7 @@ class QueueView:
     def shortest_context(self) -> int | None:
         self._check()
         return self._queue.shortest_context()
+
+    def oldest_queued_at(self) -> float | None:
+        self._check()
+        return self._queue.oldest_queued_at()

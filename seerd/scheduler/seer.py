@@ -46,7 +46,7 @@ binds only while the queue cannot fill every worker's free slots.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 from seerd.scheduler.base import DEFAULT_BALANCE_SPREAD, admit, balanced_slots, chunk_budget, continuing_first, kv_need
@@ -178,4 +178,84 @@ class SeerPolicy:
             room_left[home.worker_id] = (slots - 1, headroom - need)
             return True
 
-        return admit(snapshot, self.order(snapshot), skip=belongs_elsewhere, limit=limit)
+        return admit(snapshot, self._admission_order(snapshot), skip=belongs_elsewhere, limit=limit)
+
+    def _admission_order(self, snapshot: Snapshot) -> Iterator[QueuedRequest]:
+        """`order` for admission: with nothing starved and nothing continuing on the asking worker
+        (the common case) it is the index's own order, walked by a `PassingOrder`."""
+        oldest = snapshot.queued.oldest_queued_at()
+        if snapshot.continuing or (oldest is not None and snapshot.now - oldest > self.starvation_s):
+            return self.order(snapshot)
+        growth = snapshot.growth
+        return PassingOrder(snapshot.queued.ordered("seer", SeerKey(growth), growth.version, reads_growth),
+                            snapshot.worker_id)
+
+
+class PassingOrder:
+    """Seer's `order` when nothing is starved and nothing continues on the asking worker: the
+    queue's seer index, probes first (a probe after a non-probe is dropped, as `order` drops it),
+    with what admission uses to pass over many requests in one call (`base._admit`):
+    `pass_over_unfit` takes the next requests that fit another worker and not the asking one and
+    that seer's skip (`belongs_elsewhere`) leaves alone with no effect (no home elsewhere, no
+    failure); `restarted` is the order again from the requests admission has seen (its lean pass)."""
+
+    __slots__ = ("_front", "_rest", "_asking", "_past_probes")
+
+    def __init__(self, rest: Iterator[QueuedRequest], asking: str,
+                 front: list[QueuedRequest] | None = None) -> None:
+        self._front = front or []  # (reversed: popped from the end)
+        self._rest = rest
+        self._asking = asking
+        self._past_probes = False
+
+    def __iter__(self) -> PassingOrder:
+        return self
+
+    def __next__(self) -> QueuedRequest:
+        front = self._front
+        while True:
+            request = front.pop() if front else next(self._rest)
+            if not request.is_probe:
+                self._past_probes = True
+            elif self._past_probes:
+                continue
+            return request
+
+    def restarted(self, seen: list[QueuedRequest]) -> PassingOrder:
+        """The requests `seen` (already in order), then those not taken yet."""
+        return PassingOrder(self._rest, self._asking, [*self._front, *reversed(seen)])
+
+    def pass_over_unfit(self, need_of: Callable[[QueuedRequest], int], kv_free: int, room_elsewhere: int,
+                        most: int, whole_chunks: tuple[int, int] | None = None) -> list[QueuedRequest]:
+        """Take and return the next requests, up to `most`, that need more KV than `kv_free` and no
+        more than `room_elsewhere` (`need_of`), without a home on another worker or a failure;
+        the first that is not one of them stays next. `whole_chunks` (chunk tokens, KV block
+        tokens): `need_of` is a whole chunk's `kv_need`, worked out here in line (three calls a
+        request were most of this loop's time)."""
+        passed: list[QueuedRequest] = []
+        asking, front, rest = self._asking, self._front, self._rest
+        chunk, block = whole_chunks or (0, 0)
+        while len(passed) < most:
+            request = front.pop() if front else next(rest, None)
+            if request is None:
+                break
+            if not request.is_probe:
+                self._past_probes = True
+            elif self._past_probes:
+                continue
+            home = request.last_worker
+            if (home is not None and home != asking) or request.failed_on:
+                front.append(request)
+                break
+            if whole_chunks is None:
+                need = need_of(request)
+            else:  # kv_need(request, chunk_budget(request, chunk), block)
+                generated = request.generated
+                remaining = request.max_tokens - generated
+                tokens = request.prompt_len + generated + (chunk if chunk < remaining else remaining)
+                need = -(-tokens // block) * block
+            if need <= kv_free or need > room_elsewhere:
+                front.append(request)
+                break
+            passed.append(request)
+        return passed

@@ -60,6 +60,8 @@ class QueueReader(Protocol):
 
     def shortest_context(self) -> int | None: ...
 
+    def oldest_queued_at(self) -> float | None: ...
+
 
 @dataclass(frozen=True)
 class WorkerLoad:

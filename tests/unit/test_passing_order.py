@@ -1,0 +1,97 @@
+"""Seer's plans through `PassingOrder` (admission passing over, in one call, the requests that fit
+another worker and not the asking one) are the plans of its plain `order`, request for request:
+random queues with probes, homes, failed engines and workers from roomy to full."""
+
+from __future__ import annotations
+
+import random
+
+from seerd.scheduler import QueuedRequest, RequestQueue, SeerPolicy, Snapshot, WorkerLoad
+from seerd.scheduler.seer import PassingOrder
+
+CHUNK, BLOCK, KV = 64, 16, 5120
+
+
+def random_state(rng: random.Random, queued: int, workers: int
+                 ) -> tuple[RequestQueue, tuple[WorkerLoad, ...]]:
+    # Home workers with a slot or two left make a home's held requests count (seer's `room_left`).
+    loads = tuple(WorkerLoad(f"w{i}", i, rng.choice((0, 12, 29, 30, 31, 31, 32)),
+                             KV - rng.choice((0, 64, 200, 512, 1500, 4000)), 32, KV, BLOCK) for i in range(workers))
+    requests = []
+    for rid in range(queued):
+        gid = rid // 4
+        generated = 0 if rng.random() < 0.3 else CHUNK * rng.randint(1, 7)
+        # (w{workers}: a home that is gone)
+        home = None if generated == 0 or rng.random() < 0.1 else f"w{rng.randrange(workers + 1)}"
+        failed = frozenset({f"w{rng.randrange(workers)}"}) if rng.random() < 0.05 else frozenset()
+        probe = rid % 4 == 0 and rng.random() < 0.3
+        requests.append(QueuedRequest(
+            rid, gid, gid, rid % 4, rng.randint(10, 900), generated, 512, probe, rng.randint(CHUNK, 512), home,
+            rng.uniform(0, 100), group_size=4, group_finished=rng.randint(0, 3), group_longest_unfinished=generated,
+            failed_on=failed))
+    return RequestQueue.of(requests), loads
+
+
+def plans(policy: SeerPolicy, snapshots: list[Snapshot]) -> list:
+    return [policy.plan(snapshot).assignments for snapshot in snapshots]
+
+
+def test_plans_through_the_passing_order_are_the_plain_orders_plans(monkeypatch):
+    pass_over_unfit = PassingOrder.pass_over_unfit
+    counted = []
+
+    def counting(self, *args):  # noqa: ANN001, ANN002, ANN202
+        run = pass_over_unfit(self, *args)
+        counted.extend(run)
+        return run
+
+    policy = SeerPolicy()
+    for seed in range(10):
+        rng = random.Random(seed)
+        queue, loads = random_state(rng, rng.choice((50, 600, 3000)), rng.choice((3, 10, 40, 300)))
+        snapshots = [Snapshot(100.0, loads[rng.randrange(len(loads))].worker_id, rng.randint(1, 8), loads, queue,
+                              {}, {}, CHUNK) for _ in range(300)]
+        with monkeypatch.context() as patched:
+            patched.setattr(PassingOrder, "pass_over_unfit", counting)
+            passing = plans(policy, snapshots)
+        with monkeypatch.context() as patched:
+            patched.setattr(SeerPolicy, "_admission_order", lambda self, snapshot: self.order(snapshot))
+            assert plans(policy, snapshots) == passing, f"seed {seed}"
+    assert len(counted) > 10_000  # most seeds' plans passed over requests through it
+
+
+def test_the_passing_order_takes_the_requests_that_fit_elsewhere_and_stops_at_the_first_other():
+    def request(rid, prompt, *, home=None, probe=False):
+        return QueuedRequest(rid, rid, rid, 0, prompt, 0, 512, probe, 512, home, 0.0)
+
+    queue = [request(1, 300, probe=True), request(2, 400), request(3, 500, home="a"), request(4, 500),
+             request(5, 900), request(6, 100), request(7, 600)]
+    order = PassingOrder(iter(queue), "a")
+
+    def whole_chunk_need(r):
+        return -(-(r.prompt_len + CHUNK) // BLOCK) * BLOCK
+
+    # 300 KV tokens free here, 700 elsewhere: 1, 2, 3 (its home is the asker), 4 need 368-576.
+    passed = order.pass_over_unfit(whole_chunk_need, 300, 700, 10, (CHUNK, BLOCK))
+    assert [r.request_id for r in passed] == [1, 2, 3, 4]
+    assert next(order).request_id == 5  # needs 976: fits nowhere, admission's to handle
+    assert order.pass_over_unfit(whole_chunk_need, 300, 700, 10, (CHUNK, BLOCK)) == []  # 6 fits here
+    again = order.restarted([queue[0], queue[1]])
+    assert [r.request_id for r in again] == [1, 2, 6, 7]
+
+
+def test_a_request_held_for_its_home_still_counts_against_the_homes_free_slots():
+    """Request 1 does not fit the asker's KV and its home has one free slot: seer holds it there,
+    so request 2 of the same home, which fits, is the asker's. Passing over request 1 without
+    seer's skip would leave the home's slot free and hold request 2 for it instead."""
+    def request(rid, prompt, estimate):
+        return QueuedRequest(rid, rid, rid, 0, prompt, 64, 512, False, estimate, "h", 0.0, group_size=4,
+                             group_finished=1, group_longest_unfinished=64)
+
+    loads = (WorkerLoad("a", 0, 0, KV - 300, 32, KV, BLOCK), WorkerLoad("h", 1, 31, KV - 4000, 32, KV, BLOCK),
+             WorkerLoad("b", 2, 0, KV - 4000, 32, KV, BLOCK))
+    queue = RequestQueue.of([request(1, 400, 500), request(2, 100, 300)])
+    snapshot = Snapshot(10.0, "a", 4, loads, queue, {}, {}, CHUNK)
+    policy = SeerPolicy()
+    assert [r.request_id for r in policy.order(snapshot)] == [1, 2]
+    assert [a.request_id for a in policy.plan(snapshot).assignments] == [2]
