@@ -127,8 +127,7 @@ class SeerPolicy:
         ordered = snapshot.queued.ordered("seer", SeerKey(growth), growth.version, reads_growth)
         if starved:  # (a filter only when there are any: it was a layer over every request passed over)
             ordered = (r for r in ordered if r.request_id not in starved)
-        held = frozenset(rid for rid in snapshot.continuing - starved
-                         if rid in snapshot.queued and not snapshot.queued.get(rid).is_probe)
+        held = _held(snapshot, starved)
         for request in ordered:  # probes first (their class), then the rest
             if not request.is_probe:
                 # Requests continuing in place on this worker keep their slots before any other
@@ -181,49 +180,82 @@ class SeerPolicy:
         return admit(snapshot, self._admission_order(snapshot), skip=belongs_elsewhere, limit=limit)
 
     def _admission_order(self, snapshot: Snapshot) -> Iterator[QueuedRequest]:
-        """`order` for admission: with nothing starved and nothing continuing on the asking worker
-        (the common case) it is the index's own order, walked by a `PassingOrder`."""
+        """`order` for admission: with nothing starved (the common case) it is the index's own
+        order, the asker's continuing requests first among the non-probes, walked by a
+        `PassingOrder`."""
         oldest = snapshot.queued.oldest_queued_at()
-        if snapshot.continuing or (oldest is not None and snapshot.now - oldest > self.starvation_s):
+        if oldest is not None and snapshot.now - oldest > self.starvation_s and self.starved_per_call > 0:
             return self.order(snapshot)
         growth = snapshot.growth
-        return PassingOrder(snapshot.queued.ordered("seer", SeerKey(growth), growth.version, reads_growth),
-                            snapshot.worker_id)
+        queued = snapshot.queued
+        held = _held(snapshot, set())
+        # As `continuing_first` puts them (the same set, sorted the same way).
+        held_first = sorted((queued.get(rid) for rid in held), key=lambda r: seer_key(r, growth))
+        return PassingOrder(queued.ordered("seer", SeerKey(growth), growth.version, reads_growth),
+                            snapshot.worker_id, held, held_first)
+
+
+def _held(snapshot: Snapshot, starved: set[int]) -> frozenset[int]:
+    """The asker's continuing requests that keep their slots first: queued, not probes, not starved."""
+    return frozenset(rid for rid in snapshot.continuing - starved
+                     if rid in snapshot.queued and not snapshot.queued.get(rid).is_probe)
 
 
 class PassingOrder:
-    """Seer's `order` when nothing is starved and nothing continues on the asking worker: the
-    queue's seer index, probes first (a probe after a non-probe is dropped, as `order` drops it),
-    with what admission uses to pass over many requests in one call (`base._admit`):
-    `pass_over_unfit` takes the next requests that fit another worker and not the asking one and
-    that seer's skip (`belongs_elsewhere`) leaves alone with no effect (no home elsewhere, no
-    failure); `restarted` is the order again from the requests admission has seen (its lean pass)."""
+    """Seer's `order` when nothing is starved: the queue's seer index, probes first (a probe after
+    a non-probe is dropped, as `order` drops it), the asker's continuing requests (`held`, in
+    `held_first` order) before the other non-probes, with what admission uses to pass over many
+    requests in one call (`base._admit`): `pass_over_unfit` takes the next requests that fit
+    another worker and not the asking one and that seer's skip (`belongs_elsewhere`) leaves alone
+    with no effect (no home elsewhere, no failure); `restarted` is the order again from the
+    requests admission has seen (its lean pass)."""
 
-    __slots__ = ("_front", "_rest", "_asking", "_past_probes")
+    __slots__ = ("_front", "_rest", "_asking", "_held", "_held_first", "_past_probes")
 
-    def __init__(self, rest: Iterator[QueuedRequest], asking: str,
-                 front: list[QueuedRequest] | None = None) -> None:
-        self._front = front or []  # (reversed: popped from the end)
+    def __init__(self, rest: Iterator[QueuedRequest], asking: str, held: frozenset[int] = frozenset(),
+                 held_first: list[QueuedRequest] | None = None) -> None:
+        self._front: list[QueuedRequest] = []  # next in order, popped from the end
         self._rest = rest
         self._asking = asking
+        self._held = held
+        self._held_first = held_first or []
         self._past_probes = False
 
     def __iter__(self) -> PassingOrder:
         return self
 
     def __next__(self) -> QueuedRequest:
+        request = self._pull()
+        if request is None:
+            raise StopIteration
+        return request
+
+    def _pull(self) -> QueuedRequest | None:
         front = self._front
-        while True:
-            request = front.pop() if front else next(self._rest)
-            if not request.is_probe:
+        if front:
+            return front.pop()
+        for request in self._rest:
+            if request.is_probe:
+                if self._past_probes:
+                    continue
+                return request
+            if not self._past_probes:  # the first non-probe: the continuing ones come first
                 self._past_probes = True
-            elif self._past_probes:
-                continue
-            return request
+                if self._held:
+                    if request.request_id not in self._held:
+                        front.append(request)
+                    front.extend(reversed(self._held_first))
+                    return front.pop()
+            if request.request_id not in self._held:
+                return request
+        return None
 
     def restarted(self, seen: list[QueuedRequest]) -> PassingOrder:
         """The requests `seen` (already in order), then those not taken yet."""
-        return PassingOrder(self._rest, self._asking, [*self._front, *reversed(seen)])
+        again = PassingOrder(self._rest, self._asking, self._held, self._held_first)
+        again._past_probes = self._past_probes
+        again._front = [*self._front, *reversed(seen)]
+        return again
 
     def pass_over_unfit(self, need_of: Callable[[QueuedRequest], int], kv_free: int, room_elsewhere: int,
                         most: int, whole_chunks: tuple[int, int] | None = None) -> list[QueuedRequest]:
@@ -233,19 +265,15 @@ class PassingOrder:
         tokens): `need_of` is a whole chunk's `kv_need`, worked out here in line (three calls a
         request were most of this loop's time)."""
         passed: list[QueuedRequest] = []
-        asking, front, rest = self._asking, self._front, self._rest
+        asking = self._asking
         chunk, block = whole_chunks or (0, 0)
         while len(passed) < most:
-            request = front.pop() if front else next(rest, None)
+            request = self._pull()
             if request is None:
                 break
-            if not request.is_probe:
-                self._past_probes = True
-            elif self._past_probes:
-                continue
             home = request.last_worker
             if (home is not None and home != asking) or request.failed_on:
-                front.append(request)
+                self._front.append(request)
                 break
             if whole_chunks is None:
                 need = need_of(request)
@@ -255,7 +283,7 @@ class PassingOrder:
                 tokens = request.prompt_len + generated + (chunk if chunk < remaining else remaining)
                 need = -(-tokens // block) * block
             if need <= kv_free or need > room_elsewhere:
-                front.append(request)
+                self._front.append(request)
                 break
             passed.append(request)
         return passed

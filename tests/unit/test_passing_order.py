@@ -1,6 +1,7 @@
 """Seer's plans through `PassingOrder` (admission passing over, in one call, the requests that fit
 another worker and not the asking one) are the plans of its plain `order`, request for request:
-random queues with probes, homes, failed engines and workers from roomy to full."""
+random queues with probes, homes, failed engines, requests continuing on the asker, the starved,
+and workers from roomy to full."""
 
 from __future__ import annotations
 
@@ -49,8 +50,11 @@ def test_plans_through_the_passing_order_are_the_plain_orders_plans(monkeypatch)
     for seed in range(10):
         rng = random.Random(seed)
         queue, loads = random_state(rng, rng.choice((50, 600, 3000)), rng.choice((3, 10, 40, 300)))
-        snapshots = [Snapshot(100.0, loads[rng.randrange(len(loads))].worker_id, rng.randint(1, 8), loads, queue,
-                              {}, {}, CHUNK) for _ in range(300)]
+        ids = range(len(queue) + 5)  # (a few not queued)
+        snapshots = [Snapshot(rng.choice((100.0, 100.0, 100.0, 1850.0)),  # (1850: the oldest are starved)
+                              loads[rng.randrange(len(loads))].worker_id, rng.randint(1, 8), loads, queue, {}, {},
+                              CHUNK, continuing=frozenset(rng.sample(ids, rng.choice((0, 0, 1, 3, 8)))))
+                     for _ in range(300)]
         with monkeypatch.context() as patched:
             patched.setattr(PassingOrder, "pass_over_unfit", counting)
             passing = plans(policy, snapshots)
@@ -95,3 +99,13 @@ def test_a_request_held_for_its_home_still_counts_against_the_homes_free_slots()
     policy = SeerPolicy()
     assert [r.request_id for r in policy.order(snapshot)] == [1, 2]
     assert [a.request_id for a in policy.plan(snapshot).assignments] == [2]
+
+
+def test_the_continuing_requests_come_first_among_the_non_probes_once_also_after_a_restart():
+    def request(rid, *, probe=False):
+        return QueuedRequest(rid, rid, rid, 0, 100, 0, 512, probe, 512, None, 0.0)
+
+    p1, h, n1, n2 = request(1, probe=True), request(2), request(3), request(4)
+    order = PassingOrder(iter([p1, n1, h, n2]), "a", frozenset({2}), [h])
+    assert [next(order).request_id, next(order).request_id] == [1, 2]  # the probe, then the continuing one
+    assert [r.request_id for r in order.restarted([p1, h])] == [1, 2, 3, 4]
