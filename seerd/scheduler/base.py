@@ -189,8 +189,10 @@ def _admit(snapshot: Snapshot, ordered: Iterable[QueuedRequest], skip: Callable[
     ordered = iter(ordered)
     # An order that can pass over, in one call, the requests that fit another worker and not this
     # one (`seer.PassingOrder`): with the workers' KV full they were 95% of the requests a plan looked
-    # at, each a step through the policy's generators and `skip` (docs/benchmarks.md).
+    # at, each a step through the policy's generators and `skip` (docs/benchmarks.md). Asked once
+    # the walk passed one over like that: a plan that takes what it meets first never needs it.
     pass_over = getattr(ordered, "pass_over_unfit", None)
+    passing = False
     block = load.kv_block_tokens
     chunk_tokens = snapshot.chunk_tokens
 
@@ -199,7 +201,7 @@ def _admit(snapshot: Snapshot, ordered: Iterable[QueuedRequest], skip: Callable[
         return kv_need(request, budget, block)
 
     while True:
-        if pass_over is not None and len(assignments) < slots and passed_over <= MAX_PASSED_OVER:
+        if passing and len(assignments) < slots and passed_over <= MAX_PASSED_OVER:
             if room_elsewhere is None:
                 room_elsewhere = snapshot.open_workers.most_room_but(load.worker_id)
             passed = pass_over(need_of, kv_free, room_elsewhere, MAX_PASSED_OVER + 1 - passed_over,
@@ -226,6 +228,7 @@ def _admit(snapshot: Snapshot, ordered: Iterable[QueuedRequest], skip: Callable[
                 room_elsewhere = snapshot.open_workers.most_room_but(load.worker_id)
             if need <= room_elsewhere:
                 passed_over += 1
+                passing = pass_over is not None
                 continue  # another worker has room for it and takes it when it asks
             if not lean:
                 return None
