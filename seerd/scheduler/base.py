@@ -141,7 +141,9 @@ def admit(snapshot: Snapshot, ordered: Iterable[QueuedRequest],
     worker gets a shorter chunk where the KV left holds at least `MIN_SHRUNK_BUDGET` tokens past
     its context (`fitting_budget`). Only a request that cannot get even that stops admission, so
     smaller ones never overtake a head that waits for room (the paper: "choose an instance with
-    room; if none has room, schedule nothing"). `limit` caps the number of chunks.
+    room; if none has room, schedule nothing"). `limit` caps the number of chunks. `skip` (a
+    request to pass over, e.g. one left to its home worker) is asked again of a request the lean
+    pass sees again, or that an order passing over in one call left next: it must answer the same.
     """
     if not _room_for_any(snapshot):
         return Plan()  # what both passes below would end with, after looking at up to 257 requests each
@@ -205,7 +207,7 @@ def _admit(snapshot: Snapshot, ordered: Iterable[QueuedRequest], skip: Callable[
             if room_elsewhere is None:
                 room_elsewhere = snapshot.open_workers.most_room_but(load.worker_id)
             passed = pass_over(need_of, kv_free, room_elsewhere, MAX_PASSED_OVER + 1 - passed_over,
-                               None if lean else (chunk_tokens, block))
+                               None if lean else (chunk_tokens, block), skip)
             if seen is not None:
                 seen.extend(passed)
             passed_over += len(passed)
@@ -220,6 +222,7 @@ def _admit(snapshot: Snapshot, ordered: Iterable[QueuedRequest], skip: Callable[
             live = [w.worker_id for w in snapshot.workers]
         if skip(request) or (request.failed_on and failed_here(request, snapshot.worker_id, live)):
             passed_over += 1
+            passing = pass_over is not None
             continue
         budget = lean_budget(request, chunk_tokens, block) if lean else chunk_budget(request, chunk_tokens)
         need = kv_need(request, budget, block)

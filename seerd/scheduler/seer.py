@@ -258,12 +258,16 @@ class PassingOrder:
         return again
 
     def pass_over_unfit(self, need_of: Callable[[QueuedRequest], int], kv_free: int, room_elsewhere: int,
-                        most: int, whole_chunks: tuple[int, int] | None = None) -> list[QueuedRequest]:
-        """Take and return the next requests, up to `most`, that need more KV than `kv_free` and no
-        more than `room_elsewhere` (`need_of`), without a home on another worker or a failure;
-        the first that is not one of them stays next. `whole_chunks` (chunk tokens, KV block
-        tokens): `need_of` is a whole chunk's `kv_need`, worked out here in line (three calls a
-        request were most of this loop's time)."""
+                        most: int, whole_chunks: tuple[int, int] | None = None,
+                        skip: Callable[[QueuedRequest], bool] | None = None) -> list[QueuedRequest]:
+        """Take and return the next requests, up to `most`, that admission passes over: those
+        `skip` leaves to their home on another worker, and those that need more KV than `kv_free`
+        and no more than `room_elsewhere` (`need_of`); the first other one, or one with a failure,
+        stays next. `skip` is asked, in order, only of requests with a home elsewhere (it says no
+        to the rest) and must answer the same when asked again of the one left next (seer's
+        `belongs_elsewhere` keeps its answers); without it such a request stops the run.
+        `whole_chunks` (chunk tokens, KV block tokens): `need_of` is a whole chunk's `kv_need`,
+        worked out here in line (three calls a request were most of this loop's time)."""
         passed: list[QueuedRequest] = []
         asking = self._asking
         chunk, block = whole_chunks or (0, 0)
@@ -271,10 +275,17 @@ class PassingOrder:
             request = self._pull()
             if request is None:
                 break
-            home = request.last_worker
-            if (home is not None and home != asking) or request.failed_on:
+            if request.failed_on:
                 self._front.append(request)
                 break
+            home = request.last_worker
+            if home is not None and home != asking:
+                if skip is None:
+                    self._front.append(request)
+                    break
+                if skip(request):
+                    passed.append(request)
+                    continue
             if whole_chunks is None:
                 need = need_of(request)
             else:  # kv_need(request, chunk_budget(request, chunk), block)

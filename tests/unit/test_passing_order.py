@@ -1,5 +1,5 @@
 """Seer's plans through `PassingOrder` (admission passing over, in one call, the requests that fit
-another worker and not the asking one) are the plans of its plain `order`, request for request:
+another worker and not the asking one, or that seer leaves to their home worker) are the plans of its plain `order`, request for request:
 random queues with probes, homes, failed engines, requests continuing on the asker, the starved,
 and workers from roomy to full."""
 
@@ -40,10 +40,13 @@ def plans(policy: SeerPolicy, snapshots: list[Snapshot]) -> list:
 def test_plans_through_the_passing_order_are_the_plain_orders_plans(monkeypatch):
     pass_over_unfit = PassingOrder.pass_over_unfit
     counted = []
+    left_to_home = []
 
     def counting(self, *args):  # noqa: ANN001, ANN002, ANN202
         run = pass_over_unfit(self, *args)
         counted.extend(run)
+        skip = args[5] if len(args) > 5 else None
+        left_to_home.extend(r for r in run if skip is not None and skip(r))  # (seer's skip keeps its answers)
         return run
 
     policy = SeerPolicy()
@@ -62,6 +65,7 @@ def test_plans_through_the_passing_order_are_the_plain_orders_plans(monkeypatch)
             patched.setattr(SeerPolicy, "_admission_order", lambda self, snapshot: self.order(snapshot))
             assert plans(policy, snapshots) == passing, f"seed {seed}"
     assert len(counted) > 10_000  # most seeds' plans passed over requests through it
+    assert len(left_to_home) > 500  # and requests seer leaves to their home, asked from the run
 
 
 def test_the_passing_order_takes_the_requests_that_fit_elsewhere_and_stops_at_the_first_other():
@@ -82,6 +86,29 @@ def test_the_passing_order_takes_the_requests_that_fit_elsewhere_and_stops_at_th
     assert order.pass_over_unfit(whole_chunk_need, 300, 700, 10, (CHUNK, BLOCK)) == []  # 6 fits here
     again = order.restarted([queue[0], queue[1]])
     assert [r.request_id for r in again] == [1, 2, 6, 7]
+
+
+def test_the_passing_order_asks_skip_of_the_requests_with_a_home_elsewhere_and_stops_at_a_failure():
+    def request(rid, prompt, *, home=None, failed=frozenset()):
+        return QueuedRequest(rid, rid, rid, 0, prompt, 0, 512, False, 512, home, 0.0, failed_on=failed)
+
+    queue = [request(1, 100, home="h"), request(2, 400, home="h"), request(3, 400), request(4, 400, home="a"),
+             request(5, 100, home="h"), request(6, 400, failed=frozenset({"x"}))]
+    asked = []
+
+    def skip(r):  # leaves request 1 to its home; 2 and 5 are the asker's to weigh
+        asked.append(r.request_id)
+        return r.request_id == 1
+
+    order = PassingOrder(iter(queue), "a")
+    passed = order.pass_over_unfit(None, 300, 700, 10, (CHUNK, BLOCK), skip)
+    assert [r.request_id for r in passed] == [1, 2, 3, 4]  # 1 skipped, 2-4 fit only elsewhere
+    assert asked == [1, 2, 5]  # never asked of requests without a home elsewhere
+    assert next(order).request_id == 5  # fits here
+    assert order.pass_over_unfit(None, 300, 700, 10, (CHUNK, BLOCK), skip) == []  # 6 failed somewhere
+    assert next(order).request_id == 6
+    without_skip = PassingOrder(iter(queue), "a")
+    assert without_skip.pass_over_unfit(None, 300, 700, 10, (CHUNK, BLOCK)) == []  # 1 has a home elsewhere
 
 
 def test_a_request_held_for_its_home_still_counts_against_the_homes_free_slots():
