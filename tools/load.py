@@ -371,6 +371,8 @@ def main() -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="seerd-load-"))
+    if (work / "run").exists():  # `seerd run` would resume it (or find it finished) and this report its old calls
+        parser.error(f"{work} already holds a run: give a new --work-dir")
     work.mkdir(parents=True, exist_ok=True)
     result = run(args, work)
     if args.compare_sim:

@@ -103,6 +103,10 @@ def test_the_load_tool_runs_64_workers_and_5000_requests_each_exactly_once(tmp_p
     assert result["calls"]["/v1/register"]["calls"] == 64
     assert result["joining_leases"]["calls"] == 64  # one first lease each, out of the serving figures
     assert result["calls_serving"]["/v1/lease"]["calls"] == result["calls"]["/v1/lease"]["calls"] - 64
+    # The same work dir again would resume the finished run and report its old calls: refused.
+    again = subprocess.run([sys.executable, "tools/load.py", "--workers", "64", "--requests", "5000", "--json",
+                            "--work-dir", str(tmp_path)], capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
+    assert again.returncode == 2 and "already holds a run" in again.stderr, again.stderr[-3000:]
 
 
 def test_the_load_tool_runs_through_api_front_processes_each_request_exactly_once(tmp_path):
