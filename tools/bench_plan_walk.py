@@ -5,8 +5,8 @@ The state thread's plans at 512 workers and 100,000 requests (`tools/load.py`) w
 queued requests each once the workers' KV fills (~200 s in), 95% of them passed over because
 they do not fit the asking worker's KV but fit another's, and a third to a half of the plans stop
 at `MAX_PASSED_OVER` with nothing (docs/benchmarks.md, seventeenth session). This reproduces that
-state without a daemon: a queue of `--queued` requests (groups of 8, four fifths fresh, the rest
-re-queued with a home among the workers) and `--workers` workers of the cpu-tiny engine (32
+state without a daemon: a queue of `--queued` requests (groups of 8, a `--requeued` share of
+them re-queued with a home among the workers, the rest fresh) and `--workers` workers of the cpu-tiny engine (32
 sequences, 5,120 KV tokens in blocks of 16), then `--plans` plans of seer, each for a random
 worker, at three levels of KV room left on the workers, side by side in one run: the time per
 plan, the requests each walked (both passes), the plans that passed over more than
@@ -15,6 +15,7 @@ tells whether a change to the walk moved a decision: run it in both checkouts (i
 first on the import path) and compare.
 
     .venv/bin/python tools/bench_plan_walk.py [--queued 65000] [--workers 512] [--plans 3000] [--seed 0]
+                                              [--requeued 0.2]
 """
 
 from __future__ import annotations
@@ -38,11 +39,11 @@ ROOM_LEFT = {"loose": (2048, 3072, 4096), "mixed": (128, 512, 1024, 2048, 4096),
              "tight": (0, 64, 128, 256, 384, 512)}
 
 
-def queue_of(rng: random.Random, queued: int, workers: int) -> RequestQueue:
+def queue_of(rng: random.Random, queued: int, workers: int, requeued: float) -> RequestQueue:
     requests = []
     for rid in range(queued):
         gid = rid // GROUP
-        generated = 0 if rng.random() < 0.8 else CHUNK * rng.randint(1, 7)
+        generated = 0 if rng.random() < 1 - requeued else CHUNK * rng.randint(1, 7)
         home = None if generated == 0 else f"w{rng.randrange(workers)}"
         estimate = MAX_TOKENS if rng.random() < 0.7 else rng.randint(CHUNK, MAX_TOKENS)
         probe = rid % GROUP == 0 and rng.random() < 0.05
@@ -133,9 +134,11 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=512)
     parser.add_argument("--plans", type=int, default=3000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--requeued", type=float, default=0.2,
+                        help="share of the queued requests that ran a chunk before (their home: a random worker)")
     args = parser.parse_args()
     rng = random.Random(args.seed)
-    queue = queue_of(rng, args.queued, args.workers)
+    queue = queue_of(rng, args.queued, args.workers, args.requeued)
     digest = hashlib.sha256()
     rows = {name: measure(queue, loads_of(rng, args.workers, room), args.plans, rng, digest)
             for name, room in ROOM_LEFT.items()}

@@ -49,7 +49,7 @@ import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 
-from seerd.scheduler.base import DEFAULT_BALANCE_SPREAD, admit, balanced_slots, chunk_budget, continuing_first, kv_need
+from seerd.scheduler.base import DEFAULT_BALANCE_SPREAD, admit, balanced_slots, continuing_first, whole_chunk_need
 from seerd.scheduler.forecast import GrowthRatios, group_forecast
 from seerd.scheduler.views import Plan, QueuedRequest, Snapshot
 
@@ -146,35 +146,44 @@ class SeerPolicy:
         asking = snapshot.worker(snapshot.worker_id)
         loads = snapshot.loads_by_id
         # What each home worker has left for the requests this plan leaves to it: (free slots, KV
-        # room). One free slot there holds back one request here, not every one it ran before.
-        room_left: dict[str, tuple[int, int]] = {}
+        # room, KV block). One free slot there holds back one request here, not every one it ran
+        # before.
+        room_left: dict[str, tuple[int, int, int]] = {}
         decided: dict[int, bool] = {}  # admission may look at a request twice (its lean pass)
+        asking_id, asking_running = asking.worker_id, asking.running_chunks
+        chunk, now = snapshot.chunk_tokens, snapshot.now
 
         def belongs_elsewhere(request: QueuedRequest) -> bool:
-            if request.request_id not in decided:
-                decided[request.request_id] = leave_to_home(request)
-            return decided[request.request_id]
-
-        def leave_to_home(request: QueuedRequest) -> bool:
             # Its previous worker holds its prefix: leave it there unless that one is much busier
-            # or has no room left for it.
-            if request.last_worker is None or request.last_worker == asking.worker_id:
+            # or has no room left for it. (Asked of most requests a plan passes over: in line.)
+            home_id = request.last_worker
+            if home_id is None or home_id == asking_id:
                 return False
-            if request.last_worker in request.failed_on:  # its engine failed it: no home there
+            answer = decided.get(request.request_id)
+            if answer is None:
+                answer = decided[request.request_id] = leave_to_home(request, home_id)
+            return answer
+
+        def leave_to_home(request: QueuedRequest, home_id: str) -> bool:
+            if home_id in request.failed_on:  # its engine failed it: no home there
                 return False
-            home = loads.get(request.last_worker)
-            if home is None:
+            left = room_left.get(home_id)
+            if left is None:  # what the home has: it only shrinks as this plan leaves requests to it
+                home = loads.get(home_id)
+                if home is None:
+                    return False
+                slots = home.max_chunks - home.running_chunks
+                if home.running_chunks - asking_running > self.affinity_spread:
+                    slots = 0  # much busier than the asker: closed to them for this plan
+                left = room_left[home_id] = (slots, home.kv_capacity_tokens - home.reserved_kv_tokens,
+                                             home.kv_block_tokens)
+            slots, headroom, block = left
+            if slots <= 0 or now - request.queued_at > self.starvation_s:
                 return False
-            left = room_left.get(home.worker_id)
-            slots, headroom = left if left is not None else (home.max_chunks - home.running_chunks,
-                                                             home.kv_capacity_tokens - home.reserved_kv_tokens)
-            if (slots <= 0 or home.running_chunks - asking.running_chunks > self.affinity_spread
-                    or snapshot.now - request.queued_at > self.starvation_s):
+            need = whole_chunk_need(request, chunk, block)
+            if headroom < need:
                 return False
-            need = kv_need(request, chunk_budget(request, snapshot.chunk_tokens), home.kv_block_tokens)
-            if headroom < need:  # worked out last: the costliest test, on every request passed over
-                return False
-            room_left[home.worker_id] = (slots - 1, headroom - need)
+            room_left[home_id] = (slots - 1, headroom - need, block)
             return True
 
         return admit(snapshot, self._admission_order(snapshot), skip=belongs_elsewhere, limit=limit)
@@ -267,7 +276,7 @@ class PassingOrder:
         to the rest) and must answer the same when asked again of the one left next (seer's
         `belongs_elsewhere` keeps its answers); without it such a request stops the run.
         `whole_chunks` (chunk tokens, KV block tokens): `need_of` is a whole chunk's `kv_need`,
-        worked out here in line (three calls a request were most of this loop's time)."""
+        worked out here by `whole_chunk_need` (one call where `need_of` makes three)."""
         passed: list[QueuedRequest] = []
         asking = self._asking
         chunk, block = whole_chunks or (0, 0)
@@ -286,13 +295,7 @@ class PassingOrder:
                 if skip(request):
                     passed.append(request)
                     continue
-            if whole_chunks is None:
-                need = need_of(request)
-            else:  # kv_need(request, chunk_budget(request, chunk), block)
-                generated = request.generated
-                remaining = request.max_tokens - generated
-                tokens = request.prompt_len + generated + (chunk if chunk < remaining else remaining)
-                need = -(-tokens // block) * block
+            need = need_of(request) if whole_chunks is None else whole_chunk_need(request, chunk, block)
             if need <= kv_free or need > room_elsewhere:
                 self._front.append(request)
                 break

@@ -8,12 +8,14 @@ from __future__ import annotations
 import random
 
 from seerd.scheduler import QueuedRequest, RequestQueue, SeerPolicy, Snapshot, WorkerLoad
+from seerd.scheduler.base import admit, balanced_slots, chunk_budget, kv_need, whole_chunk_need
+from seerd.scheduler.views import Plan
 from seerd.scheduler.seer import PassingOrder
 
 CHUNK, BLOCK, KV = 64, 16, 5120
 
 
-def random_state(rng: random.Random, queued: int, workers: int
+def random_state(rng: random.Random, queued: int, workers: int, probes: float = 0.3
                  ) -> tuple[RequestQueue, tuple[WorkerLoad, ...]]:
     # Home workers with a slot or two left make a home's held requests count (seer's `room_left`).
     loads = tuple(WorkerLoad(f"w{i}", i, rng.choice((0, 12, 29, 30, 31, 31, 32)),
@@ -25,7 +27,7 @@ def random_state(rng: random.Random, queued: int, workers: int
         # (w{workers}: a home that is gone)
         home = None if generated == 0 or rng.random() < 0.1 else f"w{rng.randrange(workers + 1)}"
         failed = frozenset({f"w{rng.randrange(workers)}"}) if rng.random() < 0.05 else frozenset()
-        probe = rid % 4 == 0 and rng.random() < 0.3
+        probe = rid % 4 == 0 and rng.random() < probes
         requests.append(QueuedRequest(
             rid, gid, gid, rid % 4, rng.randint(10, 900), generated, 512, probe, rng.randint(CHUNK, 512), home,
             rng.uniform(0, 100), group_size=4, group_finished=rng.randint(0, 3), group_longest_unfinished=generated,
@@ -136,3 +138,65 @@ def test_the_continuing_requests_come_first_among_the_non_probes_once_also_after
     order = PassingOrder(iter([p1, n1, h, n2]), "a", frozenset({2}), [h])
     assert [next(order).request_id, next(order).request_id] == [1, 2]  # the probe, then the continuing one
     assert [r.request_id for r in order.restarted([p1, h])] == [1, 2, 3, 4]
+
+
+def plain_seer_plan(policy: SeerPolicy, snapshot: Snapshot) -> Plan:
+    """Seer's plan as first written: every test of a request's home worker spelled out, asked
+    afresh per request (the policy's own keeps what it learnt of each home within a plan)."""
+    limit = balanced_slots(snapshot, policy.balance_spread)
+    if limit <= 0:
+        return Plan()
+    asking = snapshot.worker(snapshot.worker_id)
+    room_left: dict[str, tuple[int, int]] = {}
+    decided: dict[int, bool] = {}
+
+    def leave_to_home(request: QueuedRequest) -> bool:
+        if request.last_worker is None or request.last_worker == asking.worker_id:
+            return False
+        if request.last_worker in request.failed_on:
+            return False
+        home = snapshot.loads_by_id.get(request.last_worker)
+        if home is None:
+            return False
+        slots, headroom = room_left.get(home.worker_id, (home.max_chunks - home.running_chunks,
+                                                          home.kv_capacity_tokens - home.reserved_kv_tokens))
+        if (slots <= 0 or home.running_chunks - asking.running_chunks > policy.affinity_spread
+                or snapshot.now - request.queued_at > policy.starvation_s):
+            return False
+        need = kv_need(request, chunk_budget(request, snapshot.chunk_tokens), home.kv_block_tokens)
+        if headroom < need:
+            return False
+        room_left[home.worker_id] = (slots - 1, headroom - need)
+        return True
+
+    def belongs_elsewhere(request: QueuedRequest) -> bool:
+        if request.request_id not in decided:
+            decided[request.request_id] = leave_to_home(request)
+        return decided[request.request_id]
+
+    return admit(snapshot, policy.order(snapshot), skip=belongs_elsewhere, limit=limit)
+
+
+def test_seers_plans_are_those_of_its_home_tests_spelled_out():
+    policy = SeerPolicy(affinity_spread=3)  # (homes much busier than the asker are common here)
+    held = 0
+    for seed in range(6):
+        rng = random.Random(100 + seed)
+        queue, loads = random_state(rng, rng.choice((300, 3000)), rng.choice((3, 10, 40)), probes=0.02)
+        for _ in range(200):
+            snapshot = Snapshot(rng.choice((100.0, 100.0, 1850.0)), loads[rng.randrange(len(loads))].worker_id,
+                                rng.randint(1, 8), loads, queue, {}, {}, CHUNK)
+            plan = policy.plan(snapshot)
+            assert plan == plain_seer_plan(policy, snapshot), f"seed {seed}"
+            held += plan != SeerPolicy(affinity_spread=-10**6).plan(snapshot)  # (never a home)
+    assert held > 10  # plans where leaving requests to their homes changed what the asker got
+
+
+def test_the_whole_chunk_need_is_kv_need_of_the_chunk_budget():
+    rng = random.Random(0)
+    for _ in range(2000):
+        generated = rng.randint(0, 600)
+        request = QueuedRequest(1, 1, 1, 0, rng.randint(1, 900), generated, generated + rng.randint(1, 300), False,
+                                512, None, 0.0)
+        chunk, block = rng.choice((1, 16, 64, 100)), rng.choice((1, 16, 128))
+        assert whole_chunk_need(request, chunk, block) == kv_need(request, chunk_budget(request, chunk), block)
