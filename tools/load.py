@@ -356,7 +356,8 @@ def main() -> int:
     parser.add_argument("--chunk-tokens", type=int, help="default: the preset's")
     parser.add_argument("--max-num-seqs", type=int, help="default: the preset's")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--work-dir", type=Path, help="keep the run here (default: a temporary directory)")
+    parser.add_argument("--work-dir", type=Path,
+                        help="keep the run here, in a directory without one yet (default: a temporary directory)")
     parser.add_argument("--compare-sim", action="store_true",
                         help="also run `seerd sim` on the same workload and cluster, and set them side by side")
     parser.add_argument("--hosts-nice", type=int, default=0,
