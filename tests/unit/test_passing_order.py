@@ -9,8 +9,8 @@ import random
 
 from seerd.scheduler import QueuedRequest, RequestQueue, SeerPolicy, Snapshot, WorkerLoad
 from seerd.scheduler.base import admit, balanced_slots, chunk_budget, kv_need, whole_chunk_need
-from seerd.scheduler.views import Plan
 from seerd.scheduler.seer import PassingOrder
+from seerd.scheduler.views import Plan
 
 CHUNK, BLOCK, KV = 64, 16, 5120
 
