@@ -95,6 +95,9 @@ class LeaseBook:
         self.first_lease_at: float | None = None  # this session's; generation starts here
         self.first_lease_cpu: CpuSnapshot | None = None  # this process's CPU time then
         self.broken: str | None = None  # why the book refuses every change (`BookBroken`)
+        # True: reports commit without waiting for the disk, and whoever acknowledges them waits
+        # for an fsync of the WAL first (`db.wal_sync.WalSyncer`: the coordinator's state thread).
+        self.reports_synced_later = False
         self.completed_at: float | None = None  # the report that finished the last request; generation ends
         self.completed_cpu: CpuSnapshot | None = None  # this process's CPU time then (the export comes after)
         # Called on this (the state) thread after each commit: (group, request, offset, tokens) per
@@ -298,6 +301,11 @@ class LeaseBook:
                     raise BookBroken(self.broken) from exc
                 raise
 
+    def stop_for(self, reason: str) -> None:
+        """Refuse every change from now on (`BookBroken`): the database, not this book, is what
+        the run resumes from (e.g. an fsync of its WAL failed)."""
+        self.broken = self.broken or reason
+
     def refuse_if_broken(self) -> None:
         if self.broken is not None:
             raise BookBroken(self.broken)
@@ -334,7 +342,8 @@ class LeaseBook:
                       now: float, laps: Laps | None = None) -> list[list[ReportOutcome] | UnknownWorker]:
         """Commit every acceptable report of every call in one durable transaction (group commit:
         one fsync for all the calls that queued meanwhile), then acknowledge; per call its
-        outcomes, or the `UnknownWorker` its worker is (that call alone fails).
+        outcomes, or the `UnknownWorker` its worker is (that call alone fails). With
+        `reports_synced_later` the fsync is the caller's to wait for before it acknowledges.
 
         A report that cannot be right (`report_problem`, or unreadable) is rejected alone: in the
         same transaction its lease ends, with an event saying why, and its chunk runs again; the
@@ -354,7 +363,7 @@ class LeaseBook:
         laps.lap("sort and prepare")
         failures = []
         if results or rejected:
-            with self.writer.begin(durable=True) as conn:
+            with self.writer.begin(durable=not self.reports_synced_later) as conn:
                 if results:
                     write_results(conn, self.rollout_id, prepared, accepted, now)
                 failures = [self._write_failure(conn, calls[c][1][i].chunk_id, f"report rejected: {problem}", now,

@@ -26,6 +26,7 @@ from seerd.coordinator.latency import CallLatencies, Laps, PlansPerCall, SlowTur
 from seerd.coordinator.reports import ReportOutcome
 from seerd.coordinator.waiting import LeaseLine
 from seerd.db.base import CommitTimes
+from seerd.db.wal_sync import WalSyncer
 from seerd.protocol import ChunkGrant
 
 log = logging.getLogger(__name__)
@@ -81,6 +82,9 @@ class CoordinatorControl:
         self._joins_passed = 0  # turns in a row that ended with joins waiting, for calls queued meanwhile
         self.report_commits = 0  # group commits of report calls, and the calls they held
         self.reports_committed = 0
+        # Set by the daemon (with `LeaseBook.reports_synced_later`): report answers wait for its
+        # fsync of the WAL, which runs while the state thread goes on (`_commit_reports`).
+        self.wal_syncer: WalSyncer | None = None
 
     async def run(self, fn, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN201
         """Run `fn` on the state thread and wait for it without blocking the loop. Calls that
@@ -224,7 +228,9 @@ class CoordinatorControl:
         return result
 
     def _commit_reports(self, book: LeaseBook, clock: Callable[[], float], loop: asyncio.AbstractEventLoop) -> None:
-        """On the state thread: every report call queued by now, in one group commit."""
+        """On the state thread: every report call queued by now, in one group commit, answered
+        once it is durable: after its fsync (here, or with a `wal_syncer` on that thread, while
+        this one goes on to the next turn)."""
         with self._reports_lock:
             batch, self._reports = self._reports, []
             self._commit_queued = False
@@ -248,7 +254,21 @@ class CoordinatorControl:
         held["transactions"] = [CommitTimes.durable + CommitTimes.relaxed - transactions[0],
                                 CommitTimes.total_s - transactions[1]]
         self._turn_ran("reports", started, len(batch), held, cpu_at_start)
-        loop.call_soon_threadsafe(_settle_all, [(future, answer) for (_, future), answer in zip(batch, answers)])
+        futures = [future for _, future in batch]
+        if self.wal_syncer is None:
+            loop.call_soon_threadsafe(_settle_all, list(zip(futures, answers)))
+            return
+        committed = time.perf_counter()
+
+        def synced(failure: BaseException | None) -> None:  # on the syncer's thread
+            self.turns.add("reports synced", time.perf_counter() - committed)
+            if failure is not None:  # nothing of this commit may be acknowledged, nor anything after
+                self._state_thread.submit(book.stop_for, f"an fsync of the database's WAL failed: {failure!r}")
+            answered = answers if failure is None else [failure] * len(answers)
+            with contextlib.suppress(RuntimeError):  # the loop is gone: so are the callers
+                loop.call_soon_threadsafe(_settle_all, list(zip(futures, answered)))
+
+        self.wal_syncer.after_next_sync(synced)
 
     def close(self) -> None:
         self._reader_thread.shutdown(wait=True)

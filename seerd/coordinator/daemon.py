@@ -40,6 +40,7 @@ from seerd.db.base import CommitTimes
 from seerd.db.migrate import upgrade_run_database
 from seerd.db.read import UnreadableDatabase
 from seerd.db.sharing import warn_if_shared
+from seerd.db.wal_sync import WalSyncer
 from seerd.io.export import ExportResult, export_run
 from seerd.io.prompts import load_model_limits
 from seerd.ownership import Ownership
@@ -364,6 +365,10 @@ class Coordinator:
         """The book loaded, a resume recorded, the rollout running."""
         now = self.clock()
         self.book.load(now)
+        if self.config.sqlite_synchronous in ("FULL", "EXTRA"):  # below that, no fsync is wanted
+            # Reports are acknowledged after an fsync of the WAL that runs off the state thread.
+            self.control.wal_syncer = WalSyncer(self.run_dir.db_path)
+            self.book.reports_synced_later = True
         if self._own_heap:
             self.heap.settle()  # the imports and the loaded book out of the collector's full passes
         if self.initial_status in (RolloutStatus.RUNNING, RolloutStatus.INTERRUPTED, RolloutStatus.FAILED):
@@ -397,6 +402,8 @@ class Coordinator:
         if self._owns_run:  # else the workers are the new owner's to retire
             await self.control.run(self.book.retire_workers)
         self.control.close()
+        if self.control.wal_syncer is not None:  # after the state thread: no report commits any more
+            self.control.wal_syncer.close()
         if self._own_heap:
             self.heap.close()
         self.book.close()  # the state thread's kept connection (a later write opens its own)
@@ -483,6 +490,7 @@ class Coordinator:
                 "cpu_share": generation_cpu / generating,
                 "longest_commit_s": CommitTimes.longest_s, "slow_commits": CommitTimes.slow,
                 "durable_commits": CommitTimes.durable, "relaxed_commits": CommitTimes.relaxed,
+                **self._wal_sync_figures(),
                 "report_commits": self.control.report_commits, "reports_committed": self.control.reports_committed,
                 "server_calls": self.control.latencies.figures(), "state_turns": self.control.turns.figures(),
                 "largest_state_turn": self.control.largest_turn,
@@ -490,6 +498,12 @@ class Coordinator:
                 "slow_checkpoints": [{"at_s": round(self.control.slow_turns.since_first(at), 2), "ms": round(1e3 * s, 1)}
                                      for at, s in self.book.writer.slow_checkpoints],
                 "lease_plans": self.control.lease_plans.figures(), **self.heap.figures()}
+
+    def _wal_sync_figures(self) -> dict:
+        syncer = self.control.wal_syncer
+        if syncer is None:
+            return {}
+        return {"wal_syncs": syncer.syncs, "wal_sync_s": syncer.sync_s, "longest_wal_sync_s": syncer.longest_sync_s}
 
     def record_event(self, kind: str, data: dict) -> None:
         """One event in its own transaction (outside the state thread only before or after `serve`)."""
