@@ -99,7 +99,7 @@ class ProcessSampler(threading.Thread):
             self.host_cpu_s.update(hosts)
             db_bytes = sum(p.stat().st_size for p in self.db_path.parent.glob(self.db_path.name + "*") if p.exists())
             self.samples.append({"t": time.monotonic() - started, "cpu_s": cpu_s, "rss_mb": rss_kb / 1024,
-                                 "fds": fds, "db_mb": db_bytes / 2**20})
+                                 "fds": fds, "db_mb": db_bytes / 2**20, "written_mb": written_bytes(self.pid) / 2**20})
 
 
 def processes_with(marker: bytes) -> list[int]:
@@ -125,6 +125,15 @@ def process_figures(pid: int) -> tuple[float, int, int] | None:
         return None
     rss_kb = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0)
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS, rss_kb, fds
+
+
+def written_bytes(pid: int) -> int:
+    """What a process has written towards the disk so far (its WAL and checkpoints: the disk's
+    load, which its commits' count does not tell: each commit writes every page it touched)."""
+    with contextlib.suppress(OSError, StopIteration):
+        lines = Path(f"/proc/{pid}/io").read_text().splitlines()
+        return int(next(line.split()[1] for line in lines if line.startswith("write_bytes:")))
+    return 0
 
 
 def exactly_once(run_dir: Path, targets: dict[tuple[int, int], int]) -> list[str]:
@@ -252,6 +261,7 @@ def run(args: argparse.Namespace, work: Path) -> dict:
         "coordinator_cpu_share": load["cpu_share"],
         "coordinator_rss_mb": max((s["rss_mb"] for s in samples), default=None),
         "db_mb": (run_dir / "state.db").stat().st_size / 2**20,
+        "coordinator_written_mb": max((s["written_mb"] for s in samples), default=None),
         **latency,
         # The coordinator's own answer times (seerd/coordinator/latency.py): beside the workers'
         # figures, they tell its queueing from the simulated workers' processes' own delays.
@@ -329,7 +339,8 @@ def print_table(result: dict) -> None:
           f"peak open files {result['max_fds']}; the simulated workers' processes "
           f"{result['simulated_workers_cpu_s']:.1f} s CPU in all")
     print(f"database {result['db_mb']:.1f} MB; commits/s durable {result['durable_commits_per_s']:.0f}, "
-          f"relaxed {result['relaxed_commits_per_s']:.0f}; longest commit {result['longest_commit_s']:.2f} s")
+          f"relaxed {result['relaxed_commits_per_s']:.0f}; longest commit {result['longest_commit_s']:.2f} s; "
+          f"the coordinator wrote {result['coordinator_written_mb']:.0f} MB towards the disk")
     if "sim" in result:
         sim = result["sim"]
         print(f"against `seerd sim` (same workload, {result['workers']} instances, control-plane gap "
@@ -340,10 +351,10 @@ def print_table(result: dict) -> None:
         print(f"| seerd sim | {sim['total_s']:.1f} | {sim['tail_s']:.1f} | {sim['chunks']} |")
     print("slowest call per 5 s: " + ", ".join(f"{w['t']:.0f}s {w['ms']:.0f}ms {w['endpoint'].rpartition('/')[2]}"
                                                 for w in result["slowest_by_window"]))
-    print("| t s | CPU s | RSS MB | open files | db MB |\n|---|---|---|---|---|")
+    print("| t s | CPU s | RSS MB | open files | db MB | written MB |\n|---|---|---|---|---|---|")
     for sample in result["series"]:
         print(f"| {sample['t']:.0f} | {sample['cpu_s']:.1f} | {sample['rss_mb']:.0f} | {sample['fds']} "
-              f"| {sample['db_mb']:.1f} |")
+              f"| {sample['db_mb']:.1f} | {sample['written_mb']:.0f} |")
 
 
 def main() -> int:
