@@ -18,7 +18,8 @@ class Chunk(Base):
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    request_id: Mapped[int] = mapped_column(ForeignKey("requests.id", ondelete="CASCADE"), index=True)
+    # Looked up through the unique (request_id, seq) index: one of its own cost every lease a page of WAL.
+    request_id: Mapped[int] = mapped_column(ForeignKey("requests.id", ondelete="CASCADE"))
     seq: Mapped[int] = mapped_column(Integer)  # 0, 1, ... within the request
     max_tokens: Mapped[int] = mapped_column(Integer)  # decided when leased
     status: Mapped[ChunkStatus] = mapped_column(status_column_type(ChunkStatus))
