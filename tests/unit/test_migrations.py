@@ -158,3 +158,23 @@ def test_downgrading_past_the_model_fingerprint_keeps_the_runs_rows(tmp_path):
         assert conn.exec_driver_sql("select count(*) from events").scalar() == events > 0
         columns = {row[1] for row in conn.exec_driver_sql("pragma table_info(rollouts)")}
     assert "model_fingerprint" not in columns
+
+
+def test_0008_drops_the_two_hot_indexes_and_its_downgrade_brings_them_back_with_the_rows(tmp_path):
+    book = make_book(tmp_path)
+    engine = book.sessions.kw["bind"]
+
+    def indexes() -> set[str]:
+        with engine.connect() as conn:
+            return {name for (name,) in conn.exec_driver_sql("select name from sqlite_master where type = 'index'")}
+
+    def rows() -> tuple[int, int]:
+        with engine.connect() as conn:
+            return tuple(conn.exec_driver_sql(f"select count(*) from {table}").scalar() for table in ("requests", "events"))
+
+    before = rows()
+    assert not {"ix_events_ts", "ix_chunks_request_id"} & indexes()
+    downgrade(engine, "0007")
+    assert {"ix_events_ts", "ix_chunks_request_id"} <= indexes() and rows() == before
+    upgrade(engine)
+    assert not {"ix_events_ts", "ix_chunks_request_id"} & indexes() and rows() == before
