@@ -262,11 +262,15 @@ class CoordinatorControl:
 
         def synced(failure: BaseException | None) -> None:  # on the syncer's thread
             self.turns.add("reports synced", time.perf_counter() - committed)
-            if failure is not None:  # nothing of this commit may be acknowledged, nor anything after
-                self._state_thread.submit(book.stop_for, f"an fsync of the database's WAL failed: {failure!r}")
             answered = answers if failure is None else [failure] * len(answers)
             with contextlib.suppress(RuntimeError):  # the loop is gone: so are the callers
                 loop.call_soon_threadsafe(_settle_all, list(zip(futures, answered)))
+            if failure is not None:  # nothing of this commit may be acknowledged, nor anything after
+                reason = f"an fsync of the database's WAL failed: {failure!r}"
+                try:
+                    self._state_thread.submit(book.stop_for, reason)  # the book's owner
+                except RuntimeError:  # the state thread has stopped: nobody else changes the book
+                    book.stop_for(reason)
 
         self.wal_syncer.after_next_sync(synced)
 

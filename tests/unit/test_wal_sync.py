@@ -192,3 +192,21 @@ def test_a_failed_sync_answers_the_report_with_its_error_and_stops_the_book(tmp_
     assert book.broken is not None and "fsync" in book.broken
     with pytest.raises(BookBroken):
         book.lease("w0", 1, clock())
+
+
+def test_a_sync_failing_after_the_state_thread_stopped_still_answers_and_stops_the_book(tmp_path):
+    # As at a coordinator's end: the state thread is closed while a group's fsync runs.
+    fsync = HeldFsync(fail_first=True)
+    book, control, call, clock = _report_behind(tmp_path, fsync)
+
+    async def scenario() -> None:
+        answer = asyncio.ensure_future(control.report(book, call, clock))
+        await asyncio.get_running_loop().run_in_executor(None, fsync.started.get, True, WAIT_S)
+        control.close()
+        fsync.release()
+        with pytest.raises(OSError, match="write-back"):
+            await answer
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
+    control.wal_syncer.close()
+    assert book.broken is not None and "fsync" in book.broken
