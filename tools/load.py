@@ -273,6 +273,8 @@ def run(args: argparse.Namespace, work: Path) -> dict:
         "coordinator_cpu_s": load["generation_cpu_s"], "cpu_ms_per_chunk": 1e3 * load["generation_cpu_s"] / chunks,
         "durable_commits_per_s": load.get("durable_commits", 0) / generation_s,
         "relaxed_commits_per_s": load.get("relaxed_commits", 0) / generation_s,
+        # Reports commit relaxed and are made durable by these fsyncs of the WAL (db/wal_sync.py).
+        "wal_syncs_per_s": load.get("wal_syncs", 0) / generation_s,
         "longest_commit_s": load["longest_commit_s"], "api_calls": load["api_calls"],
         "max_fds": max((s["fds"] for s in samples), default=None),
         "simulated_workers_cpu_s": sum(sampler.host_cpu_s.values()),
@@ -339,7 +341,7 @@ def print_table(result: dict) -> None:
           f"peak open files {result['max_fds']}; the simulated workers' processes "
           f"{result['simulated_workers_cpu_s']:.1f} s CPU in all")
     print(f"database {result['db_mb']:.1f} MB; commits/s durable {result['durable_commits_per_s']:.0f}, "
-          f"relaxed {result['relaxed_commits_per_s']:.0f}; longest commit {result['longest_commit_s']:.2f} s; "
+          f"relaxed {result['relaxed_commits_per_s']:.0f}, WAL fsyncs {result['wal_syncs_per_s']:.0f}; longest commit {result['longest_commit_s']:.2f} s; "
           f"the coordinator wrote {result['coordinator_written_mb']:.0f} MB towards the disk")
     if "sim" in result:
         sim = result["sim"]
