@@ -95,9 +95,7 @@ class LeaseBook:
         self.first_lease_at: float | None = None  # this session's; generation starts here
         self.first_lease_cpu: CpuSnapshot | None = None  # this process's CPU time then
         self.broken: str | None = None  # why the book refuses every change (`BookBroken`)
-        # True: reports commit without waiting for the disk, and whoever acknowledges them waits
-        # for an fsync of the WAL first (`db.wal_sync.WalSyncer`: the coordinator's state thread).
-        self.reports_synced_later = False
+        self.reports_synced_later = False  # True: the caller fsyncs reports before acknowledging (wal_sync)
         self.completed_at: float | None = None  # the report that finished the last request; generation ends
         self.completed_cpu: CpuSnapshot | None = None  # this process's CPU time then (the export comes after)
         # Called on this (the state) thread after each commit: (group, request, offset, tokens) per
@@ -302,8 +300,7 @@ class LeaseBook:
                 raise
 
     def stop_for(self, reason: str) -> None:
-        """Refuse every change from now on (`BookBroken`): the database, not this book, is what
-        the run resumes from (e.g. an fsync of its WAL failed)."""
+        """Refuse every change from now on (`BookBroken`): the run resumes from its database."""
         self.broken = self.broken or reason
 
     def refuse_if_broken(self) -> None:
