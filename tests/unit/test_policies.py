@@ -244,6 +244,46 @@ def test_queue_indexes_stay_sorted_under_random_puts_and_removes():
                 live.values(), key=lambda r: (r.queued_at, r.request_id))]
 
 
+def test_a_queued_request_put_again_is_where_a_fresh_queue_puts_it():
+    """`put` of a queued request's new view moves it only in the orders whose key changed
+    (`RequestQueue._replace`): whatever changed (its group's progress, its place in line, its
+    context, or nothing), every order, first-come order and the shortest context are those of a
+    queue built afresh from the same views."""
+    import dataclasses
+    import random
+
+    rng = random.Random(11)
+    queue = RequestQueue()
+    key = lambda r: (-r.group_estimate, r.group_longest_unfinished)  # noqa: E731 - queued_at not in it
+    list(queue.ordered("test", key))
+    live: dict[int, QueuedRequest] = {}
+    for step in range(3000):
+        rid = rng.randrange(120)
+        old = live.get(rid)
+        if old is None:
+            live[rid] = seer_req(rid, rid % 9, estimate=rng.randrange(40), generated=rng.randrange(4000),
+                                 queued_at=float(step))
+        elif rng.random() < 0.2:
+            queue.remove(rid)
+            del live[rid]
+            continue
+        else:  # the same request again, with one thing changed, or nothing
+            change = rng.choice(["estimate", "longest", "queued_at", "generated", "nothing"])
+            live[rid] = dataclasses.replace(old, **{
+                "estimate": {"group_estimate": rng.randrange(40)},
+                "longest": {"group_longest_unfinished": rng.randrange(5)},
+                "queued_at": {"queued_at": float(step)},
+                "generated": {"generated": rng.randrange(4000)},
+                "nothing": {}}[change])
+        queue.put(live[rid])
+        if step % 50 == 0:
+            fresh = RequestQueue.of(live.values())
+            assert [r.request_id for r in queue.ordered("test", key)] == [r.request_id for r in fresh.ordered("test", key)]
+            assert [r.request_id for r in queue.fcfs()] == [r.request_id for r in fresh.fcfs()]
+            assert queue.shortest_context() == fresh.shortest_context()
+            assert all(queue.get(r) == live[r] for r in live)
+
+
 def put_or_remove_at_random(rng: random.Random, queue: RequestQueue, live: dict[int, QueuedRequest],
                             group_state: dict[int, dict], queued_at: float = 0.0) -> None:
     """One random change of a queue of seer's requests (23 groups of 300 ids): a remove, or a put
