@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_coordinator_memory import run_database  # noqa: E402
-from seerd.coordinator.book import LeaseBook, ReportCall  # noqa: E402
+from seerd.coordinator.book import LeaseBook  # noqa: E402
+from seerd.coordinator.records import ReportCall  # noqa: E402
 from seerd.protocol import ChunkReport  # noqa: E402
 from seerd.scheduler.registry import make_policy  # noqa: E402
 

@@ -26,7 +26,8 @@ from starlette.routing import Route
 
 from seerd.config import EngineConfig
 from seerd.coordinator.auth import BodyDigestMismatch, SignedCalls, body_mismatch
-from seerd.coordinator.book import LeaseBook, ReportCall, RetiredWorker, UnknownWorker
+from seerd.coordinator.book import LeaseBook, RetiredWorker, UnknownWorker
+from seerd.coordinator.records import ReportCall
 from seerd.coordinator.control import CoordinatorControl
 from seerd.coordinator.drafts import DraftHost, append_items
 from seerd.coordinator.guard import BodyLimitMiddleware, body_limit

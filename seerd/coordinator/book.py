@@ -16,6 +16,8 @@ Target lengths (benchmark rows) are kept apart from everything the scheduler see
 holds them in `worker_only_targets`, read only to tell a worker where to stop
 (`ChunkGrant.target_remaining`) and to check its report.
 
+The report methods are a section of their own (`book_reports.BookReports`, inherited).
+
 Hot paths (lease, report) use Core statements with executemany and keep prompts and the tokens
 of unfinished requests in memory; the ORM models still define the schema.
 """
@@ -29,14 +31,11 @@ from concurrent.futures import ThreadPoolExecutor
 from sqlalchemy import Connection, Engine, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from seerd.coordinator.latency import Laps
+from seerd.coordinator.book_reports import BookReports
 from seerd.coordinator.leases import grant_leases, write_leases
-from seerd.coordinator.liveness import WorkerLiveness, chunk_done, chunk_failed, refuted_reason
+from seerd.coordinator.liveness import WorkerLiveness, chunk_failed
 from seerd.coordinator.records import (
-    BookBroken, Failure, GroupInputs, LeaseTerms, ReportCall, RequestProgress, Requeue, RetiredWorker, UnknownWorker,
-)
-from seerd.coordinator.reports import (
-    ReportOutcome, judge_unleased, sort_reports, with_queued_contexts, write_results,
+    BookBroken, Failure, GroupInputs, LeaseTerms, RequestProgress, Requeue, RetiredWorker, UnknownWorker,
 )
 from seerd.coordinator.saved import read_saved_rollout
 from seerd.coordinator.statements import (
@@ -50,7 +49,7 @@ from seerd.db.event import event_row
 from seerd.db.transitions import (
     ROW_EPOCH, ROW_ID, change_one, change_status, insert_with_status,
 )
-from seerd.protocol import ChunkGrant, ChunkReport, EngineProgress, UnreadableReport
+from seerd.protocol import ChunkGrant, EngineProgress
 from seerd.scheduler.state import FIRST_CHUNK_SPREAD, SchedulerState
 from seerd.scheduler.views import Policy
 
@@ -63,7 +62,7 @@ MAX_FAILED_ATTEMPTS = 3
 FORECASTS_PER_TICK = 2048
 
 
-class LeaseBook:
+class LeaseBook(BookReports):
     def __init__(self, sessions: sessionmaker[Session], rollout_id: int, policy: Policy,
                  *, chunk_tokens: int, lease_ttl_s: float, seed: int, vocab_size: int,
                  in_place: bool = False, first_chunk_spread: float = FIRST_CHUNK_SPREAD,
@@ -322,139 +321,6 @@ class LeaseBook:
             self.first_lease_at = now
             self.first_lease_cpu = CpuSnapshot.now()
         return grant_leases(self, leases, epochs, deadline, continuing)
-
-    # ----------------------------------------------------------------- reports
-    def report(self, worker_id: str, report: ChunkReport | UnreadableReport, now: float) -> ReportOutcome:
-        return self.report_many(worker_id, [report], now)[0]
-
-    def report_many(self, worker_id: str, reports: Sequence[ChunkReport | UnreadableReport],
-                    now: float) -> list[ReportOutcome]:
-        """One call's reports (`report_calls` for one call, without a lease)."""
-        outcomes = self._report_calls([(worker_id, reports)], now)[0]
-        if isinstance(outcomes, UnknownWorker):
-            raise outcomes
-        return outcomes
-
-    def _report_calls(self, calls: Sequence[tuple[str, Sequence[ChunkReport | UnreadableReport]]],
-                      now: float, laps: Laps | None = None) -> list[list[ReportOutcome] | UnknownWorker]:
-        """Commit every acceptable report of every call in one durable transaction (group commit:
-        one fsync for all the calls that queued meanwhile), then acknowledge; per call its
-        outcomes, or the `UnknownWorker` its worker is (that call alone fails). With
-        `reports_synced_later` the fsync is the caller's to wait for before it acknowledges.
-
-        A report that cannot be right (`report_problem`, or unreadable) is rejected alone: in the
-        same transaction its lease ends, with an event saying why, and its chunk runs again; the
-        rest of the batch is committed."""
-        laps = laps or Laps({})
-        answers: list[list[ReportOutcome | None] | UnknownWorker] = []
-        for worker_id, reports in calls:
-            try:
-                self._worker(worker_id)
-                answers.append([None] * len(reports))
-            except UnknownWorker as exc:
-                answers.append(exc)
-        known = [(c, *call) for c, call in enumerate(calls) if not isinstance(answers[c], UnknownWorker)]
-        accepted, results, rejected = sort_reports(known, self.state, self.terms, self.progress,
-                                                   self.worker_only_targets, self.vocab_size)
-        prepared = self.state.prepare_results(results, now)
-        laps.lap("sort and prepare")
-        failures = []
-        if results or rejected:
-            with self.writer.begin(durable=not self.reports_synced_later) as conn:
-                if results:
-                    write_results(conn, self.rollout_id, prepared, accepted, now)
-                failures = [self._write_failure(conn, calls[c][1][i].chunk_id, f"report rejected: {problem}", now,
-                                                kind="report_rejected") for c, i, problem in rejected]
-        laps.lap("commit")
-        # Committed: now the state follows.
-        self.state.apply_results(prepared)
-        laps.lap("apply")
-        if self.completed_at is None and self.state.is_complete():
-            self.completed_at, self.completed_cpu = now, CpuSnapshot.now()
-        for failure in failures:
-            self._apply_failure(failure)
-        refuted: dict[str, WorkerLiveness] = {}
-        for entry, outcome in zip(accepted, prepared.requests):
-            report = entry.report
-            del self.terms[report.chunk_id]
-            request = self.state.requests[outcome.request_id]
-            refuted.update((w.id, w) for w in chunk_done(self.workers, entry.worker_id, request.id, request.failed_on))
-            progress = self.progress[request.id]
-            progress.num_chunks += 1
-            if self.on_committed_tokens is not None:  # e.g. the grouped draft server's copy
-                self.on_committed_tokens(request.group_id, request.id, request.generated - len(report.token_ids),
-                                         report.token_ids)
-            if outcome.finished:
-                progress.tokens = None  # durable in the database; the coordinator needs them no more
-                if self.on_request_finished is not None:
-                    self.on_request_finished(request.group_id, request.id)
-            elif progress.tokens is not None:  # None: running in place, read back if it moves
-                progress.tokens.extend(report.token_ids)
-            answers[entry.call][entry.position] = ReportOutcome(True, request_finished=outcome.finished)
-        for group in prepared.groups:
-            if group.complete and self.on_group_finished is not None:
-                self.on_group_finished(group.group_id)
-        for (c, i, problem), failure in zip(rejected, failures):
-            again = "its request failed" if failure.fatal else "the chunk runs again"
-            answers[c][i] = ReportOutcome(False, reason=f"rejected, {again}: {problem}", rerun=not failure.fatal)
-        laps.lap("listeners")
-        if refuted:
-            self._retire(list(refuted.values()), now, refuted_reason)
-        unleased = [(c, i) for c, outcomes in enumerate(answers) if not isinstance(outcomes, UnknownWorker)
-                    for i, outcome in enumerate(outcomes) if outcome is None]
-        if unleased:
-            with self.writer.begin(durable=False) as conn:  # reads only
-                for c, i in unleased:
-                    answers[c][i] = judge_unleased(conn, calls[c][0], calls[c][1][i])
-        return answers
-
-    def report_and_continue(self, worker_id: str, reports: Sequence[ChunkReport | UnreadableReport], now: float,
-                            *, may_lease: bool = True, wanted: int = 0) -> tuple[list[ReportOutcome], list[ChunkGrant]]:
-        """One call of `report_calls`: raises `UnknownWorker` for a worker the book does not know."""
-        answer = self.report_calls([ReportCall(worker_id, reports, may_lease, wanted)], now)[0]
-        if isinstance(answer, UnknownWorker):
-            raise answer
-        return answer
-
-    def report_calls(self, calls: Sequence[ReportCall], now: float, laps: Laps | None = None,
-                     ) -> list[tuple[list[ReportOutcome], list[ChunkGrant]] | UnknownWorker]:
-        """Report calls that queued together: their reports in one durable commit (`_report_calls`),
-        then, call by call in the same state-thread call (no other lease can come between), a
-        lease for the slots of the chunks reported `running_on` (their engine requests still
-        generate past the boundary) and `wanted` more (free slots, e.g. of finished chunks). The
-        policy plans for those slots over the whole queue as at any lease call: a reported request
-        it gives this worker again continues in place (a grant with `continues`, without its
-        context: the worker holds it); one it does not is stopped by the worker, and the slot runs
-        what the plan gave instead. So the scheduler decides exactly as with re-submitted chunks
-        and lease calls; only the engine's cost of a boundary and a round trip go."""
-        self.refuse_if_broken()
-        request_of = {r.chunk_id: self.state.leases[r.chunk_id].request_id  # of every reported lease
-                      for call in calls for r in call.reports if r.chunk_id in self.state.leases}
-        running_on = [{r.chunk_id: request_of[r.chunk_id] for r in call.reports if self.in_place
-                       and getattr(r, "running_on", False) and r.chunk_id in request_of
-                       and self.state.leases[r.chunk_id].worker_id == call.worker_id} for call in calls]
-        laps = laps or Laps({})  # where the time of the calls goes, phase by phase
-        answers = self._report_calls([(call.worker_id, call.reports) for call in calls], now, laps)
-        laps.lap("refuted and unleased")
-        leasing = []  # (worker, slots, continuing) per call that may lease; 0 slots for the others
-        for call, held, outcomes in zip(calls, running_on, answers):
-            slots = 0
-            if not isinstance(outcomes, UnknownWorker) and call.may_lease:
-                slots = sum(1 for report, outcome in zip(call.reports, outcomes) if report.chunk_id in held
-                            and outcome.accepted and not outcome.duplicate and not outcome.request_finished)
-                slots += max(0, call.wanted)
-            leasing.append((call.worker_id, slots, set(held.values())))
-        # A worker taken out by a report of this batch (refuted) gets no grants: its reports stand.
-        leased = self.lease_calls(leasing, now)
-        replies: list[tuple[list[ReportOutcome], list[ChunkGrant]] | UnknownWorker] = [
-            outcomes if isinstance(outcomes, UnknownWorker) else (outcomes, grants if isinstance(grants, list) else [])
-            for outcomes, grants in zip(answers, leased)]
-        laps.lap("leases")
-        for call, reply in zip(calls, replies):  # what still waits, once every call has leased
-            if not isinstance(reply, UnknownWorker):
-                reply[0][:] = with_queued_contexts(call.reports, reply[0], request_of, self.state)
-        laps.lap("queued contexts")
-        return replies
 
     def release(self, worker_id: str, chunk_id: int, epoch: int, reason: str, now: float,
                 *, failed: bool = False) -> bool:

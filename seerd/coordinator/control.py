@@ -21,7 +21,8 @@ from contextlib import AbstractContextManager as ContextManager
 from functools import partial
 from typing import NamedTuple
 
-from seerd.coordinator.book import LeaseBook, ReportCall, UnknownWorker
+from seerd.coordinator.book import LeaseBook, UnknownWorker
+from seerd.coordinator.records import ReportCall
 from seerd.coordinator.latency import CallLatencies, Laps, PlansPerCall, SlowTurns
 from seerd.coordinator.reports import ReportOutcome
 from seerd.coordinator.waiting import LeaseLine
@@ -230,7 +231,8 @@ class CoordinatorControl:
     def _commit_reports(self, book: LeaseBook, clock: Callable[[], float], loop: asyncio.AbstractEventLoop) -> None:
         """On the state thread: every report call queued by now, in one group commit, answered
         once it is durable: after its fsync (here, or with a `wal_syncer` on that thread, while
-        this one goes on to the next turn)."""
+        this one goes on). The calls' leases commit in slices, each slice answered as it is done
+        (`LeaseBook.report_calls`)."""
         with self._reports_lock:
             batch, self._reports = self._reports, []
             self._commit_queued = False
@@ -241,12 +243,20 @@ class CoordinatorControl:
         held: dict[str, list] = {}  # the phases of `report_calls`, then the whole
         now = clock()
         calls = [call for call, _ in batch]
+        futures = [future for _, future in batch]
+        answered = 0  # the calls handed out so far, in order
+
+        def hand_out(first: int, replies: list) -> None:
+            nonlocal answered
+            self._answer(book, loop, futures[first:first + len(replies)],
+                         [r if isinstance(r, BaseException) else (*r, beat) for r, beat in zip(replies, beats[first:])])
+            answered = first + len(replies)
+
         try:
             beats = [_beat(book, call, now) for call in calls]
-            answers = book.report_calls(calls, now, laps=Laps(held))
-            answers = [a if isinstance(a, BaseException) else (*a, beat) for a, beat in zip(answers, beats)]
-        except Exception as exc:  # noqa: BLE001 - the commit failed (disk): every call of it answers 5xx
-            answers = [exc] * len(batch)
+            book.report_calls(calls, now, laps=Laps(held), hand_out=hand_out)
+        except Exception as exc:  # noqa: BLE001 - a commit failed (disk): every call not answered yet answers 5xx
+            self._answer(book, loop, futures[answered:], [exc] * (len(batch) - answered))
         self.report_commits += 1
         self.reports_committed += len(batch)
         held["report_calls"] = [len(batch), time.perf_counter() - started]
@@ -254,7 +264,12 @@ class CoordinatorControl:
         held["transactions"] = [CommitTimes.durable + CommitTimes.relaxed - transactions[0],
                                 CommitTimes.total_s - transactions[1]]
         self._turn_ran("reports", started, len(batch), held, cpu_at_start)
-        futures = [future for _, future in batch]
+
+    def _answer(self, book: LeaseBook, loop: asyncio.AbstractEventLoop, futures: list[asyncio.Future],
+                answers: list) -> None:
+        """Hand committed report calls their answers: at once, or with a `wal_syncer` once an fsync
+        that began after their commit is done (a failed one answers them with its error and stops
+        the book: nothing of it may be acknowledged, nor anything after)."""
         if self.wal_syncer is None:
             loop.call_soon_threadsafe(_settle_all, list(zip(futures, answers)))
             return
@@ -265,7 +280,7 @@ class CoordinatorControl:
             answered = answers if failure is None else [failure] * len(answers)
             with contextlib.suppress(RuntimeError):  # the loop is gone: so are the callers
                 loop.call_soon_threadsafe(_settle_all, list(zip(futures, answered)))
-            if failure is not None:  # nothing of this commit may be acknowledged, nor anything after
+            if failure is not None:
                 reason = f"an fsync of the database's WAL failed: {failure!r}"
                 try:
                     self._state_thread.submit(book.stop_for, reason)  # the book's owner

@@ -5,6 +5,7 @@ as if alone. Deterministic: the state thread is held busy until every call has q
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import threading
 
 import pytest
@@ -12,7 +13,8 @@ from sqlalchemy import text
 
 from seerd import protocol
 from seerd.coordinator.api import CoordinatorControl, create_app
-from seerd.coordinator.book import LeaseBook, ReportCall, UnknownWorker
+from seerd.coordinator.book import LeaseBook, UnknownWorker
+from seerd.coordinator.records import ReportCall
 from seerd.coordinator.records import BookBroken
 from seerd.db.base import CommitTimes
 from seerd.protocol import ChunkReport, EngineSettings, LeaseBody, RegisterBody, ReportBody
@@ -36,6 +38,7 @@ def _served_book(tmp_path):  # noqa: ANN001, ANN202
 
 def test_report_calls_queued_while_the_state_thread_is_busy_share_one_durable_commit(tmp_path):
     book, control, app, sock = _served_book(tmp_path)
+    book.answer_slice_s = float("inf")  # the leases in one slice, however slow the machine (see below)
 
     async def scenario() -> list:
         async with served(app, sock) as url:
@@ -152,3 +155,60 @@ def test_a_lease_write_the_database_refuses_after_leases_were_applied_stops_the_
                       vocab_size=VOCAB_SIZE)
     again.load(clock())
     assert not again.state.leases and len(again.state.queue) == 4
+
+
+def _reported_leases(tmp_path, workers: int):  # noqa: ANN202
+    """A book of `workers` groups of 2 under `divided`, each worker holding one chunk, and the
+    report call of each that finishes it and wants one more."""
+    clock = FakeClock()
+    book = make_book(tmp_path, policy="divided", prompt_rows=rows(groups=workers, n=2, max_tokens=20), now=clock())
+    calls = []
+    for rank in range(workers):
+        book.register(rank=rank, address="x", max_chunks=1, kv_capacity_tokens=1000, worker_id=f"w{rank}",
+                      now=clock())
+        (grant,) = book.lease(f"w{rank}", 1, clock())
+        calls.append(ReportCall(f"w{rank}", [ChunkReport(grant.chunk_id, grant.epoch, [5] * 4, [-0.5] * 4, "stop")],
+                                wanted=1))
+    return book, clock, calls
+
+
+def test_a_report_turn_hands_out_each_slice_of_leases_as_it_commits(tmp_path):
+    """`report_calls` commits its calls' leases in slices of `answer_slice_s` and hands each
+    slice's replies out before it plans the next: with a slice of 0 every call is a slice, its
+    lease committed and answered before the next call plans."""
+    book, clock, calls = _reported_leases(tmp_path, 3)
+    book.answer_slice_s = 0.0
+    handed = []
+
+    def hand_out(first: int, replies: list) -> None:
+        with book.writer.begin(durable=False) as conn:  # committed: a reader sees the slice's leases
+            leased = conn.execute(text("select count(*) from chunks where status = 'leased'")).scalar_one()
+        handed.append((first, len(replies), leased, len(book.state.leases)))
+
+    relaxed_before = CommitTimes.relaxed
+    replies = book.report_calls(calls, clock(), hand_out=hand_out)
+    # Each call its own slice, in order; when a slice is handed out only its leases and the
+    # earlier ones exist (the next call has not planned yet), and they are committed.
+    assert handed == [(0, 1, 1, 1), (1, 1, 2, 2), (2, 1, 3, 3)]
+    assert CommitTimes.relaxed - relaxed_before >= 3
+    assert [len(grants) for _, grants in replies] == [1, 1, 1]
+    assert len({grants[0].chunk_id for _, grants in replies}) == 3
+
+
+def test_a_slice_whose_leases_the_database_refuses_fails_alone_after_the_slices_before_were_handed_out(tmp_path):
+    """The slices before a failed one were committed and handed out (their grants stand, durable
+    in the database); the failed one's calls get the error (the caller answers them 5xx), its
+    lease rolled back: refused before it was applied, the book stays whole."""
+    book, clock, calls = _reported_leases(tmp_path, 2)
+    book.answer_slice_s = 0.0
+    with book.writer.begin() as conn:
+        conn.execute(text("CREATE TRIGGER refuse_w1 BEFORE INSERT ON events WHEN NEW.kind = 'chunk_leased' "
+                          "AND NEW.worker_id = 'w1' BEGIN SELECT RAISE(ABORT, 'database or disk is full'); END"))
+    handed = []
+    with pytest.raises(sqlite3.IntegrityError, match="disk is full"):
+        book.report_calls(calls, clock(), hand_out=lambda first, replies: handed.append((first, replies)))
+    assert [(first, len(replies[0][1])) for first, replies in handed] == [(0, 1)]  # w0's grant was handed out
+    with book.writer.begin() as conn:
+        holders = conn.execute(text("select lease_holder from chunks where status = 'leased'")).scalars().all()
+    assert holders == ["w0"] and [lease.worker_id for lease in book.state.leases.values()] == ["w0"]
+    assert book.broken is None and book.state.finished_requests == 2  # both reports stand

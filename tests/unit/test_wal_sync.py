@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import text
 
-from seerd.coordinator.book import ReportCall
+from seerd.coordinator.records import ReportCall
 from seerd.coordinator.control import CoordinatorControl
 from seerd.coordinator.records import BookBroken
 from seerd.db import make_engine
