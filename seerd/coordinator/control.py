@@ -73,7 +73,8 @@ class CoordinatorControl:
         # The book's leases for waiting calls (`LeaseLine.serve`), set by `create_app`.
         self.leasing_for_waiting: Callable[[], ContextManager[Callable[[str, int], object]]] = (
             lambda: contextlib.nullcontext(lambda _worker_id, _wanted: []))
-        self._reports: list[tuple[ReportCall, asyncio.Future]] = []  # waiting for the next group commit
+        # Waiting for the next group commit: each call, its answer, and when it was queued.
+        self._reports: list[tuple[ReportCall, asyncio.Future, float]] = []
         self._reports_lock = threading.Lock()  # the loop appends, the state thread takes
         self._commit_queued = False
         self._calls: list[tuple[Callable[[], object] | QueuedLease, asyncio.Future]] = []  # other calls (`run`, `lease`)
@@ -216,14 +217,18 @@ class CoordinatorControl:
         carried (None without one)."""
         loop = asyncio.get_running_loop()
         answer = loop.create_future()
+        queued = time.perf_counter()
         with self._reports_lock:
-            self._reports.append((call, answer))
+            self._reports.append((call, answer, queued))
             start, self._commit_queued = not self._commit_queued, True
             if start:
-                self._reports_since = time.perf_counter()
+                self._reports_since = queued
         if start:
             self._state_thread.submit(self._commit_reports, book, clock, loop)
         result = await answer
+        # Per call, where its time in the state thread's hands went (`_commit_reports`): queued
+        # to its turn, to its answer set on the loop, to this coroutine running again.
+        self.turns.add("report call resumed", time.perf_counter() - queued)
         if isinstance(result, BaseException):
             raise result
         return result
@@ -238,25 +243,29 @@ class CoordinatorControl:
             self._commit_queued = False
             started = time.perf_counter()
             self.turns.add("reports waited", started - self._reports_since)
+        for _, _, queued in batch:
+            self.turns.add("report call waited", started - queued)
         transactions = CommitTimes.durable + CommitTimes.relaxed, CommitTimes.total_s
         cpu_at_start = time.thread_time()
         held: dict[str, list] = {}  # the phases of `report_calls`, then the whole
         now = clock()
-        calls = [call for call, _ in batch]
-        futures = [future for _, future in batch]
+        calls = [call for call, _, _ in batch]
+        futures = [future for _, future, _ in batch]
         answered = 0  # the calls handed out so far, in order
 
         def hand_out(first: int, replies: list) -> None:
             nonlocal answered
             self._answer(book, loop, futures[first:first + len(replies)],
-                         [r if isinstance(r, BaseException) else (*r, beat) for r, beat in zip(replies, beats[first:])])
+                         [r if isinstance(r, BaseException) else (*r, beat) for r, beat in zip(replies, beats[first:])],
+                         [queued for _, _, queued in batch[first:first + len(replies)]])
             answered = first + len(replies)
 
         try:
             beats = [_beat(book, call, now) for call in calls]
             book.report_calls(calls, now, laps=Laps(held), hand_out=hand_out)
         except Exception as exc:  # noqa: BLE001 - a commit failed (disk): every call not answered yet answers 5xx
-            self._answer(book, loop, futures[answered:], [exc] * (len(batch) - answered))
+            self._answer(book, loop, futures[answered:], [exc] * (len(batch) - answered),
+                         [queued for _, _, queued in batch[answered:]])
         self.report_commits += 1
         self.reports_committed += len(batch)
         held["report_calls"] = [len(batch), time.perf_counter() - started]
@@ -266,12 +275,12 @@ class CoordinatorControl:
         self._turn_ran("reports", started, len(batch), held, cpu_at_start)
 
     def _answer(self, book: LeaseBook, loop: asyncio.AbstractEventLoop, futures: list[asyncio.Future],
-                answers: list) -> None:
+                answers: list, queued: list[float]) -> None:
         """Hand committed report calls their answers: at once, or with a `wal_syncer` once an fsync
         that began after their commit is done (a failed one answers them with its error and stops
         the book: nothing of it may be acknowledged, nor anything after)."""
         if self.wal_syncer is None:
-            loop.call_soon_threadsafe(_settle_all, list(zip(futures, answers)))
+            loop.call_soon_threadsafe(self._settle_reports, list(zip(futures, answers)), queued)
             return
         committed = time.perf_counter()
 
@@ -279,7 +288,7 @@ class CoordinatorControl:
             self.turns.add("reports synced", time.perf_counter() - committed)
             answered = answers if failure is None else [failure] * len(answers)
             with contextlib.suppress(RuntimeError):  # the loop is gone: so are the callers
-                loop.call_soon_threadsafe(_settle_all, list(zip(futures, answered)))
+                loop.call_soon_threadsafe(self._settle_reports, list(zip(futures, answered)), queued)
             if failure is not None:
                 reason = f"an fsync of the database's WAL failed: {failure!r}"
                 try:
@@ -288,6 +297,12 @@ class CoordinatorControl:
                     book.stop_for(reason)
 
         self.wal_syncer.after_next_sync(synced)
+
+    def _settle_reports(self, answers: list[tuple[asyncio.Future, object]], queued: list[float]) -> None:
+        settled = time.perf_counter()
+        for at in queued:
+            self.turns.add("report call answered", settled - at)
+        _settle_all(answers)
 
     def close(self) -> None:
         self._reader_thread.shutdown(wait=True)

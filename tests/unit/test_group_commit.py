@@ -72,6 +72,10 @@ def test_report_calls_queued_while_the_state_thread_is_busy_share_one_durable_co
     turns = control.turns.figures()
     assert control.largest_turn["reports"] == WORKERS
     assert turns["reports ran"]["calls"] == turns["reports waited"]["calls"] == 1
+    # And call by call: queued to its turn, to its answer set on the loop, to its handler going on.
+    phases = [turns[f"report call {phase}"] for phase in ("waited", "answered", "resumed")]
+    assert [figures["calls"] for figures in phases] == [WORKERS] * 3
+    assert phases[0]["max_ms"] <= phases[1]["max_ms"] <= phases[2]["max_ms"]
     for reply, grant in answered:
         assert [(r.chunk_id, r.accepted, r.duplicate) for r in reply.results] == [(grant.chunk_id, True, False)]
         # Each call's lease, in the same state-thread call: the freed slot runs the group's sibling.
