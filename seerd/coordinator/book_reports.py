@@ -159,6 +159,7 @@ class BookReports:
                             and outcome.accepted and not outcome.duplicate and not outcome.request_finished)
                 slots += max(0, call.wanted)
             leasing.append((call.worker_id, slots, set(held.values())))
+        # A worker taken out by a report of this batch (refuted) gets no grants: its reports stand.
         replies: list[Reply | UnknownWorker] = []
         while len(replies) < len(calls):
             first = len(replies)
