@@ -250,22 +250,19 @@ class CoordinatorControl:
         held: dict[str, list] = {}  # the phases of `report_calls`, then the whole
         now = clock()
         calls = [call for call, _, _ in batch]
-        futures = [future for _, future, _ in batch]
         answered = 0  # the calls handed out so far, in order
 
         def hand_out(first: int, replies: list) -> None:
             nonlocal answered
-            self._answer(book, loop, futures[first:first + len(replies)],
-                         [r if isinstance(r, BaseException) else (*r, beat) for r, beat in zip(replies, beats[first:])],
-                         [queued for _, _, queued in batch[first:first + len(replies)]])
+            self._answer(book, loop, batch[first:first + len(replies)],
+                         [r if isinstance(r, BaseException) else (*r, beat) for r, beat in zip(replies, beats[first:])])
             answered = first + len(replies)
 
         try:
             beats = [_beat(book, call, now) for call in calls]
             book.report_calls(calls, now, laps=Laps(held), hand_out=hand_out)
         except Exception as exc:  # noqa: BLE001 - a commit failed (disk): every call not answered yet answers 5xx
-            self._answer(book, loop, futures[answered:], [exc] * (len(batch) - answered),
-                         [queued for _, _, queued in batch[answered:]])
+            self._answer(book, loop, batch[answered:], [exc] * (len(batch) - answered))
         self.report_commits += 1
         self.reports_committed += len(batch)
         held["report_calls"] = [len(batch), time.perf_counter() - started]
@@ -274,13 +271,13 @@ class CoordinatorControl:
                                 CommitTimes.total_s - transactions[1]]
         self._turn_ran("reports", started, len(batch), held, cpu_at_start)
 
-    def _answer(self, book: LeaseBook, loop: asyncio.AbstractEventLoop, futures: list[asyncio.Future],
-                answers: list, queued: list[float]) -> None:
+    def _answer(self, book: LeaseBook, loop: asyncio.AbstractEventLoop,
+                queued: list[tuple[ReportCall, asyncio.Future, float]], answers: list) -> None:
         """Hand committed report calls their answers: at once, or with a `wal_syncer` once an fsync
         that began after their commit is done (a failed one answers them with its error and stops
         the book: nothing of it may be acknowledged, nor anything after)."""
         if self.wal_syncer is None:
-            loop.call_soon_threadsafe(self._settle_reports, list(zip(futures, answers)), queued)
+            loop.call_soon_threadsafe(self._settle_reports, queued, answers)
             return
         committed = time.perf_counter()
 
@@ -288,7 +285,7 @@ class CoordinatorControl:
             self.turns.add("reports synced", time.perf_counter() - committed)
             answered = answers if failure is None else [failure] * len(answers)
             with contextlib.suppress(RuntimeError):  # the loop is gone: so are the callers
-                loop.call_soon_threadsafe(self._settle_reports, list(zip(futures, answered)), queued)
+                loop.call_soon_threadsafe(self._settle_reports, queued, answered)
             if failure is not None:
                 reason = f"an fsync of the database's WAL failed: {failure!r}"
                 try:
@@ -298,11 +295,11 @@ class CoordinatorControl:
 
         self.wal_syncer.after_next_sync(synced)
 
-    def _settle_reports(self, answers: list[tuple[asyncio.Future, object]], queued: list[float]) -> None:
+    def _settle_reports(self, queued: list[tuple[ReportCall, asyncio.Future, float]], answers: list) -> None:
         settled = time.perf_counter()
-        for at in queued:
+        for (_, future, at), answer in zip(queued, answers):
             self.turns.add("report call answered", settled - at)
-        _settle_all(answers)
+            _settle(future, answer)
 
     def close(self) -> None:
         self._reader_thread.shutdown(wait=True)
