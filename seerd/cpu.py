@@ -70,3 +70,28 @@ def thread_cpu_seconds() -> dict[str, float]:
         name = names.get(int(tid), "other")
         seconds[name] = seconds.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
     return seconds
+
+
+class ThreadClock:
+    """The calling thread's CPU time and run-queue wait, from the kernel's schedstat: a step
+    whose wall time exceeds its CPU time waited either runnable with no core free (run-queue
+    wait: other processes or threads held both cores) or blocked (the GIL another thread of the
+    process held, a lock, the disk). Open it in the thread it measures; without /proc the wait reads 0."""
+
+    def __init__(self) -> None:
+        try:
+            self._fd: int | None = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+        except OSError:
+            self._fd = None
+
+    def read(self) -> tuple[float, float]:
+        """(CPU seconds, run-queue seconds) of this thread so far."""
+        if self._fd is None:
+            return time.thread_time(), 0.0
+        on_cpu_ns, waiting_ns, _ = os.pread(self._fd, 64, 0).split()
+        return int(on_cpu_ns) / 1e9, int(waiting_ns) / 1e9
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

@@ -65,7 +65,8 @@ def wait_for(path: Path) -> None:
 def generate(llm, shard: Path, out: Path, go: Path) -> None:  # noqa: ANN001
     from vllm.inputs import TokensPrompt
 
-    from seerd.worker.counters import EngineCounters, ThreadClock
+    from seerd.cpu import ThreadClock
+    from seerd.worker.counters import EngineCounters
     from seerd.worker.engine import sampling_params
 
     requests = [json.loads(line) for line in shard.read_text().splitlines() if line.strip()]

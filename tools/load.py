@@ -269,6 +269,8 @@ def run(args: argparse.Namespace, work: Path) -> dict:
         # The state thread's turns: the oldest call's wait for one, its run time, the largest.
         "state_turns": load.get("state_turns", {}), "largest_state_turn": load.get("largest_state_turn"),
         "slowest_state_turns": load.get("slowest_state_turns", {}),
+        # ... and their seconds by kind: wall, the thread's CPU, its wait for a core.
+        "state_turn_seconds": load.get("state_turn_seconds", {}),
         "chunks": chunks, "output_tokens": tokens, "generation_s": generation_s, "wall_s": wall_s,
         "coordinator_cpu_s": load["generation_cpu_s"], "cpu_ms_per_chunk": 1e3 * load["generation_cpu_s"] / chunks,
         "durable_commits_per_s": load.get("durable_commits", 0) / generation_s,
@@ -336,6 +338,10 @@ def print_table(result: dict) -> None:
                 f"{name} {count}x {ms:.0f}ms" for name, (count, ms) in turn["held"].items())
         print("the slowest turns: " + "; ".join(described(turn) for turn in turns["slowest"][:10]))
         print("the slowest turn per 10 s: " + "; ".join(described(turn) for turn in turns["by_window"]))
+    for kind, seconds in result["state_turn_seconds"].items():
+        blocked = seconds["wall"] - seconds["cpu"] - seconds["run_queue"]
+        print(f"the state thread's {kind} turns: {seconds['wall']:.1f} s, of which its CPU {seconds['cpu']:.1f} s, "
+              f"waiting for a core {seconds['run_queue']:.1f} s, blocked (the GIL, the disk) {blocked:.1f} s")
     print(f"coordinator: {100 * result['coordinator_cpu_share']:.0f}% of a core over generation, "
           f"{result['cpu_ms_per_chunk']:.2f} ms CPU per chunk, peak RSS {result['coordinator_rss_mb']:.0f} MB, "
           f"peak open files {result['max_fds']}; the simulated workers' processes "

@@ -26,6 +26,7 @@ from seerd.coordinator.records import ReportCall
 from seerd.coordinator.latency import CallLatencies, Laps, PlansPerCall, SlowTurns
 from seerd.coordinator.reports import ReportOutcome
 from seerd.coordinator.waiting import LeaseLine
+from seerd.cpu import ThreadClock
 from seerd.db.base import CommitTimes
 from seerd.db.wal_sync import WalSyncer
 from seerd.protocol import ChunkGrant
@@ -44,7 +45,9 @@ class CoordinatorControl:
     """
 
     def __init__(self) -> None:
-        self._state_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="seerd-state")
+        self._state_clock: ThreadClock | None = None  # the state thread's CPU and run-queue wait
+        self._state_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="seerd-state",
+                                                initializer=self._open_state_clock)
         # Status snapshots read for other hosts (`seerd status` of a run on a network filesystem):
         # never on the state thread, and one at a time however many watch.
         self._reader_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="seerd-reader")
@@ -61,6 +64,9 @@ class CoordinatorControl:
         self.turns = CallLatencies()
         self.largest_turn = {"reports": 0, "calls": 0}
         self.slow_turns = SlowTurns()  # what the slowest turns held, call by call
+        # Seconds of the state thread's turns, by kind: [wall, its CPU, waiting for a core]. What
+        # is left of the wall it was blocked: on the GIL, which the event loop shares.
+        self.turn_seconds = {"reports": [0.0, 0.0, 0.0], "calls": [0.0, 0.0, 0.0]}
         self.lease_plans = PlansPerCall()  # plans made for each lease call (long polls planned for in vain)
         self._calls_since = self._reports_since = 0.0  # when the oldest queued call was queued
         self.refused: dict[str, int] = {}  # calls refused by the signature check (auth.py), by reason
@@ -136,7 +142,7 @@ class CoordinatorControl:
             self._calls_queued = False
             started = time.perf_counter()
             self.turns.add("calls waited", started - self._calls_since)
-        cpu_at_start = time.thread_time()
+        clock_at_start = self._state_clock.read()
         answers = []
         handed = started
         held: dict[str, list] = {}  # what the turn ran: call name -> [count, seconds]
@@ -185,19 +191,27 @@ class CoordinatorControl:
             if ended - handed > ANSWERS_EVERY_S:
                 loop.call_soon_threadsafe(_settle_all, answers)
                 answers, handed = [], ended
-        self._turn_ran("calls", started, ran, held, cpu_at_start)
+        self._turn_ran("calls", started, ran, held, clock_at_start)
         loop.call_soon_threadsafe(_settle_all, answers)
         if requeue:
             self._state_thread.submit(self._run_calls, loop)
 
+    def _open_state_clock(self) -> None:
+        self._state_clock = ThreadClock()  # opened in the thread it measures
+
     def _turn_ran(self, kind: str, started: float, calls: int, held: dict[str, list],
-                  cpu_at_start: float) -> None:
+                  clock_at_start: tuple[float, float]) -> None:
         ran = time.perf_counter() - started
-        # Of the turn's wall time, the thread's CPU: the rest it waited (the GIL, a core, the
-        # disk), which tells a turn with too much work from one kept waiting. (The run-queue wait
-        # from /proc/thread-self/schedstat too cost an eighth of the state thread's samples:
-        # opening a procfs file is slow.)
-        held["thread cpu"] = [1, time.thread_time() - cpu_at_start]
+        # Of the turn's wall time, the thread's CPU and its wait for a core (the kernel's
+        # schedstat, one pread): the rest it was blocked, on the GIL or the disk. Tells a turn
+        # with too much work from one kept waiting, and which of the two kept it.
+        cpu, run_queue = (now - then for now, then in zip(self._state_clock.read(), clock_at_start))
+        held["thread cpu"] = [1, cpu]
+        held["run queue"] = [1, run_queue]
+        total = self.turn_seconds[kind]
+        total[0] += ran
+        total[1] += cpu
+        total[2] += run_queue
         self.turns.add(f"{kind} ran", ran)
         self.largest_turn[kind] = max(self.largest_turn[kind], calls)
         self.slow_turns.add(started, ran, held)
@@ -246,7 +260,7 @@ class CoordinatorControl:
         for _, _, queued in batch:
             self.turns.add("report call waited", started - queued)
         transactions = CommitTimes.durable + CommitTimes.relaxed, CommitTimes.total_s
-        cpu_at_start = time.thread_time()
+        clock_at_start = self._state_clock.read()
         held: dict[str, list] = {}  # the phases of `report_calls`, then the whole
         now = clock()
         calls = [call for call, _, _ in batch]
@@ -269,7 +283,7 @@ class CoordinatorControl:
         # Of the turn, its transactions (begin to commit: the fsync among them): the disk's share.
         held["transactions"] = [CommitTimes.durable + CommitTimes.relaxed - transactions[0],
                                 CommitTimes.total_s - transactions[1]]
-        self._turn_ran("reports", started, len(batch), held, cpu_at_start)
+        self._turn_ran("reports", started, len(batch), held, clock_at_start)
 
     def _answer(self, book: LeaseBook, loop: asyncio.AbstractEventLoop,
                 queued: list[tuple[ReportCall, asyncio.Future, float]], answers: list) -> None:
@@ -304,6 +318,8 @@ class CoordinatorControl:
     def close(self) -> None:
         self._reader_thread.shutdown(wait=True)
         self._state_thread.shutdown(wait=True)
+        if self._state_clock is not None:
+            self._state_clock.close()
 
     def work_queued(self, requests: int | None = None, smallest_context: int = 0) -> None:
         """Work for lease calls waiting (a chunk was re-queued, a lease expired): `requests` newly

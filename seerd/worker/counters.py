@@ -4,42 +4,14 @@ engine's speed per batch size."""
 
 from __future__ import annotations
 
-import os
-import time
-
 from seerd.drafts.policy import batch_bucket
-
-
-class ThreadClock:
-    """The calling thread's CPU time and run-queue wait, from the kernel's schedstat: a step
-    whose wall time exceeds its CPU time waited either runnable with no core free (run-queue
-    wait: other processes or threads held both cores) or blocked (the GIL another thread of the
-    worker held). Open it in the thread it measures; without /proc the wait reads 0."""
-
-    def __init__(self) -> None:
-        try:
-            self._fd: int | None = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
-        except OSError:
-            self._fd = None
-
-    def read(self) -> tuple[float, float]:
-        """(CPU seconds, run-queue seconds) of this thread so far."""
-        if self._fd is None:
-            return time.thread_time(), 0.0
-        on_cpu_ns, waiting_ns, _ = os.pread(self._fd, 64, 0).split()
-        return int(on_cpu_ns) / 1e9, int(waiting_ns) / 1e9
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
 
 
 class EngineCounters:
     """What the engine's own scheduler did, cumulative: steps, running sequences summed over
     steps (their mean is the batch the engine kept), preemptions (vLLM evicting a running
     sequence when KV runs out, to recompute it later), and the seconds spent inside steps: wall,
-    the stepping thread's CPU and its run-queue wait (`ThreadClock`); what is left of the wall
+    the stepping thread's CPU and its run-queue wait (`cpu.ThreadClock`); what is left of the wall
     time was spent blocked (on the GIL). Kept by the stepping thread from vLLM's in-process
     scheduler (v1 internals: `attach` returns None if they moved, and the figures are simply
     missing), read by the heartbeat: plain ints, no lock.

@@ -28,8 +28,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from seerd.cpu import ThreadClock
 from seerd.protocol import EngineProgress, parse_engine_id
-from seerd.worker.counters import EngineCounters, ThreadClock
+from seerd.worker.counters import EngineCounters
 
 DRAFTER_SETTINGS_ENV = "SEERD_DRAFT_SETTINGS"  # read by seerd.drafts.drafter in the engine's process
 

@@ -192,7 +192,7 @@ def test_the_thread_clock_reads_this_threads_cpu_and_run_queue_wait_from_the_ker
     import threading
     import time
 
-    from seerd.worker.counters import ThreadClock
+    from seerd.cpu import ThreadClock
 
     def spin(seconds: float) -> None:
         until = time.thread_time() + seconds
