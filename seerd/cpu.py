@@ -83,12 +83,14 @@ class ThreadClock:
             self._fd: int | None = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
         except OSError:
             self._fd = None
+        self.slices = 0  # times the thread was put on a core so far, as of the last `read` (0 without /proc)
 
     def read(self) -> tuple[float, float]:
         """(CPU seconds, run-queue seconds) of this thread so far."""
         if self._fd is None:
             return time.thread_time(), 0.0
-        on_cpu_ns, waiting_ns, _ = os.pread(self._fd, 64, 0).split()
+        on_cpu_ns, waiting_ns, slices = os.pread(self._fd, 64, 0).split()
+        self.slices = int(slices)
         return int(on_cpu_ns) / 1e9, int(waiting_ns) / 1e9
 
     def close(self) -> None:

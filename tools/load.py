@@ -341,7 +341,8 @@ def print_table(result: dict) -> None:
     for kind, seconds in result["state_turn_seconds"].items():
         blocked = seconds["wall"] - seconds["cpu"] - seconds["run_queue"]
         print(f"the state thread's {kind} turns: {seconds['wall']:.1f} s, of which its CPU {seconds['cpu']:.1f} s, "
-              f"waiting for a core {seconds['run_queue']:.1f} s, blocked (the GIL, the disk) {blocked:.1f} s")
+              f"waiting for a core {seconds['run_queue']:.1f} s, blocked (the GIL, the disk) {blocked:.1f} s; "
+              f"put on a core {seconds.get('slices', 0):.0f} times")
     print(f"coordinator: {100 * result['coordinator_cpu_share']:.0f}% of a core over generation, "
           f"{result['cpu_ms_per_chunk']:.2f} ms CPU per chunk, peak RSS {result['coordinator_rss_mb']:.0f} MB, "
           f"peak open files {result['max_fds']}; the simulated workers' processes "

@@ -64,9 +64,10 @@ class CoordinatorControl:
         self.turns = CallLatencies()
         self.largest_turn = {"reports": 0, "calls": 0}
         self.slow_turns = SlowTurns()  # what the slowest turns held, call by call
-        # Seconds of the state thread's turns, by kind: [wall, its CPU, waiting for a core]. What
+        # Seconds of the state thread's turns, by kind: [wall, its CPU, waiting for a core], and
+        # the times it was put on a core in them (each after blocking or being preempted). What
         # is left of the wall it was blocked: on the GIL, which the event loop shares.
-        self.turn_seconds = {"reports": [0.0, 0.0, 0.0], "calls": [0.0, 0.0, 0.0]}
+        self.turn_seconds = {"reports": [0.0, 0.0, 0.0, 0], "calls": [0.0, 0.0, 0.0, 0]}
         self.lease_plans = PlansPerCall()  # plans made for each lease call (long polls planned for in vain)
         self._calls_since = self._reports_since = 0.0  # when the oldest queued call was queued
         self.refused: dict[str, int] = {}  # calls refused by the signature check (auth.py), by reason
@@ -142,7 +143,7 @@ class CoordinatorControl:
             self._calls_queued = False
             started = time.perf_counter()
             self.turns.add("calls waited", started - self._calls_since)
-        clock_at_start = self._state_clock.read()
+        clock_at_start = (*self._state_clock.read(), self._state_clock.slices)
         answers = []
         handed = started
         held: dict[str, list] = {}  # what the turn ran: call name -> [count, seconds]
@@ -200,18 +201,21 @@ class CoordinatorControl:
         self._state_clock = ThreadClock()  # opened in the thread it measures
 
     def _turn_ran(self, kind: str, started: float, calls: int, held: dict[str, list],
-                  clock_at_start: tuple[float, float]) -> None:
+                  clock_at_start: tuple[float, float, int]) -> None:
         ran = time.perf_counter() - started
         # Of the turn's wall time, the thread's CPU and its wait for a core (the kernel's
         # schedstat, one pread): the rest it was blocked, on the GIL or the disk. Tells a turn
         # with too much work from one kept waiting, and which of the two kept it.
-        cpu, run_queue = (now - then for now, then in zip(self._state_clock.read(), clock_at_start))
-        held["thread cpu"] = [1, cpu]
+        clock = self._state_clock
+        cpu, run_queue = (now - then for now, then in zip(clock.read(), clock_at_start))
+        slices = clock.slices - clock_at_start[2]
+        held["thread cpu"] = [slices, cpu]
         held["run queue"] = [1, run_queue]
         total = self.turn_seconds[kind]
         total[0] += ran
         total[1] += cpu
         total[2] += run_queue
+        total[3] += slices
         self.turns.add(f"{kind} ran", ran)
         self.largest_turn[kind] = max(self.largest_turn[kind], calls)
         self.slow_turns.add(started, ran, held)
@@ -260,7 +264,7 @@ class CoordinatorControl:
         for _, _, queued in batch:
             self.turns.add("report call waited", started - queued)
         transactions = CommitTimes.durable + CommitTimes.relaxed, CommitTimes.total_s
-        clock_at_start = self._state_clock.read()
+        clock_at_start = (*self._state_clock.read(), self._state_clock.slices)
         held: dict[str, list] = {}  # the phases of `report_calls`, then the whole
         now = clock()
         calls = [call for call, _, _ in batch]

@@ -494,7 +494,8 @@ class Coordinator:
                 "report_commits": self.control.report_commits, "reports_committed": self.control.reports_committed,
                 "server_calls": self.control.latencies.figures(), "state_turns": self.control.turns.figures(),
                 "largest_state_turn": self.control.largest_turn,
-                "state_turn_seconds": {kind: dict(zip(("wall", "cpu", "run_queue"), (round(v, 2) for v in seconds)))
+                "state_turn_seconds": {kind: dict(zip(("wall", "cpu", "run_queue", "slices"),
+                                                      (round(v, 2) for v in seconds)))
                                        for kind, seconds in self.control.turn_seconds.items()},
                 "slowest_state_turns": self.control.slow_turns.figures(),
                 "slow_checkpoints": [{"at_s": round(self.control.slow_turns.since_first(at), 2), "ms": round(1e3 * s, 1)}
