@@ -94,12 +94,24 @@ class ProcessSampler(threading.Thread):
                      if (figures := process_figures(pid)) is not None}
             if self.hosts_nice:
                 for pid in hosts.keys() - self.host_cpu_s.keys():  # new ones (a restarted host too)
-                    with contextlib.suppress(OSError):
-                        os.setpriority(os.PRIO_PROCESS, pid, self.hosts_nice)
+                    yield_cores(pid, self.hosts_nice)
             self.host_cpu_s.update(hosts)
             db_bytes = sum(p.stat().st_size for p in self.db_path.parent.glob(self.db_path.name + "*") if p.exists())
             self.samples.append({"t": time.monotonic() - started, "cpu_s": cpu_s, "rss_mb": rss_kb / 1024,
                                  "fds": fds, "db_mb": db_bytes / 2**20, "written_mb": written_bytes(self.pid) / 2**20})
+
+
+def yield_cores(pid: int, nice: int) -> None:
+    """Process `pid` at `nice`: each of its threads (Linux's nice is per thread) and its autogroup.
+    The launcher starts each host in a session of its own (seerd/launch/local.py), and with the
+    kernel's autogroups (`sched_autogroup_enabled`, on here) the cores are shared fairly between
+    sessions first: a thread's nice only weighs it against its own session's. Niced by thread
+    alone, four hosts still took a core share each against the coordinator's whole process."""
+    with contextlib.suppress(OSError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+        Path(f"/proc/{pid}/autogroup").write_text(str(nice))
 
 
 def processes_with(marker: bytes) -> list[int]:
@@ -381,8 +393,9 @@ def main() -> int:
     parser.add_argument("--compare-sim", action="store_true",
                         help="also run `seerd sim` on the same workload and cluster, and set them side by side")
     parser.add_argument("--hosts-nice", type=int, default=0,
-                        help="run the simulated workers' processes at this nice value: the load generator "
-                             "yields the cores to the coordinator, as workers on other nodes would")
+                        help="run the simulated workers' processes (every thread, and their sessions' "
+                             "autogroups) at this nice value: the load generator yields the cores to the "
+                             "coordinator, as workers on other nodes would")
     parser.add_argument("--settle-s", type=float, default=80.0,
                         help="also report latencies of the calls sent after this many seconds: at time scale "
                              "0.005 the first fill and the first chunk boundaries of the 512 engines (started "
