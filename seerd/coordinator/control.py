@@ -202,12 +202,13 @@ class CoordinatorControl:
 
     def _turn_ran(self, kind: str, started: float, calls: int, held: dict[str, list],
                   clock_at_start: tuple[float, float, int]) -> None:
-        ran = time.perf_counter() - started
         # Of the turn's wall time, the thread's CPU and its wait for a core (the kernel's
         # schedstat, one pread): the rest it was blocked, on the GIL or the disk. Tells a turn
-        # with too much work from one kept waiting, and which of the two kept it.
+        # with too much work from one kept waiting, and which of the two kept it. (Read before
+        # the wall time ends, so that both fit inside it.)
         clock = self._state_clock
         cpu, run_queue = (now - then for now, then in zip(clock.read(), clock_at_start))
+        ran = time.perf_counter() - started
         slices = clock.slices - clock_at_start[2]
         held["thread cpu"] = [slices, cpu]
         held["run queue"] = [1, run_queue]
