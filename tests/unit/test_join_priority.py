@@ -18,14 +18,27 @@ async def _until(condition) -> None:  # noqa: ANN001
         await asyncio.sleep(0.005)
 
 
+async def _state_thread_held(control: CoordinatorControl) -> tuple[threading.Event, asyncio.Future]:
+    """The state thread held busy by a call until the returned event is set; returns once that
+    call runs. (Waiting for the queue to empty instead raced the thread's start: before the call's
+    coroutine had queued it the queue was empty too, and calls queued next could join its turn.)"""
+    release, running = threading.Event(), threading.Event()
+
+    def hold() -> bool:
+        running.set()
+        return release.wait(30)
+
+    blocker = asyncio.ensure_future(control.run(hold))
+    await _until(running.is_set)
+    return release, blocker
+
+
 def test_calls_of_registered_workers_run_before_registrations_queued_earlier():
     control = CoordinatorControl()
     ran: list[str] = []
 
     async def scenario() -> list:
-        release = threading.Event()
-        blocker = asyncio.ensure_future(control.run(release.wait, 30))  # the state thread, busy
-        await _until(lambda: not control._calls)  # the blocker's turn has begun
+        release, blocker = await _state_thread_held(control)
         joins = [asyncio.ensure_future(control.join(ran.append, f"register {i}")) for i in range(3)]
         await _until(lambda: len(control._joins) == 3)
         calls = [asyncio.ensure_future(control.run(ran.append, f"lease {i}")) for i in range(2)]
@@ -43,15 +56,16 @@ def test_a_call_queued_during_a_long_run_of_joins_goes_before_the_joins_left(mon
     monkeypatch.setattr(state_thread, "JOINS_EVERY_S", 60.0)  # the joins' time budget never runs out here
     control = CoordinatorControl()
     ran: list[str] = []
-    lease_queued = threading.Event()
+    lease_queued, registering = threading.Event(), threading.Event()
 
     def first_registration() -> None:
+        registering.set()
         lease_queued.wait(30)  # a lease arrives while this registration runs
         ran.append("register 0")
 
     async def scenario() -> None:
         joins = [asyncio.ensure_future(control.join(first_registration))]
-        await _until(lambda: not control._joins)  # the first registration is running
+        await _until(registering.is_set)  # the first registration is running
         joins += [asyncio.ensure_future(control.join(ran.append, f"register {i}")) for i in (1, 2)]
         await _until(lambda: len(control._joins) == 2)
         lease = asyncio.ensure_future(control.run(ran.append, "lease"))
@@ -70,9 +84,7 @@ def test_joins_beyond_a_turns_budget_run_in_turns_of_their_own(monkeypatch):
     ran: list[str] = []
 
     async def scenario() -> None:
-        release = threading.Event()
-        blocker = asyncio.ensure_future(control.run(release.wait, 30))
-        await _until(lambda: not control._calls)
+        release, blocker = await _state_thread_held(control)
         joins = [asyncio.ensure_future(control.join(ran.append, f"register {i}")) for i in range(3)]
         await _until(lambda: len(control._joins) == 3)
         release.set()
@@ -115,9 +127,7 @@ def test_a_registration_passed_over_turn_after_turn_runs_after_a_bounded_number_
                 while not control._calls:
                     time.sleep(0.001)
 
-        release = threading.Event()
-        blocker = asyncio.ensure_future(control.run(release.wait, 30))
-        await _until(lambda: not control._calls)
+        release, blocker = await _state_thread_held(control)
         join = asyncio.ensure_future(control.join(ran.append, "register"))
         chained.append(asyncio.ensure_future(control.run(call, 0)))
         await _until(lambda: len(control._calls) == 1 and len(control._joins) == 1)
