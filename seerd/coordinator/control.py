@@ -143,7 +143,7 @@ class CoordinatorControl:
             self._calls_queued = False
             started = time.perf_counter()
             self.turns.add("calls waited", started - self._calls_since)
-        clock_at_start = (*self._state_clock.read(), self._state_clock.slices)
+        clock_at_start = (time.thread_time(), self._state_clock.read()[1], self._state_clock.slices)
         answers = []
         handed = started
         held: dict[str, list] = {}  # what the turn ran: call name -> [count, seconds]
@@ -206,8 +206,11 @@ class CoordinatorControl:
         # schedstat, one pread): the rest it was blocked, on the GIL or the disk. Tells a turn
         # with too much work from one kept waiting, and which of the two kept it. (Read before
         # the wall time ends, so that both fit inside it.)
+        # (The CPU from the clock the kernel keeps exact: schedstat's is brought up to date
+        # only at a tick or a switch, and read 0 for a short turn.)
         clock = self._state_clock
-        cpu, run_queue = (now - then for now, then in zip(clock.read(), clock_at_start))
+        cpu = time.thread_time() - clock_at_start[0]
+        run_queue = clock.read()[1] - clock_at_start[1]
         ran = time.perf_counter() - started
         slices = clock.slices - clock_at_start[2]
         held["thread cpu"] = [slices, cpu]
@@ -265,7 +268,7 @@ class CoordinatorControl:
         for _, _, queued in batch:
             self.turns.add("report call waited", started - queued)
         transactions = CommitTimes.durable + CommitTimes.relaxed, CommitTimes.total_s
-        clock_at_start = (*self._state_clock.read(), self._state_clock.slices)
+        clock_at_start = (time.thread_time(), self._state_clock.read()[1], self._state_clock.slices)
         held: dict[str, list] = {}  # the phases of `report_calls`, then the whole
         now = clock()
         calls = [call for call, _, _ in batch]
