@@ -202,12 +202,11 @@ class CoordinatorControl:
 
     def _turn_ran(self, kind: str, started: float, calls: int, held: dict[str, list],
                   clock_at_start: tuple[float, float, int]) -> None:
-        # Of the turn's wall time, the thread's CPU and its wait for a core (the kernel's
-        # schedstat, one pread): the rest it was blocked, on the GIL or the disk. Tells a turn
-        # with too much work from one kept waiting, and which of the two kept it. (Read before
-        # the wall time ends, so that both fit inside it.)
-        # (The CPU from the clock the kernel keeps exact: schedstat's is brought up to date
-        # only at a tick or a switch, and read 0 for a short turn.)
+        # Of the turn's wall time, the thread's CPU (thread_time: schedstat's runtime is brought
+        # up to date only at a tick or a switch and read 0 for a short turn) and its wait for a
+        # core (schedstat, one pread): the rest it was blocked, on the GIL or the disk. Tells a
+        # turn with too much work from one kept waiting. Read before the wall time ends, so that
+        # both fit inside it.
         clock = self._state_clock
         cpu = time.thread_time() - clock_at_start[0]
         run_queue = clock.read()[1] - clock_at_start[1]
