@@ -123,6 +123,9 @@ class LeaseBook(BookReports):
         self.state.load(saved.groups, saved.requests, saved.finish_order, saved.bindings)
         for chunk in saved.unfinished_chunks:
             self.progress[chunk.request_id].open_chunk = (chunk.id, chunk.lease_epoch)
+        prepare = getattr(self.policy, "prepare", None)  # what its first plan would build (`SeerPolicy.prepare`)
+        if prepare is not None:
+            prepare(self.state.snapshot("", 0, now))
 
     def _write_requeue(self, conn: Connection, chunks: Sequence[Requeue], now: float,
                        *, kind: str, reason: str | None = None) -> None:

@@ -197,6 +197,9 @@ class Plan:
 
 
 class Policy(Protocol):
+    """Also, optionally, `prepare(snapshot)`: build what its first plan would (an index of the
+    queue) before any worker asks; the lease book calls it once its state is loaded."""
+
     name: str
 
     def plan(self, snapshot: Snapshot) -> Plan: ...

@@ -240,3 +240,29 @@ def test_queued_longest_names_requests_that_ran_oldest_first(tmp_path):
     assert [v.request_id for v in queued_longest(book.state, 2)] == oldest_first[:2]
     assert [v.request_id for v in queued_longest(book.state, 10, after=waiting[0])] == oldest_first[1:]
     assert queued_longest(book.state, 10, after=waiting[-1]) == []
+
+
+def test_a_seer_book_builds_its_queue_index_as_it_loads_and_its_first_lease_uses_it(tmp_path, monkeypatch):
+    # Built by the first lease instead, every first lease of the start-up fill waited behind it.
+    from seerd.scheduler import queue as queue_module
+    from seerd.scheduler.seer import SeerPolicy
+
+    built = []
+    index_init = queue_module._Index.__init__
+
+    def counted(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
+        built.append(1)
+        index_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(queue_module._Index, "__init__", counted)
+    book = make_book(tmp_path / "prepared", policy="seer", prompt_rows=rows(groups=4, n=3))
+    assert len(built) == 1
+    grants = book.lease(register(book), wanted=5, now=1000.0)
+    assert len(built) == 1 and len(grants) == 5
+    # The same first plan as a book whose index the first lease builds.
+    monkeypatch.delattr(SeerPolicy, "prepare")
+    cold = make_book(tmp_path / "cold", policy="seer", prompt_rows=rows(groups=4, n=3))
+    assert len(built) == 1
+    cold_grants = cold.lease(register(cold), wanted=5, now=1000.0)
+    assert len(built) == 2
+    assert [g.request_id for g in cold_grants] == [g.request_id for g in grants]
