@@ -11,8 +11,8 @@ class EngineCounters:
     """What the engine's own scheduler did, cumulative: steps, running sequences summed over
     steps (their mean is the batch the engine kept), preemptions (vLLM evicting a running
     sequence when KV runs out, to recompute it later), and the seconds spent inside steps: wall,
-    the stepping thread's CPU and its run-queue wait (`cpu.ThreadClock`); what is left of the wall
-    time was spent blocked (on the GIL). Kept by the stepping thread from vLLM's in-process
+    the stepping thread's CPU (`time.thread_time`) and its run-queue wait (`cpu.ThreadClock`);
+    what is left of the wall time was spent blocked (on the GIL). Kept by the stepping thread from vLLM's in-process
     scheduler (v1 internals: `attach` returns None if they moved, and the figures are simply
     missing), read by the heartbeat: plain ints, no lock.
 

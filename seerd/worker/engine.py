@@ -366,10 +366,12 @@ class SteppedEngine:
                     self.wakeup.wait(0.05)
                     self.wakeup.clear()
                     continue
-                started, (cpu_started, runq_started) = time.monotonic(), thread_clock.read()
+                # CPU from thread_time: schedstat's runtime is brought up to date only at a tick
+                # or a switch (a short step read 0); the run-queue wait from schedstat.
+                started, cpu_started, runq_started = time.monotonic(), time.thread_time(), thread_clock.read()[1]
                 outputs = self.llm.step()
                 took = time.monotonic() - started
-                cpu_now, runq_now = thread_clock.read()
+                cpu_now, runq_now = time.thread_time(), thread_clock.read()[1]
                 if took > SLOW_STEP_S:
                     log.info("engine step took %.2f s (%d requests in the engine)", took, len(self.streams))
                 self.clock.record(took)
