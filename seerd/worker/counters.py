@@ -12,9 +12,9 @@ class EngineCounters:
     steps (their mean is the batch the engine kept), preemptions (vLLM evicting a running
     sequence when KV runs out, to recompute it later), and the seconds spent inside steps: wall,
     the stepping thread's CPU (`time.thread_time`) and its run-queue wait (`cpu.ThreadClock`);
-    what is left of the wall time was spent blocked (on the GIL). Kept by the stepping thread from vLLM's in-process
-    scheduler (v1 internals: `attach` returns None if they moved, and the figures are simply
-    missing), read by the heartbeat: plain ints, no lock.
+    what is left of the wall time was spent blocked (on the GIL). Kept by the stepping thread
+    from vLLM's in-process scheduler (v1 internals: `attach` returns None if they moved, and the
+    figures are simply missing), read by the heartbeat: plain ints, no lock.
 
     Per batch size (`by_batch`): steps, seconds and generated tokens of the steps that decoded
     that many sequences, in power-of-two buckets ("4" holds 4-7). Tokens per second at a given
