@@ -189,6 +189,7 @@ class Coordinator:
         self._drain_reason = ""
         self.drained = False  # the run stopped after a drain: the caller requeues the job
         self.drain_recorded = False
+        self._noted_events: list[tuple[float, str, dict]] = []  # `note_event`'s, written at the next tick
 
     @property
     def _owns_run(self) -> bool:
@@ -433,6 +434,7 @@ class Coordinator:
                 await run(self.record_event, "kv_pool_restarted", {"restarts": self.pool.restarts})
             if on_tick:
                 on_tick(await run(self.book.counts))
+            await self._write_noted_events()
             if self.book.is_complete():
                 return await self._finish()
             if self._drain_deadline is not None and self._stop_reason is None:
@@ -508,13 +510,23 @@ class Coordinator:
             return {}
         return {"wal_syncs": syncer.syncs, "wal_sync_s": syncer.sync_s, "longest_wal_sync_s": syncer.longest_sync_s}
 
-    def record_event(self, kind: str, data: dict) -> None:
+    def record_event(self, kind: str, data: dict, ts: float | None = None) -> None:
         """One event in its own transaction (outside the state thread only before or after `serve`)."""
         if not self._owns_run:
             log.warning("not recorded (the run is no longer ours): %s %s", kind, data)
             return
         with self.sessions.begin() as session:
-            add_event(session, self.rollout_id, self.clock(), kind, data=data)
+            add_event(session, self.rollout_id, self.clock() if ts is None else ts, kind, data=data)
+
+    def note_event(self, kind: str, data: dict) -> None:
+        """An event from the event loop's thread while the run is served (a supervisor's tick): the
+        state thread writes it at the next tick, before a stop the same tick asked for."""
+        self._noted_events.append((self.clock(), kind, data))
+
+    async def _write_noted_events(self) -> None:
+        noted, self._noted_events = self._noted_events, []
+        for ts, kind, data in noted:
+            await self.control.run(self.record_event, kind, data, ts)
 
     def mark_failed(self, reason: str) -> None:
         if self._owns_run:

@@ -228,6 +228,14 @@ def taken_out_workers(conn: Connection, rollout_id: int) -> dict[str, str]:
     return {worker_id: json.loads(data or "{}").get("reason", "") for worker_id, data in rows}
 
 
+def worker_exits(conn: Connection, rollout_id: int, limit: int) -> list[dict]:
+    """The last `limit` worker processes' exits (`launch.local.EndedWorker`), oldest first, with their time."""
+    rows = conn.execute(select(Event.ts, Event.data_json)
+                        .where(Event.rollout_id == rollout_id, Event.kind == "worker_exited")
+                        .order_by(Event.id.desc()).limit(limit)).all()
+    return [{"ts": ts, **json.loads(data or "{}")} for ts, data in reversed(rows)]
+
+
 def events(conn: Connection, rollout_id: int) -> Iterable[Row]:
     """The event log, in the order it was written."""
     return conn.execute(select(Event.id, Event.ts, Event.kind, Event.worker_id, Event.request_id,

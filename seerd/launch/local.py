@@ -1,7 +1,11 @@
 """Local mode: the coordinator in this process and N worker processes on this machine.
 
 Workers are supervised: one that exits before the rollout is done is started again (a bounded
-number of times); its leases expire meanwhile and run on the others.
+number of times); its leases expire meanwhile and run on the others. Each exit is said in words
+(`launch.exits`: the signal, what it usually means, the fix) with the last lines of the worker's
+log. A worker that ends the same way twice in a row with no output from the run in between
+(an engine that cannot start on this machine: SIGILL from kernels the CPU cannot run, a model
+that does not fit) stops the run at once with that message instead of spending its restarts.
 """
 
 from __future__ import annotations
@@ -14,12 +18,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from seerd.config import KVPoolConfig
 from seerd.coordinator.daemon import Coordinator, CoordinatorResult
 from seerd.event_loop import run_event_loop
 from seerd.db import RolloutStatus
+from seerd.launch.exits import WorkerExit, describe_exit, log_tail
 from seerd.parent_death import die_with_parent as _die_with_parent
 from seerd.rundir import RunDir
 
@@ -30,6 +36,26 @@ WORKER_EXIT_GRACE_S = 20.0
 # Simulated workers (`--engine-api sim`) one process hosts (seerd/worker/sim_host.py): each is a
 # worker of its own on the wire, and they share the process's event loop.
 SIM_WORKERS_PER_PROCESS = 128
+
+
+@dataclass(frozen=True)
+class EndedWorker:
+    """A worker process that exited before the rollout was done, as the run's events record it."""
+
+    rank: int
+    exit: WorkerExit
+    log_path: Path
+    log_tail: list[str]
+    restart: int | None  # which restart of the rank this exit led to; None: not started again
+
+    def event_data(self) -> dict:
+        return {"rank": self.rank, **self.exit.as_dict(), "summary": self.exit.summary(),
+                "log": str(self.log_path), "log_tail": self.log_tail, "restart": self.restart}
+
+    def described(self) -> str:
+        """The summary and the log's last lines, indented: for a warning or a run's error."""
+        lines = "".join(f"\n    {line}" for line in self.log_tail) or " (empty)"
+        return f"{self.exit.summary()}; last lines of {self.log_path}:{lines}"
 
 
 def worker_env() -> dict[str, str]:
@@ -58,6 +84,11 @@ class WorkerPool:
         self.kv_pool = kv_pool if kv_pool is not None and kv_pool.mode == "mooncake" else None
         self.procs: dict[int, subprocess.Popen] = {}
         self.restarts: dict[int, int] = {rank: 0 for rank in range(count)}
+        # rank -> (its last exit, the run's progress when it was started again after it)
+        self.last_exit: dict[int, tuple[WorkerExit, int | None]] = {}
+        self.ended: list[EndedWorker] = []  # every exit so far (at most RESTARTS_PER_WORKER + 1 a rank)
+        self._ended_taken = 0  # how many of them `take_ended` returned
+        self.log_starts: dict[int, int] = {}  # rank -> where its current process's output begins in its log
         self.holders: dict[str, subprocess.Popen] = {}  # the KV pool's memory, one per node
         self.exhausted = False
 
@@ -100,6 +131,8 @@ class WorkerPool:
         return worker_env()
 
     def _spawn(self, rank: int) -> None:
+        with contextlib.suppress(OSError):  # no log yet: it starts at 0
+            self.log_starts[rank] = self.log_path(rank).stat().st_size
         self.procs[rank] = self._popen(self.command(rank), self.log_path(rank), self._devices(rank))
 
     def _devices(self, rank: int) -> dict[str, str]:
@@ -127,8 +160,9 @@ class WorkerPool:
                 start_new_session=True,
             )
 
-    def supervise(self, rollout_complete: bool) -> str | None:
-        """Restart workers that died; return a reason to stop when none can run any more."""
+    def supervise(self, rollout_complete: bool, progress: int | None = None) -> str | None:
+        """Restart workers that died; return a reason to stop when none can run any more, or when a
+        worker failed the same way twice with no `progress` (the run's output tokens) in between."""
         if rollout_complete:
             return None
         for name, holder in list(self.holders.items()):
@@ -141,18 +175,50 @@ class WorkerPool:
             if code is None:
                 continue
             _kill_group(proc)
-            if self.restarts[rank] >= RESTARTS_PER_WORKER:
-                del self.procs[rank]
-                continue
-            self.restarts[rank] += 1
-            log.warning("worker %d exited with %s; starting it again (%d/%d)", rank, code,
-                        self.restarts[rank], RESTARTS_PER_WORKER)
-            self._spawn(rank)
+            stop = self._worker_ended(rank, describe_exit(code), progress)
+            if stop:
+                self.exhausted = True
+                return stop
         if not self.procs:
             self.exhausted = True
-            return (f"every worker exited {RESTARTS_PER_WORKER + 1} times; see "
+            last = "; ".join(f"worker {e.rank}: {e.exit.summary()}" for e in self._last_of_each_rank())
+            return (f"every worker exited {RESTARTS_PER_WORKER + 1} times ({last}); see "
                     f"{self.log_path(0).parent}/{'sim-workers' if self.simulated else 'worker'}-*.log")
         return None
+
+    def _worker_ended(self, rank: int, exit_: WorkerExit, progress: int | None) -> str | None:
+        """Start worker `rank` again after `exit_`, or give it up; a reason to stop the run, or None."""
+        previous = self.last_exit.get(rank)
+        crash_loop = exit_.code != 0 and previous is not None and previous == (exit_, progress)
+        restart = None if crash_loop or self.restarts[rank] >= RESTARTS_PER_WORKER else self.restarts[rank] + 1
+        ended = EndedWorker(rank, exit_, self.log_path(rank),
+                            log_tail(self.log_path(rank), since=self.log_starts.get(rank, 0)), restart)
+        self.ended.append(ended)
+        if crash_loop:
+            del self.procs[rank]
+            return (f"worker {rank} failed the same way again after a restart, with no output from the run in "
+                    f"between, so it is not started again: {ended.described()}")
+        if restart is None:
+            del self.procs[rank]
+            log.warning("worker %d %s; not started again (it exited %d times)", rank, ended.described(),
+                        RESTARTS_PER_WORKER + 1)
+            return None
+        self.restarts[rank] = restart
+        self.last_exit[rank] = (exit_, progress)
+        log.warning("worker %d %s; starting it again (%d/%d)", rank, ended.described(), restart,
+                    RESTARTS_PER_WORKER)
+        self._spawn(rank)
+        return None
+
+    def _last_of_each_rank(self) -> list[EndedWorker]:
+        last = {e.rank: e for e in self.ended}
+        return [last[rank] for rank in sorted(last)]
+
+    def take_ended(self) -> list[EndedWorker]:
+        """The exits seen since the last call (for the run's events)."""
+        taken = self.ended[self._ended_taken:]
+        self._ended_taken = len(self.ended)
+        return taken
 
     def stop(self, *, complete: bool, grace_s: float = WORKER_EXIT_GRACE_S) -> None:
         """Let workers that heard "done" exit, ask the others to stop, then reap every group."""
@@ -190,7 +256,9 @@ def run_local(coordinator: Coordinator, workers: int, on_tick: Callable[[dict], 
                               gpus_per_worker=coordinator.config.engine.gpus_per_worker)
 
     def tick(counts: dict) -> None:
-        reason = pool.supervise(counts["requests_done"] == counts["requests_total"])
+        reason = pool.supervise(counts["requests_done"] == counts["requests_total"], counts["output_tokens"])
+        for ended in pool.take_ended():
+            coordinator.note_event("worker_exited", ended.event_data())
         if reason:
             coordinator.request_stop(reason)
         if on_tick:

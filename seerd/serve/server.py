@@ -282,8 +282,12 @@ class Server:
                 await asyncio.wait_for(self.batch_ready.wait(), IDLE_TICK_S)
         return None
 
-    def _supervise(self) -> None:
-        reason = self.pool.supervise(rollout_complete=False)
+    def _supervise(self, counts: dict | None = None) -> None:
+        """Look after the workers; `counts`: the running batch's (its output is their progress)."""
+        reason = self.pool.supervise(rollout_complete=False, progress=counts["output_tokens"] if counts else None)
+        for ended in self.pool.take_ended():  # between batches only the warning tells (no run to record in)
+            if self.current is not None:
+                self.current.note_event("worker_exited", ended.event_data())
         if reason:
             self.request_stop(reason)
 
@@ -310,7 +314,7 @@ class Server:
         coordinator.book.on_group_finished = group_ended
         try:
             result = await coordinator.serve_batch(partial(self._mount, batch), secret, address,
-                                                   on_tick=lambda _counts: self._supervise())
+                                                   on_tick=self._supervise)
         except Exception as exc:
             log.exception("batch %d failed", batch)
             coordinator.mark_failed(f"{type(exc).__name__}: {exc}")

@@ -67,8 +67,9 @@ def header(s: dict) -> Group:
     if lost:
         lines.append(Text("the coordinator is killed or hung: `seerd resume` continues the run",
                           style="yellow"))
-    if s.get("state_reason"):
-        lines.append(Text(f"reason: {s['state_reason']}", style="yellow"))
+    if s.get("state_reason"):  # its first line: a worker's log lines follow in "worker exits"
+        first, *more = s["state_reason"].splitlines()
+        lines.append(Text(f"reason: {first}" + (" (...)" if more else ""), style="yellow"))
     return Group(*lines)
 
 
@@ -169,6 +170,28 @@ def workers_table(s: dict) -> Table:
     return table
 
 
+def exits_part(s: dict) -> Group | None:
+    """The latest worker exits: when (since the run was created), what killed it, the fix, and the
+    last lines of its log (the JSON has more)."""
+    exits = s.get("worker_exits") or []
+    if not exits:
+        return None
+    lines: list[RenderableType] = [Text("worker exits", style="bold")]
+    for e in exits:
+        then = "not restarted" if e.get("restart") is None else f"restarted {e['restart']}"
+        lines.append(Text(f"  {duration(e['ts'] - s['created_at'])}  worker {e['rank']} {e['summary']}  ({then})",
+                          style="red" if e.get("signal") else "yellow"))
+        lines.extend(Text(f"      {line}", style="dim") for line in _telling_lines(e.get("log_tail") or []))
+    return Group(*lines)
+
+
+def _telling_lines(tail: list[str], count: int = 3) -> list[str]:
+    """Of a log's last lines, the few that tell most: from a native crash's report (faulthandler's
+    "Fatal Python error" and the innermost frames after it) when there is one, else the last."""
+    fatal = next((i for i, line in enumerate(tail) if line.startswith("Fatal Python error")), None)
+    return tail[-count:] if fatal is None else [tail[fatal], *tail[fatal + 2:fatal + 1 + count]]
+
+
 def _bad_blocks(pool: dict) -> str:
     """Loaded blocks that failed a check, and of those the ones whose MAC failed (forged, or
     corrupted in the pool): recomputed, never used."""
@@ -187,7 +210,7 @@ def render(s: dict) -> RenderableType:
         parts.append(tail_table(s))
     if s["workers"]:
         parts.append(workers_table(s))
-    line = pool_line(s)
-    if line is not None:
-        parts.append(line)
+    for part in (pool_line(s), exits_part(s)):
+        if part is not None:
+            parts.append(part)
     return Group(*parts)

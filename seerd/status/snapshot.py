@@ -36,6 +36,7 @@ SCHEMA_VERSION = 1
 READ_BUSY_TIMEOUT_MS = 2_000  # waits this long for a locked database, then says it cannot read it
 RATE_WINDOW_S = 30.0  # tokens/s now from finished chunks when workers send no live figures
 STALE_HEARTBEATS = 3  # a worker this many heartbeat intervals silent is highlighted
+WORKER_EXITS_SHOWN = 5  # the latest worker process exits a snapshot carries
 
 
 class UnknownRun(RuntimeError):
@@ -120,6 +121,8 @@ def _read(conn: Connection, run_dir: Path, tail_rows: int, now: float) -> dict:
         "tail": tail,
         "tail_total": tail_total,
         "workers": workers,
+        # Worker processes that exited before the run was done: signal, meaning, fix, log tail.
+        "worker_exits": read.worker_exits(conn, rid, WORKER_EXITS_SHOWN),
         # True when the coordinator read this for a host that may not open the database (status.locate).
         "read_through_coordinator": False,
     }

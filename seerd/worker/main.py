@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import faulthandler
 import logging
 import os
 import signal
@@ -527,6 +528,9 @@ def main(argv: list[str] | None = None) -> int:
     for warning in (signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(warning, signal.SIG_IGN)
     start_group_reaper()
+    # A native crash (SIGILL from a kernel this CPU cannot run, SIGSEGV) leaves the Python stack
+    # that reached it in the log, which the supervisor quotes when it says how the worker ended.
+    faulthandler.enable()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         return run_event_loop(amain(RunDir(Path(args.run_dir).resolve()),
