@@ -55,6 +55,7 @@ class RegisterBody(msgspec.Struct, forbid_unknown_fields=True):
     # registers with a rollout only under that rollout's weights (strictly on-policy).
     weights_version: str = ""
     weights_loaded_s: float = 0.0  # how long its last in-place reload took (0: none)
+    dtype: str = ""  # what its engine runs at ("float32", "bfloat16"), as the engine resolved it
 
 
 class RegisterReply(msgspec.Struct):

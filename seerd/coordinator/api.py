@@ -140,7 +140,7 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
         worker = await control.join(book.register, rank=body.rank, address=body.address, max_chunks=body.max_chunks,
                                     kv_capacity_tokens=body.kv_capacity_tokens, worker_id=body.worker_id[:100],
                                     kv_block_tokens=body.kv_block_tokens, weights_version=body.weights_version,
-                                    weights_loaded_s=body.weights_loaded_s, now=clock())
+                                    weights_loaded_s=body.weights_loaded_s, dtype=body.dtype[:32], now=clock())
         return _json(RegisterReply(worker.id, book.lease_ttl_s, heartbeat_interval(book.lease_ttl_s, book.live_count)))
 
     @route("POST", LEASE.path)

@@ -144,7 +144,7 @@ class LeaseBook(BookReports):
     # ----------------------------------------------------------------- workers
     def register(self, *, rank: int, address: str, max_chunks: int, kv_capacity_tokens: int,
                  worker_id: str, now: float, kv_block_tokens: int = 1, weights_version: str = "",
-                 weights_loaded_s: float = 0.0) -> WorkerLiveness:
+                 weights_loaded_s: float = 0.0, dtype: str = "") -> WorkerLiveness:
         with self.writer.begin(durable=False) as conn:
             if conn.execute(select(WORKERS.c.id).where(WORKERS.c.id == worker_id)).first() is not None:
                 # Same id again (a restarted coordinator, a worker back from a partition): a new
@@ -158,7 +158,8 @@ class LeaseBook(BookReports):
                 self.rollout_id, now, "worker_registered", worker_id,
                 data={"rank": rank, "address": address, "max_chunks": max_chunks,
                       "kv_capacity_tokens": kv_capacity_tokens, "kv_block_tokens": kv_block_tokens,
-                      "weights_version": weights_version, "weights_loaded_s": weights_loaded_s})])
+                      "weights_version": weights_version, "weights_loaded_s": weights_loaded_s,
+                      "dtype": dtype})])
         self.state.add_worker(worker_id, rank=rank, max_chunks=max_chunks, kv_capacity_tokens=kv_capacity_tokens,
                               kv_block_tokens=kv_block_tokens)
         worker = self.workers[worker_id] = WorkerLiveness(worker_id, WorkerStatus.ALIVE, now, now)

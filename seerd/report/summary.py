@@ -39,8 +39,12 @@ def _workers(run: RunData) -> str:
     described = ", ".join(f"{count} x ({chunks} sequences, {kv:,} KV tokens)"
                           for (chunks, kv), count in sizes.items())
     sessions = 1 + sum(e.kind == "rollout_resumed" for e in run.events)
+    # The dtype each engine resolved (`--dtype auto` depends on the checkpoint and the device).
+    dtypes = Counter(e.data["dtype"] for e in run.events if e.kind == "worker_registered" and e.data.get("dtype"))
+    engines = f"; engines in {', '.join(f'{d} ({n})' if len(dtypes) > 1 else d for d, n in dtypes.items())}" \
+        if dtypes else ""
     return f"{len(run.workers)} registered" + (f" over {sessions} coordinator runs" if sessions > 1 else "") \
-        + f": {described}"
+        + f": {described}{engines}"
 
 
 def figures_table(run: RunData, timing: Timing, counts: LeaseCounts) -> list[str]:

@@ -233,6 +233,39 @@ def kv_transfer_config(kv_pool: dict | None, run_dir: str | None) -> dict | None
                            local_host=kv_pool.get("local_host"))
 
 
+HALF_PRECISION = ("bfloat16", "float16")
+
+
+def checkpoint_dtype(model_path: str) -> str | None:
+    """The dtype the checkpoint's config.json names (transformers writes `dtype`, before 4.56
+    `torch_dtype`; a multimodal model's text part may carry it), or None."""
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for part in (config, config.get("text_config") or {}):
+        named = part.get("dtype") or part.get("torch_dtype")
+        if isinstance(named, str):
+            return named.removeprefix("torch.")
+    return None
+
+
+def engine_dtype(requested: str, model_path: str, *, cuda: bool) -> str:
+    """The dtype an engine is started with. `auto` on a CPU engine with a float32 checkpoint is
+    float32: vLLM's own auto would run it in bfloat16 there, which measured no faster on CPUs
+    (docs/benchmarks.md, "Engine dtype"), takes the kernels that die by SIGILL where the CPU or
+    kernel does not allow them, and samples logprobs further from a float32 trainer's. Anything
+    else (a half-precision checkpoint, a GPU, an explicit dtype) is vLLM's to resolve."""
+    if requested == "auto" and not cuda and checkpoint_dtype(model_path) == "float32":
+        return "float32"
+    return requested
+
+
+def running_dtype(vllm_config) -> str:  # noqa: ANN001
+    """The dtype the engine resolved and runs at ("float32", "bfloat16")."""
+    return str(vllm_config.model_config.dtype).removeprefix("torch.")
+
+
 def engine_args(model_path: str, engine: dict, seed: int, spec: dict | None = None,
                 kv_transfer: dict | None = None) -> dict:
     kv_bytes = int(float(engine.get("kv_cache_gib", 1.0)) * (1 << 30))
@@ -249,7 +282,7 @@ def engine_args(model_path: str, engine: dict, seed: int, spec: dict | None = No
         enable_chunked_prefill=False,
         max_model_len=max_model_len,
         max_num_batched_tokens=max(2048, max_model_len),
-        dtype=engine.get("dtype", "auto"),
+        dtype=engine_dtype(engine.get("dtype", "auto"), model_path, cuda=_cuda_available()),
         disable_log_stats=True,
         seed=seed,
     )
@@ -298,6 +331,12 @@ def kv_capacity_tokens(vllm_config, kv_bytes: int) -> int:  # noqa: ANN001
     return kv_bytes // (2 * hf.num_hidden_layers * heads * head_dim * 4)
 
 
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _model_max_len(model_path: str) -> int:
     config = json.loads((Path(model_path) / "config.json").read_text())
     return int(config.get("max_position_embeddings") or 4096)
@@ -310,9 +349,7 @@ def start_engine(model_path: str, engine: dict, seed: int, spec: dict | None = N
     os.environ[DRAFTER_SETTINGS_ENV] = drafter_settings(spec, run_dir)
     api = engine.get("api", "auto")
     if api == "auto":
-        import torch
-
-        api = "async" if torch.cuda.is_available() else "stepped"
+        api = "async" if _cuda_available() else "stepped"
     if api == "sim":
         raise ValueError("--engine-api sim: simulated workers run in `python -m seerd.worker.sim_host`")
     driver = {"stepped": SteppedEngine, "async": AsyncEngine}.get(api)
@@ -329,6 +366,7 @@ class SteppedEngine:
         self.max_chunks = max_chunks
         self.kv_capacity_tokens = kv_tokens
         self.kv_block_tokens = kv_block_tokens(llm.vllm_config)
+        self.dtype = running_dtype(llm.vllm_config)
         self.loop = asyncio.get_running_loop()
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.streams: dict[str, Stream] = {}  # engine request id -> its output so far
@@ -501,6 +539,7 @@ class AsyncEngine:
         self.max_chunks = max_chunks
         self.kv_capacity_tokens = kv_tokens
         self.kv_block_tokens = kv_block_tokens(llm.vllm_config)
+        self.dtype = running_dtype(llm.vllm_config)
         self.live: EngineLive | None = None  # the scheduler is in the core process
         self.counters: EngineCounters | None = None  # likewise
         self.clock = StepClock()  # counts outputs: one per running request per step

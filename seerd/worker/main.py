@@ -127,12 +127,12 @@ class Worker:
             self.worker_id, self.rank, address=f"{socket.gethostname()}:{os.getpid()}",
             max_chunks=self.engine.max_chunks, kv_capacity_tokens=self.engine.kv_capacity_tokens,
             kv_block_tokens=getattr(self.engine, "kv_block_tokens", 1), weights_version=self.weights.version,
-            weights_loaded_s=self.weights.reload_s))
+            weights_loaded_s=self.weights.reload_s, dtype=self.engine.dtype))
         self.worker_id = reply.worker_id
         self.heartbeat_interval_s = reply.heartbeat_interval_s
         self.beat_at = time.monotonic()
-        log.info("registered as %s (capacity %d chunks, %d KV tokens)", self.worker_id,
-                 self.engine.max_chunks, self.engine.kv_capacity_tokens)
+        log.info("registered as %s (capacity %d chunks, %d KV tokens, %s)", self.worker_id,
+                 self.engine.max_chunks, self.engine.kv_capacity_tokens, self.engine.dtype)
 
     async def run(self) -> None:
         await self.register()

@@ -65,6 +65,7 @@ class SimEngineStats:
 class SimEngine:
     live = None  # no sampled scheduler figures (`EngineLive`) for the heartbeat
     counters = None  # nor vLLM's step counters
+    dtype = "modelled"  # no tensors: the preset's engine model
 
     def __init__(self, costs: InstanceCosts | ProfiledCosts, *, index: int, kv_capacity_tokens: int,
                  max_num_seqs: int, time_scale: float, vocab_size: int, seed: int = 0,

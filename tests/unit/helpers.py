@@ -172,6 +172,7 @@ class ScriptedEngine:
     (`chunk_tokens`) per pause until its limit or its end, as a real engine keeps decoding."""
 
     live = None  # no live figures for the heartbeat
+    dtype = "scripted"  # no tensors
 
     def __init__(self, length_of: Callable[[int], int], *, max_chunks: int = 4, pause_s: float = 0.01,
                  chunk_tokens: int = 16) -> None:
