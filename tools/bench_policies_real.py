@@ -99,7 +99,7 @@ def run_policy(model: str, prompts: Path, policy: str, args: argparse.Namespace,
            "--run-dir", str(run_dir), "--workers", "2", "--wait-for-workers", "--policy", policy,
            "--chunk-tokens", str(args.chunk_tokens), "--seed", str(seed), "--temperature", "1.0",
            "--kv-cache-gib", str(args.kv_cache_mib / 1024), "--max-num-seqs", str(args.max_num_seqs),
-           "--max-model-len", str(args.max_model_len), "--no-progress"]
+           "--max-model-len", str(args.max_model_len), "--dtype", "float32", "--no-progress"]
     done = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=3600)
     if done.returncode != 0:
         raise RuntimeError(f"seerd run --policy {policy} failed ({run_dir}): {done.stderr[-2000:]}")

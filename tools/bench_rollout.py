@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-ENGINE = {"kv_cache_gib": 0.5, "max_num_seqs": 64, "dtype": "auto"}
+ENGINE = {"kv_cache_gib": 0.5, "max_num_seqs": 64, "dtype": "float32"}
 
 
 def make_prompts(path: Path, groups: int, seed: int, mean_tokens: int, max_tokens: int) -> list[dict]:

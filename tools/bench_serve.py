@@ -79,7 +79,7 @@ def main() -> int:
                                + "\n" for g in range(args.groups)))
     checkpoints = [args.model.resolve()] + [perturbed_copy(args.model, work / f"step-{i}", seed=i)
                                             for i in range(1, args.iterations)]
-    engine = ["--workers", str(args.workers), "--kv-cache-gib", "0.25", "--max-num-seqs", "32",
+    engine = ["--workers", str(args.workers), "--kv-cache-gib", "0.25", "--max-num-seqs", "32", "--dtype", "float32",
               "--n", str(args.n), "--max-tokens", str(args.max_tokens), "--temperature", str(args.temperature)]
 
     serve_dir = work / "serve"

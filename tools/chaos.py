@@ -137,7 +137,7 @@ def run_args(prompts: Path, model: Path, run_dir: Path) -> list[str]:
     return ["--input", str(prompts), "--model", str(model), "--run-dir", str(run_dir), "--workers", "2",
             "--n", str(N), "--max-tokens", str(MAX_TOKENS), "--chunk-tokens", str(CHUNK_TOKENS),
             "--temperature", "0", "--lease-ttl", str(LEASE_TTL_S), "--kv-cache-gib", "0.25",
-            "--max-num-seqs", "16", "--wait-for-workers", "--no-progress"]
+            "--max-num-seqs", "16", "--dtype", "float32", "--wait-for-workers", "--no-progress"]
 
 
 def exported(run_dir: Path) -> list[dict]:

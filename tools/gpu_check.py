@@ -96,7 +96,7 @@ def check_pool(out: Path, model: Path, gpu: bool) -> dict:
 def check_profile(out: Path, model: Path) -> dict:
     profile = out / "spec-profile.json"
     code = subprocess.run([sys.executable, str(REPO / "tools" / "profile_spec_steps.py"), "--model", str(model),
-                           "--out", str(profile)], cwd=REPO).returncode
+                           "--dtype", "auto", "--out", str(profile)], cwd=REPO).returncode  # as the GPU run's engines
     return {"passed": code == 0 and profile.is_file(), "why": "" if code == 0 else f"exited {code}",
             "profile": str(profile)}
 

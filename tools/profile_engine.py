@@ -38,9 +38,9 @@ def main() -> None:
     parser.add_argument("--batches", default="1,4,8,16,32")
     parser.add_argument("--prompts", default="32,256,768")
     parser.add_argument("--decode", type=int, default=48, help="decode steps per measurement")
-    parser.add_argument("--dtype", default="auto",
-                        help="the dtype the profiled runs use (`seerd run --dtype`): vLLM-CPU's auto turns a float32 "
-                             "model into bfloat16, ~5x slower to prefill here than float32")
+    parser.add_argument("--dtype", default="float32",
+                        help="the dtype the profiled runs use (`seerd run --dtype`; its auto is float32 for a float32 "
+                             "checkpoint on CPU workers)")
     args = parser.parse_args()
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")

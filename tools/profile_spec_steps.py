@@ -78,7 +78,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--siblings", type=int, default=8)
-    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--dtype", default="float32", help="the engine's dtype (`seerd run --dtype`)")
     parser.add_argument("--engine-arg", action="append", default=[], metavar="KEY=JSON")
     args = parser.parse_args()
 

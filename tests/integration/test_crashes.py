@@ -17,7 +17,8 @@ from tests.integration.harness import (
 
 pytestmark = pytest.mark.vllm
 
-COMMON = ["--workers", "2", "--kv-cache-gib", "0.25", "--max-num-seqs", "16", "--no-progress"]
+COMMON = ["--workers", "2", "--kv-cache-gib", "0.25", "--max-num-seqs", "16", "--dtype", "float32",
+          "--no-progress"]
 
 
 def live_group_members(pgid: int) -> list[int]:

@@ -11,7 +11,8 @@ from tests.integration.harness import assert_complete_output, db_rows, run_seerd
 
 pytestmark = pytest.mark.vllm
 
-COMMON = ["--workers", "2", "--kv-cache-gib", "0.25", "--max-num-seqs", "32", "--no-progress"]
+COMMON = ["--workers", "2", "--kv-cache-gib", "0.25", "--max-num-seqs", "32", "--dtype", "float32",
+          "--no-progress"]
 
 
 def test_rollout_has_every_response_once_with_logprobs(tiny_model_dir, tmp_path):

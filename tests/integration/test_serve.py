@@ -20,7 +20,7 @@ from tests.integration.harness import db_rows, run_seerd, start_seerd, wait_for
 
 pytestmark = pytest.mark.vllm
 
-ENGINE = ["--workers", "2", "--kv-cache-gib", "0.25", "--max-num-seqs", "32", "--chunk-tokens", "16"]
+ENGINE = ["--workers", "2", "--kv-cache-gib", "0.25", "--max-num-seqs", "32", "--chunk-tokens", "16", "--dtype", "float32"]
 SHORT, LONG = 24, 1200  # tokens: the long group keeps a batch running long after the short ones ended
 
 

@@ -31,7 +31,7 @@ from tests.integration.slurm_harness import (
 pytestmark = [pytest.mark.vllm, pytest.mark.slurm, pytest.mark.usefixtures("slurm_cluster")]
 
 CPU_JOB = ["--gpus-per-node=0", "--time=10"]  # rollout.sh's H800 defaults, overridden for this node
-ENGINE = ["--workers-per-node", "2", "--kv-cache-gib", "0.25", "--max-num-seqs", "16"]
+ENGINE = ["--workers-per-node", "2", "--kv-cache-gib", "0.25", "--max-num-seqs", "16", "--dtype", "float32"]
 
 
 def rollout_args(model: Path, prompts: Path, run_dir: Path, *extra: str) -> list[str]:
@@ -202,7 +202,7 @@ def test_submitit_submit_wait_results_through_its_warning_signal(tmp_path, tiny_
     run_dir = tmp_path / "run"
     resources = dict(gpus_per_worker=0, workers_per_node=2, time_min=10, signal_delay_s=120, drain_grace_s=60)
     handle = seerd.submit(prompts, tiny_model_dir, run_dir, chunk_tokens=16, n=4, max_tokens=320, kv_cache_gib=0.25,
-                          max_num_seqs=16, **resources)
+                          max_num_seqs=16, dtype="float32", **resources)
     SUBMITTED.append(handle.job_id)
     assert handle.job_id and handle.folder.parent == run_dir / "submitit"
     # submitit wrote exactly the script seerd renders (and pins in the unit tests' reference file).
@@ -228,12 +228,13 @@ def test_submit_runs_on_the_local_executor_without_slurm(tmp_path, tiny_model_di
     prompts = write_token_prompts(tmp_path / "prompts.jsonl", groups=2, seed=9)
     handle = seerd.submit(prompts, tiny_model_dir, tmp_path / "run", cluster="local", gpus_per_worker=0,
                           workers_per_node=1, time_min=10, signal_delay_s=120, drain_grace_s=60, chunk_tokens=16,
-                          n=2, max_tokens=32, kv_cache_gib=0.25, max_num_seqs=16)
+                          n=2, max_tokens=32, kv_cache_gib=0.25, max_num_seqs=16, dtype="float32")
     rows = handle.results()
     assert len(rows) == 4
     assert_complete_output(tmp_path / "run", 4)
     assert not events(tmp_path / "run", "slurm_job")  # local worker processes, no Slurm
-    again = seerd.submit(prompts, tiny_model_dir, tmp_path / "run", cluster="local", gpus_per_worker=0)
+    again = seerd.submit(prompts, tiny_model_dir, tmp_path / "run", cluster="local", gpus_per_worker=0,
+                         dtype="float32")
     assert again.job_id is None and again.wait()["responses"] == 4  # finished: nothing submitted
 
 
@@ -267,7 +268,7 @@ def test_sbatch_serve_runs_batches_and_serves_on_after_its_warning_signal(tmp_pa
     run_dir = tmp_path / "serve"
     job = sbatch(CPU_JOB, ["--model", str(tiny_model_dir), "--run-dir", str(run_dir), "--workers-per-node", "1",
                            "--kv-cache-gib", "0.25", "--max-num-seqs", "16", "--chunk-tokens", "16", "--n", "2",
-                           "--max-tokens", "32", "--temperature", "0"], tmp_path, script="serve.sh")
+                           "--max-tokens", "32", "--temperature", "0", "--dtype", "float32"], tmp_path, script="serve.sh")
     log = tmp_path / f"job-{job}.out"
     client = Client(run_dir, patience_s=400)
     prompts = [{"id": f"p{g}", "prompt_token_ids": [5 + g, 9, 11, 40 + g]} for g in range(3)]
@@ -295,7 +296,7 @@ def test_submit_serve_on_the_local_executor_serves_batches_until_cancelled(tmp_p
     assert not (tmp_path / "refused" / "submitit").exists()
     handle = seerd.submit_serve(tiny_model_dir, tmp_path / "serve", cluster="local", gpus_per_worker=0,
                                 workers_per_node=1, time_min=10, signal_delay_s=120, drain_grace_s=60, chunk_tokens=16, n=2,
-                                max_tokens=24, temperature=0.0, kv_cache_gib=0.25, max_num_seqs=16)
+                                max_tokens=24, temperature=0.0, kv_cache_gib=0.25, max_num_seqs=16, dtype="float32")
     client = handle.client(patience_s=300)
     prompts = [{"id": "a", "prompt_token_ids": [5, 6, 7, 8]}, {"id": "b", "prompt_token_ids": [9, 10]}]
     first, second = client.rollout(prompts), client.rollout(prompts)

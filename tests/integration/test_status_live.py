@@ -82,7 +82,8 @@ def test_status_and_metrics_on_a_live_run_then_status_and_report_when_finished(t
     run_dir = tmp_path / "run"
     proc = start_seerd("run", "--input", str(tmp_path / "prompts.jsonl"), "--model", str(tiny_model_dir),
                        "--run-dir", str(run_dir), "--chunk-tokens", "32", "--workers", "2", "--lease-ttl", "600",
-                       "--kv-cache-gib", "0.25", "--max-num-seqs", "4", "--no-progress", log=tmp_path / "run.log")
+                       "--kv-cache-gib", "0.25", "--max-num-seqs", "4", "--dtype", "float32", "--no-progress",
+                       log=tmp_path / "run.log")
     paused: list[int] = []
     try:
         # Live: both workers have sent heartbeats with their own figures, chunks are running. The

@@ -52,7 +52,8 @@ def test_a_stopped_engine_core_and_a_dead_one_end_their_workers_and_the_run_comp
     proc = start_seerd("run", "--input", str(prompts), "--model", str(tiny_model_dir), "--run-dir", str(run_dir),
                        "--workers", "2", "--engine-api", "async", "--wait-for-workers", "--lease-ttl", "8",
                        "--chunk-tokens", "16", "--n", str(N), "--max-tokens", "512", "--temperature", "0",
-                       "--kv-cache-gib", "0.25", "--max-num-seqs", "16", "--no-progress", log=tmp_path / "run.log")
+                       "--kv-cache-gib", "0.25", "--max-num-seqs", "16", "--dtype", "float32", "--no-progress",
+                       log=tmp_path / "run.log")
     stopped = None
     try:
         wait_for(lambda: done_chunks(run_dir) >= 8, timeout=400, what="8 finished chunks", interval=0.1)

@@ -42,7 +42,7 @@ def test_responses_end_at_their_target_lengths(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
     result = run_seerd("run", "--input", str(prompts), "--model", str(tiny_model_dir), "--run-dir", str(run_dir),
                        "--policy", "divided", "--chunk-tokens", "16", "--workers", "2", "--kv-cache-gib", "0.25",
-                       "--max-num-seqs", "8", "--no-progress")
+                       "--max-num-seqs", "8", "--dtype", "float32", "--no-progress")
     assert result.returncode == 0, result.stderr[-3000:]
     rows = assert_complete_output(run_dir, 12)
     assert_lengths_are_the_targets(rows, targets)
@@ -96,7 +96,7 @@ def run_short_and_long_groups(tiny_model_dir: Path, tmp_path: Path, policy: str)
     run_dir = tmp_path / f"run-{policy}"
     result = run_seerd("run", "--input", str(prompts), "--model", str(tiny_model_dir), "--run-dir", str(run_dir),
                        "--policy", policy, "--chunk-tokens", "32", "--workers", "2", "--kv-cache-gib", "0.25",
-                       "--max-num-seqs", "2", "--no-progress")
+                       "--max-num-seqs", "2", "--dtype", "float32", "--no-progress")
     assert result.returncode == 0, result.stderr[-3000:]
     rows = assert_complete_output(run_dir, 32)
     assert_lengths_are_the_targets(rows, targets)
@@ -120,7 +120,7 @@ def test_next_iteration_with_prior_starts_from_the_earlier_lengths(tiny_model_di
     targets = [[9, 20], [40, 33], [3, 5]]
     prompts = write_target_prompts(tmp_path / "prompts.jsonl", targets, max_tokens=48, ignore_eos=True)
     common = ["--input", str(prompts), "--model", str(tiny_model_dir), "--chunk-tokens", "16", "--workers", "1",
-              "--kv-cache-gib", "0.25", "--max-num-seqs", "8", "--no-progress"]
+              "--kv-cache-gib", "0.25", "--max-num-seqs", "8", "--dtype", "float32", "--no-progress"]
     first = run_seerd("run", "--run-dir", str(tmp_path / "it1"), *common)
     assert first.returncode == 0, first.stderr[-3000:]
     second = run_seerd("run", "--run-dir", str(tmp_path / "it2"), "--prior", str(tmp_path / "it1"), *common)

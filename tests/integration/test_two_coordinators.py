@@ -19,7 +19,7 @@ def test_a_second_coordinator_is_refused_and_the_first_completes(tiny_model_dir,
     run_dir = tmp_path / "run"
     args = ["--input", str(prompts), "--model", str(tiny_model_dir), "--run-dir", str(run_dir), "--workers", "1",
             "--chunk-tokens", "16", "--n", "2", "--max-tokens", "240", "--kv-cache-gib", "0.25",
-            "--max-num-seqs", "8", "--no-progress"]
+            "--max-num-seqs", "8", "--dtype", "float32", "--no-progress"]
     first = start_seerd("run", *args, log=tmp_path / "first.log")
     try:
         wait_for(lambda: done_chunks(run_dir) >= 2, timeout=300, what="the first coordinator's chunks")

@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--n", type=int, default=8)
     p.add_argument("--seed", type=int, default=1, help="prompt and sampling seed")
     p.add_argument("--max-tokens", type=int, default=2048)
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--dtype", default="float32", help="the engine's dtype (the model is float32)")
     p.add_argument("--json", type=Path, help="write the figures here")
     p.add_argument("--dump", type=Path, help="write every response here (JSONL)")
     a = p.parse_args(argv)
