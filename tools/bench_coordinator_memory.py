@@ -35,6 +35,7 @@ from seerd.coordinator.create import create_rollout  # noqa: E402
 from seerd.db import make_engine, make_sessionmaker  # noqa: E402
 from seerd.db.migrate import upgrade  # noqa: E402
 from seerd.io.prompts import PromptRow  # noqa: E402
+from seerd.machine import machine_facts  # noqa: E402
 from seerd.protocol import ChunkReport  # noqa: E402
 from seerd.scheduler.registry import make_policy  # noqa: E402
 
@@ -111,7 +112,8 @@ def main() -> int:
     results = [measure(r, w, args.n, args.prompt_tokens, args.chunks_per_worker, args.chunk_tokens, args.rounds)
                for r in map(int, args.requests.split(",")) for w in map(int, args.workers.split(","))]
     if args.json:
-        print(json.dumps(results))
+        print(json.dumps({"machine": machine_facts(),
+                          "results": results}))
         return 0
     print(f"prompts of {args.prompt_tokens} tokens, groups of {args.n}, {args.chunks_per_worker} chunks leased per "
           f"worker, each reported {args.rounds} times at {args.chunk_tokens} tokens, running on")

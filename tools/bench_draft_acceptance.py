@@ -37,6 +37,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from seerd.machine import machine_facts  # noqa: E402
+
 MODEL = REPO / "tools" / "motif_model" / "weights"
 SIBLINGS = (0, 1, 5, 15)
 DEPTH = 8
@@ -158,7 +160,8 @@ def main() -> int:
                               "median_response": statistics.median(per_response),
                               "draft_us_per_step": 1e6 * statistics.median(drafting)}
     if args.json:
-        print(json.dumps({"run_dir": str(run_dir), "groups": len(groups), "table": table}, indent=1))
+        print(json.dumps({"machine": machine_facts(),
+                          "run_dir": str(run_dir), "groups": len(groups), "table": table}, indent=1))
         return 0
     decoded = len(groups) * args.targets
     print(f"{run_dir}: {len(groups)} groups, {decoded} responses decoded per cell, depth {DEPTH}")

@@ -46,6 +46,7 @@ import msgspec
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from seerd.drafts import DraftServer, SuffixIndex  # noqa: E402
+from seerd.machine import machine_facts  # noqa: E402
 
 # Throughputs count this process's CPU time: the machine is shared, and a process waiting for a
 # core is not slower code. Per-call latencies are wall time (a CPU-time clock costs ~0.8 us here).
@@ -279,7 +280,8 @@ def main() -> int:
         args.repeats, args.groups, args.server_rounds = 1, 2, 16
     summary = run(args)
     if args.json:
-        print(json.dumps(summary, indent=2))
+        print(json.dumps({"machine": machine_facts(),
+                          **summary}, indent=2))
     else:
         print_table(summary, args)
     return 0

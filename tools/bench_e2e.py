@@ -67,6 +67,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from seerd.machine import machine_facts  # noqa: E402
 ENGINE_SCRIPT = REPO / "tools" / "e2e_engine.py"
 MOTIF_MODEL = REPO / "tools" / "motif_model" / "weights"
 SIM_POLICY = {"seerd-group": "group", "seerd-divided": "divided", "seerd-seer": "seer", "seerd-seer-spec": "seer+sd"}
@@ -430,7 +432,8 @@ def main() -> int:
         document["configs"][name] = entry
     document["plot"] = str(plot(document, runs, args.plot))
     if args.json:
-        print(json.dumps(document, indent=1))
+        print(json.dumps({"machine": machine_facts(),
+                          **document}, indent=1))
     else:
         print_table(document)
         print(f"plot: {document['plot']}")

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_coordinator_memory import run_database  # noqa: E402
 from seerd.coordinator.book import LeaseBook  # noqa: E402
+from seerd.machine import machine_facts  # noqa: E402
 from seerd.scheduler.registry import make_policy  # noqa: E402
 
 
@@ -87,7 +88,8 @@ def main() -> int:
     result = measure(args.requests, args.workers, [int(k) for k in args.chunks.split(",")], args.n,
                      args.prompt_tokens, args.joining)
     if args.json:
-        print(json.dumps(result))
+        print(json.dumps({"machine": machine_facts(),
+                          **result}))
         return 0
     print(f"{result['requests']} queued requests (prompts of {args.prompt_tokens} tokens, groups of {args.n}); "
           f"seer's index built in {result['index_build_s']:.2f} s at the first lease")

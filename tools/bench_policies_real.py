@@ -42,6 +42,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from seerd.machine import machine_facts
+
 REPO = Path(__file__).resolve().parents[1]
 POLICIES = ("group", "divided", "seer")
 PAPER_MEAN_OVER_MAX = 7615 / 40960  # qwen2-vl-72b: mean / max generation length
@@ -183,7 +185,8 @@ def main() -> int:
             row["sim_tail_x_group"] = ratio(sim["tail_time_s"], predicted["group"]["tail_time_s"])
     lengths = sorted(t for r in rows for t in r["target_lengths"])
     if args.json:
-        print(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "kv_capacity_tokens": kv,
+        print(json.dumps({"machine": machine_facts(),
+                          "args": {k: str(v) for k, v in vars(args).items()}, "kv_capacity_tokens": kv,
                           "table": table}, indent=1))
         return 0
     print(f"{args.groups} groups x n={args.n}: {len(lengths)} requests, {sum(lengths)} tokens, length mean "

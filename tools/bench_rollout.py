@@ -41,6 +41,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from seerd.machine import machine_facts
+
 REPO = Path(__file__).resolve().parents[1]
 ENGINE = {"kv_cache_gib": 0.5, "max_num_seqs": 64, "dtype": "float32"}
 
@@ -234,7 +236,8 @@ def main() -> int:
                                            if "cpu_ms_per_chunk" in runs[0] else None),
                       "in_place": statistics.median(r["in_place"] for r in runs) if "in_place" in runs[0] else None})
     if args.json:
-        print(json.dumps({"args": vars(args), "table": table}, indent=1))
+        print(json.dumps({"machine": machine_facts(),
+                          "args": vars(args), "table": table}, indent=1))
         return 0
     lengths = sorted(r["max_tokens"] for r in rows)
     print(f"{args.groups} groups x n={args.n}, lengths median {lengths[len(lengths) // 2]} max {lengths[-1]}, "

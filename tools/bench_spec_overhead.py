@@ -28,6 +28,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from seerd.machine import machine_facts  # noqa: E402
+
 
 # The custom proposer: profile_spec_steps' forced-depth drafter, left at depth 0 (it never drafts).
 NO_DRAFTS = "tools.profile_spec_steps.ForcedDepthDrafter"
@@ -105,7 +107,8 @@ def main() -> int:
                  "spec_ms": 1e3 * statistics.median(samples["spec"][b]),
                  "ratios": [s / p for s, p in zip(samples["spec"][b], samples["plain"][b])]} for b in batches}
     if args.json:
-        print(json.dumps({"model": args.model, "rounds": args.rounds, "batches": table}, indent=1))
+        print(json.dumps({"machine": machine_facts(),
+                          "model": args.model, "rounds": args.rounds, "batches": table}, indent=1))
         return 0
     print(f"{'batch':>5} {'plain ms':>9} {'spec, no drafts ms':>19} {'spec / plain':>12}  per round")
     for b, row in table.items():

@@ -32,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from seerd.machine import machine_facts
+
 REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / "tools" / "motif_model" / "weights"
 
@@ -168,7 +170,8 @@ def main() -> int:
                          "coordinator_cpu_share")}
            for m, runs in samples.items()}
     if args.json:
-        print(json.dumps({"args": vars(args), "median": med, "samples": samples}, indent=1))
+        print(json.dumps({"machine": machine_facts(),
+                          "args": vars(args), "median": med, "samples": samples}, indent=1))
         return 0
     base = med["off"]
     print(f"{args.groups} groups x n={args.n}, max_tokens {args.max_tokens}, chunk {args.chunk_tokens}, 2 engines, "

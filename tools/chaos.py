@@ -48,6 +48,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
 
+from seerd.machine import machine_facts  # noqa: E402
+
 FAULTS = ("coordinator-kill", "worker-kill", "engine-stop", "pool-holder-kill", "pool-master-kill", "poison")
 GROUPS, N, MAX_TOKENS, CHUNK_TOKENS, LEASE_TTL_S = 6, 2, 96, 16, 4
 EXIT_OK, EXIT_FAILED_REQUESTS = 0, 3
@@ -373,7 +375,8 @@ def main() -> int:
                 print(f"--- run {outcome.run} ({outcome.fault}) failed; the end of its log:", *tail, sep="\n",
                       file=sys.stderr)
         if args.json:
-            print(json.dumps({"seed": args.seed, "reference_chunks": total_chunks,
+            print(json.dumps({"machine": machine_facts(),
+                          "seed": args.seed, "reference_chunks": total_chunks,
                               "runs": [{**asdict(o), "ok": o.ok} for o in outcomes]}, indent=1))
         else:
             print(f"chaos: {args.runs} runs, seed {args.seed}, {GROUPS} groups x {N}, greedy, chunk {CHUNK_TOKENS}, "

@@ -48,6 +48,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
 
+from seerd.machine import machine_facts  # noqa: E402
 from seerd.protocol import LEASE  # noqa: E402
 from seerd.sim.presets import get_preset  # noqa: E402
 from seerd.sim.workload import generate  # noqa: E402
@@ -412,7 +413,8 @@ def main() -> int:
     if args.compare_sim:
         result["sim"] = simulated(args, result["requests"])
     if args.json:
-        print(json.dumps(result))
+        print(json.dumps({"machine": machine_facts(),
+                          **result}))
     else:
         print_table(result)
         print(f"(run kept in {work})")

@@ -104,6 +104,10 @@ SHAPES = {
                  intermediate_size=256),
     "gqa-24m": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
                     intermediate_size=1536),
+    # ~1 GB of float32 weights at --vocab 32000: where a CPU engine's decode is bound by memory
+    # bandwidth, as a real model's is (tools/bench_dtype.py).
+    "gqa-250m": dict(hidden_size=1024, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4,
+                     intermediate_size=2816),
 }
 
 
