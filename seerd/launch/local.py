@@ -52,10 +52,10 @@ class EndedWorker:
         return {"rank": self.rank, **self.exit.as_dict(), "summary": self.exit.summary(),
                 "log": str(self.log_path), "log_tail": self.log_tail, "restart": self.restart}
 
-    def described(self) -> str:
-        """The summary and the log's last lines, indented: for a warning or a run's error."""
+    def log_lines(self) -> str:
+        """The log's last lines, indented: to follow a warning or a run's error."""
         lines = "".join(f"\n    {line}" for line in self.log_tail) or " (empty)"
-        return f"{self.exit.summary()}; last lines of {self.log_path}:{lines}"
+        return f"last lines of {self.log_path}:{lines}"
 
 
 def worker_env() -> dict[str, str]:
@@ -197,16 +197,16 @@ class WorkerPool:
         if crash_loop:
             del self.procs[rank]
             return (f"worker {rank} failed the same way again after a restart, with no output from the run in "
-                    f"between, so it is not started again: {ended.described()}")
+                    f"between, so it is not started again: {exit_.summary()}; {ended.log_lines()}")
         if restart is None:
             del self.procs[rank]
-            log.warning("worker %d %s; not started again (it exited %d times)", rank, ended.described(),
-                        RESTARTS_PER_WORKER + 1)
+            log.warning("worker %d %s; not started again (it exited %d times); %s", rank, exit_.summary(),
+                        RESTARTS_PER_WORKER + 1, ended.log_lines())
             return None
         self.restarts[rank] = restart
         self.last_exit[rank] = (exit_, progress)
-        log.warning("worker %d %s; starting it again (%d/%d)", rank, ended.described(), restart,
-                    RESTARTS_PER_WORKER)
+        log.warning("worker %d %s; starting it again (%d/%d); %s", rank, exit_.summary(), restart,
+                    RESTARTS_PER_WORKER, ended.log_lines())
         self._spawn(rank)
         return None
 

@@ -75,8 +75,9 @@ def test_a_stopped_engine_core_and_a_dead_one_end_their_workers_and_the_run_comp
             proc.kill()
             proc.wait()
     log = (tmp_path / "run.log").read_text()
-    assert "worker 0 exited with 4; starting it again" in log  # taken out: it exits to be restarted
-    assert "worker 1 exited with 4; starting it again" in log  # its engine died: the same
+    taken_out = "exited with code 4 (its engine failed, or the coordinator took it out); starting it again (1/3)"
+    assert f"worker 0 {taken_out}" in log  # taken out: it exits to be restarted
+    assert f"worker 1 {taken_out}" in log  # its engine died: the same
     assert_complete_output(run_dir, GROUPS * N)
     # The stopped chunks ran again elsewhere: revoked with the worker, none lost or doubled.
     assert db_rows(run_dir, "select count(*) from events where kind = 'lease_revoked' and worker_id = ?",
