@@ -234,7 +234,8 @@ def test_a_peer_reaches_the_staging_rows_and_never_the_kv_cache(pool, engines):
         assert _read_remote(port, address) == b""  # refused: not registered
 
 
-def test_another_dtype_or_run_never_matches(pool, engines):
+def test_another_dtype_or_run_never_matches(pool, engines, bfloat16_engines):
+    """Runs one engine in bfloat16: skipped where this CPU cannot (`bfloat16_engines`)."""
     run_dir, _ = pool
     first, second = engines
     second.close()  # at most two engines at once
