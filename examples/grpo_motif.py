@@ -39,13 +39,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tools"))
 
-from motif_model.corpus import is_marker, length_scale, sample_prompt  # noqa: E402
+from examples.motif_model.corpus import is_marker, length_scale, sample_prompt  # noqa: E402
 
 from seerd.serve.client import Client  # noqa: E402
 
-BASE_MODEL = REPO / "tools" / "motif_model" / "weights"
+BASE_MODEL = REPO / "examples" / "motif_model" / "weights"
 MAX_LEVEL = 9  # length tokens <len_00>..<len_09>: 1.0 to 2.7 steps asked for
 KEPT_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
 

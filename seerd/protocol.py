@@ -23,13 +23,13 @@ LONG_POLL_MAX_S = 15.0  # the coordinator holds an empty lease call at most this
 # What a worker asks for. A slot freed meanwhile is filled by its report's reply, and the
 # coordinator wakes waiting calls when work is queued (and all of them when it stops), so a long
 # wait costs nothing; at 1 s, 512 idle workers made 500 empty lease calls a second, at 5 s
-# ~65 (three quarters of all lease calls, each a plan and an HTTP round trip: tools/load.py).
+# ~65 (three quarters of all lease calls, each a plan and an HTTP round trip: tools/bench/load.py).
 LEASE_LONG_POLL_S = 15.0
 
 
 # What the coordinator budgets for the heartbeats of all its workers together. Past it, each
 # worker's interval grows with their count: at 512 workers and one heartbeat each per 2 s,
-# heartbeats were 47-60% of the coordinator's calls (tools/load.py).
+# heartbeats were 47-60% of the coordinator's calls (tools/bench/load.py).
 HEARTBEATS_PER_S = 64.0
 
 

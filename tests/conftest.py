@@ -6,12 +6,10 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-# tools/ is a scripts dir, not a package; make make_tiny_model importable.
-# The repo root is added so `seerd` imports under plain `pytest` too.
-sys.path.insert(0, str(REPO_ROOT / "tools"))
+# The repo root on the path: `seerd` and the fixtures (tests/fixtures) import under plain `pytest` too.
 sys.path.insert(0, str(REPO_ROOT))
 
-from make_tiny_model import make_tiny_model  # noqa: E402
+from tests.fixtures.make_tiny_model import make_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")

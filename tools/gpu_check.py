@@ -31,7 +31,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-MOTIF = REPO / "tools" / "motif_model" / "weights"
+MOTIF = REPO / "examples" / "motif_model" / "weights"
 # 32 requests for 2 x 6 slots: with 16 one engine's slow first steps (4.4 s, seen in a full suite)
 # let the other run every request beyond the slots alone, no chunk moved, and the check judged nothing.
 GROUPS, PROMPT_TOKENS = 16, 200

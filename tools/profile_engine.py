@@ -28,7 +28,6 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tools"))
 
 
 def main() -> None:
@@ -50,7 +49,7 @@ def main() -> None:
     engine_env_defaults()
     model = args.model
     if model is None:
-        from make_tiny_model import make_tiny_model
+        from tests.fixtures.make_tiny_model import make_tiny_model
 
         model = make_tiny_model(Path(tempfile.mkdtemp()) / "tiny", seed=0)
     from vllm.engine.arg_utils import EngineArgs

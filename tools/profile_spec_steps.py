@@ -8,7 +8,7 @@ cost of verifying). Each (B, gamma) cell is the median of `--steps` timed steps 
 steps. Also measures seerd's own drafting time per request (SuffixIndex.propose on a group of
 `--siblings` responses), which the policy adds per drafted request.
 
-On this CPU:   python tools/profile_spec_steps.py --model tools/motif_model/weights \
+On this CPU:   python tools/profile_spec_steps.py --model examples/motif_model/weights \
                    --out seerd/drafts/profiles/cpu-motif-llama.json
 On a GPU node: the same command with the job's model and `--engine-arg` settings of the rollout
 (tensor parallelism, dtype); point `seerd run --spec-profile` at the file it writes.

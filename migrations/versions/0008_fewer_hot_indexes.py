@@ -3,8 +3,8 @@
 `ix_events_ts` (no query filters or orders events by time: they are read by run, in id order)
 and `ix_chunks_request_id` (the unique (request_id, seq) index answers every lookup by request,
 in order). Each cost a page of WAL in every transaction that inserts an event or a chunk: of the
-~11 pages a one-chunk report or lease writes (tools/bench_wal_pages.py), and a 512-worker load run
-wrote ~17 GB towards the disk for a 221 MB database (tools/load.py).
+~11 pages a one-chunk report or lease writes (tools/bench/wal_pages.py), and a 512-worker load run
+wrote ~17 GB towards the disk for a 221 MB database (tools/bench/load.py).
 
 Revision ID: 0008
 Revises: 0007

@@ -58,7 +58,7 @@ from seerd.scheduler.views import Policy
 MAX_FAILED_ATTEMPTS = 3
 # Groups whose forecast the daemon's tick works out and writes per call (`persist_soft_state`):
 # a new growth table makes every unfinished group's due at once, 12,500 at 100,000 requests:
-# 0.1-0.3 s of one state-thread turn, every call queued behind it (tools/load.py).
+# 0.1-0.3 s of one state-thread turn, every call queued behind it (tools/bench/load.py).
 FORECASTS_PER_TICK = 2048
 
 
@@ -267,7 +267,7 @@ class LeaseBook(BookReports):
     @contextlib.contextmanager
     def leasing(self, now: float) -> Iterator[Callable[..., list[ChunkGrant] | UnknownWorker]]:
         """Leases in one transaction, committed as the block ends (one each was a fifth of the state
-        thread at 1,000 workers: py-spy, tools/load.py). Yields `lease(worker_id, wanted,
+        thread at 1,000 workers: py-spy, tools/bench/load.py). Yields `lease(worker_id, wanted,
         continuing=())`: the grants, or the `UnknownWorker` its worker is; hand them out only after
         the block. Each plan sees the leases before it, applied as written: a write failing after
         one was applied leaves the book ahead of the database (`BookBroken`). An error in the

@@ -140,7 +140,7 @@ class BookReports:
 
         The leases commit in slices of `answer_slice_s` of planning, and each slice's replies go
         to `hand_out` (index of its first call, replies) once committed: in a turn of 280 report
-        calls whose leases took 0.9 s, the first waited for the last (tools/load.py). Every
+        calls whose leases took 0.9 s, the first waited for the last (tools/bench/load.py). Every
         reply is returned as well."""
         self.refuse_if_broken()
         request_of = {r.chunk_id: self.state.leases[r.chunk_id].request_id  # of every reported lease

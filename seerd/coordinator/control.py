@@ -99,7 +99,7 @@ class CoordinatorControl:
         """Run `fn` on the state thread and wait for it without blocking the loop. Calls that
         queue while the state thread is busy run in one turn of it and are answered with one
         wake-up of the loop: a hand-over each (an executor future, a self-pipe write) was a
-        tenth of the loop's CPU with 512 workers (py-spy, tools/load.py)."""
+        tenth of the loop's CPU with 512 workers (py-spy, tools/bench/load.py)."""
         return await self._queued(partial(fn, *args, **kwargs), joining=False)
 
     async def lease(self, book: LeaseBook, worker_id: str, wanted: int, now: float) -> list[ChunkGrant]:
@@ -232,7 +232,7 @@ class CoordinatorControl:
         """One worker's report call, committed with every other that queues while the state
         thread is busy (a commit's fsync, say): one durable transaction and one fsync for all of
         them (`LeaseBook.report_calls`), where one each made the disk the coordinator's limit
-        (tools/load.py). Its answer comes once that commit is done; the order of the calls is
+        (tools/bench/load.py). Its answer comes once that commit is done; the order of the calls is
         kept. Raises `UnknownWorker` for a worker the book does not know (that call alone).
         Returns the outcomes, the grants, and the chunks to abort of the heartbeat the call
         carried (None without one)."""
@@ -335,7 +335,7 @@ class CoordinatorControl:
         event loop queued work. None: every waiting call answers now (the rollout is done, or
         the coordinator stops handing out work).
 
-        What each rule cut (tools/load.py, 512 workers, 100,000 requests): waking every waiting
+        What each rule cut (tools/bench/load.py, 512 workers, 100,000 requests): waking every waiting
         call for each report made hundreds of empty lease calls queue on the state thread ahead
         of the reports; four extra per report call, when a group commit answered dozens at once,
         made turns of up to 427 plans (~1 s); waking workers without room for any of the work

@@ -8,7 +8,7 @@ the front, and Starlette's routing and middleware layers would add back a share 
 fronts take away. The nonces are checked here, once for all fronts.
 
 How many fronts: `api_processes_for(workers)`; `seerd run --api-processes N` overrides it.
-Measured in docs/benchmarks.md (tools/load.py --api-processes).
+Measured in docs/benchmarks.md (tools/bench/load.py --api-processes).
 """
 
 from __future__ import annotations

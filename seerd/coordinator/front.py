@@ -1,7 +1,7 @@
 """An API front: a process that serves the coordinator's HTTP for it, on the coordinator's own socket.
 
 With a thousand workers, two thirds of the coordinator's interpreter went to HTTP (uvicorn's
-parsing and sending, Starlette's layers, the signatures: py-spy, tools/load.py), and the state
+parsing and sending, Starlette's layers, the signatures: py-spy, tools/bench/load.py), and the state
 thread that owns the book waited for the GIL behind it. Fronts take that work to other
 processes: each accepts connections from the listening socket the coordinator opened (inherited),
 runs the connection guard (guard.py) and the signature check (auth.py), reads and checks each

@@ -5,7 +5,7 @@ event loop and the state thread both stop for it. Left automatic, it ran every f
 the imports (torch's, vLLM's) and the lease book, 0.35-0.4 s each; once the heap was frozen after
 the book's load, the state that replaced the frozen objects as the run went on (requests re-queued,
 leases, progress) grew back to 0.16-0.48 s passes every 2-7 s at 512 workers (a `gc.callbacks`
-probe, tools/load.py), the loop stalled up to 0.5 s each time and lease and report p99 were in
+probe, tools/bench/load.py), the loop stalled up to 0.5 s each time and lease and report p99 were in
 seconds.
 
 So the keeper takes full passes out of the collector's hands (its generation-2 threshold out of

@@ -1,6 +1,6 @@
 """How long the coordinator itself takes to answer, per endpoint.
 
-The workers time their calls (tools/load.py reads their figures), but a call's time at a worker
+The workers time their calls (tools/bench/load.py reads their figures), but a call's time at a worker
 includes its own process's event loop, which answers hundreds of simulated workers in a load
 test. These are the coordinator's side: from the request's signature check to its answer's
 last byte handed to the server, a lease's long-poll wait for work taken out. Counts in buckets

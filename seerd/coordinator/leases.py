@@ -110,6 +110,6 @@ def grant_leases(book, leases: Sequence[LeaseRecord], epochs: Sequence[int], dea
             # No copy of what runs in place (at a GPU job's scale, gigabytes: the tokens in
             # flight): it is read back from the database should the request run elsewhere.
             # Requests re-leased with their context keep theirs (reading it back per lease
-            # cost 5x the CPU per chunk, tools/bench_book_cpu.py --groups 2).
+            # cost 5x the CPU per chunk, tools/bench/book_cpu.py --groups 2).
             progress.tokens = None
     return grants

@@ -11,7 +11,7 @@ under it.
 Why the state thread serves them: woken on the event loop, a call planned for itself, each round
 a wait for the state thread's next turn; when the plan gave nothing (another worker's work, a
 request left to the worker that ran it, the balance between workers) it waited again, and was
-woken again for the next batch. At 512 workers (tools/load.py) lease calls gathered up to 45
+woken again for the next batch. At 512 workers (tools/bench/load.py) lease calls gathered up to 45
 rounds like that, 100-300 ms of their answer, most of the lease calls over 100 ms.
 """
 

@@ -144,7 +144,7 @@ class Writer:
 
     Checkpoints run in the background: SQLite's automatic one runs inside the commit that passes
     its threshold, and there copied the WAL into the database with two fsyncs while every call
-    waited behind that commit (0.4-0.7 s stalls in `tools/load.py`). The kept connections turn it
+    waited behind that commit (0.4-0.7 s stalls in `tools/bench/load.py`). The kept connections turn it
     off, and past `CHECKPOINT_WAL_BYTES` of WAL a thread of its own runs a PASSIVE checkpoint,
     which never blocks a writer. One that cannot keep up with the writes (the WAL restarts only
     after a checkpoint caught up with every frame) is bounded: past `INLINE_CHECKPOINT_WAL_BYTES`

@@ -30,7 +30,7 @@ def _compiled(statement: Executable, keys: tuple[str, ...]) -> tuple[str, Callab
     """The statement's SQL for rows with `keys`, and what turns such a row into the driver's
     parameters in bind order (the values bound in the statement itself, a status literal say,
     filled in). An `itemgetter` where the rows hold every bind, in C: building the tuple name by
-    name in Python cost ~4% of a 32-chunk lease on the state thread (`tools/bench_lease_cost.py`)."""
+    name in Python cost ~4% of a 32-chunk lease on the state thread (`tools/bench/lease_cost.py`)."""
     compiled = statement.compile(dialect=_DIALECT, column_keys=list(keys))
     order = tuple(compiled.positiontup or ())
     missing = [name for name in order if name not in keys and compiled.binds[name].required]

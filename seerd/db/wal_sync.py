@@ -2,7 +2,7 @@
 
 With `synchronous=FULL` SQLite fsyncs the WAL inside every durable commit, so the coordinator's
 state thread, which owns the lease book, sat idle through each group commit's fsync while lease
-calls and the next reports waited behind it: at 512 workers (`tools/load.py`) ~120 s of fsyncs
+calls and the next reports waited behind it: at 512 workers (`tools/bench/load.py`) ~120 s of fsyncs
 in a 775 s run, 2.4 ms each on average under load (0.26 ms on the idle disk). Instead the state thread commits reports as SQLite's
 `synchronous=NORMAL` does (written to the WAL, atomic, surviving a killed process) and goes on;
 this thread fsyncs the WAL file and only then are those reports acknowledged. A commit is durable

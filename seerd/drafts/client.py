@@ -60,7 +60,7 @@ class HttpTransport:
     """The draft server's two calls over the coordinator's API (signed, and only signed answers
     believed: `seerd.signing`), on one kept-alive connection of the standard library's
     `http.client`: the sync thread calls twice per `sync_interval_s` beside a busy engine, and per
-    call it costs a fraction of httpx's CPU (`tools/bench_http_client.py --sync`). Any failure
+    call it costs a fraction of httpx's CPU (`tools/bench/http_client.py --sync`). Any failure
     raises; the sync loop then makes a new transport, which reads the run directory again (a
     restarted coordinator has a new address and secret)."""
 
@@ -113,7 +113,7 @@ class HttpTransport:
 class DraftClient:
     def __init__(self, transport_factory: Callable[[], object] | None, *, index_factory=SuffixIndex,  # noqa: ANN001
                  sync_interval_s: float = 0.2, push_batch: int = 16, idle_group_s: float = 30.0) -> None:
-        # 0.2 s, not 0.05: on the motif rollouts (tools/bench_spec_rollout.py) the sync threads'
+        # 0.2 s, not 0.05: on the motif rollouts (tools/bench/spec_rollout.py) the sync threads'
         # CPU fell from 0.53 to 0.18 s a run and the coordinator's from 10% to 6% of a core, with
         # the same acceptance (67-68%, 2.46 tokens per drafted step): siblings' text a few more
         # tokens old drafts as well.

@@ -34,7 +34,7 @@ occurrences met in the newest `max_scan` occurrences of the last key, plus the o
 was measured on. Positions of dropped sequences count toward `max_scan` until the next rebuild.
 
 Why `max_scan = 64` (2 x `max_candidates`): the voters' walk is what a call costs, and on the
-motif replay of tools/bench_drafts.py tokens per step stayed within 0.5% from 32 to 256 (2.66 /
+motif replay of tools/bench/drafts.py tokens per step stayed within 0.5% from 32 to 256 (2.66 /
 2.67 / 2.67 / 2.67 at 32 / 64 / 128 / 256) while the median drafting call went from ~75 to ~120 us.
 """
 

@@ -16,7 +16,7 @@ store client (`pool.py`).
   the last token (vLLM must compute at least one).
 - Save: after each forward, every block that became full of tokens the request really has (draft
   tokens never count), copied whole from the KV cache, authenticated (a MAC under a key from the
-  run's secret: Poly1305, 0.2 of HMAC-SHA256's CPU per block, `tools/bench_block_mac.py`) and put
+  run's secret: Poly1305, 0.2 of HMAC-SHA256's CPU per block, `tools/bench/block_mac.py`) and put
   through a registered staging buffer, never the KV cache itself (`transfer.py`). Synchronous: a
   step's saves finish before it returns, so a block is never freed or overwritten while being read.
 - Load: before the forward, into the blocks vLLM allocated; only the leading run of sound blocks

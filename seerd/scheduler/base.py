@@ -174,7 +174,7 @@ def _room_for_any(snapshot: Snapshot) -> bool:
     shortest queued context, in its whole blocks. Without, every request's chunk needs more than
     its KV (`kv_need` is at least that), and even a shrunk one leaves less than a token of
     budget (`fitting_budget`), so `_admit` gives nothing; most lease calls of KV-bound workers
-    (tools/load.py) found that out by passing over hundreds of requests."""
+    (tools/bench/load.py) found that out by passing over hundreds of requests."""
     load = snapshot.worker(snapshot.worker_id)
     shortest = snapshot.queued.shortest_context()
     if shortest is None or free_slots(snapshot) <= 0:
@@ -192,7 +192,7 @@ def _admit(snapshot: Snapshot, ordered: Iterable[QueuedRequest], skip: Callable[
     kv_free = load.kv_capacity_tokens - load.reserved_kv_tokens
     # What needs every live worker is worked out only when a request needs it (the live ids are
     # a scan of every worker; the most KV room elsewhere comes from the kept summary: its scan
-    # was a quarter of the state thread at 512 workers, tools/load.py).
+    # was a quarter of the state thread at 512 workers, tools/bench/load.py).
     live: list[str] | None = None
     room_elsewhere: int | None = None
     assignments: list[Assignment] = []

@@ -7,7 +7,7 @@ every put and remove, so a lease call costs O(log n + k) rather than a sort of e
 Orders are `SortedList`s (sortedcontainers): a put or remove is O(log n) where a plain list's
 insort moved every entry after it (~35 us at 80,000 queued; the first chunk boundaries of 512
 engines re-queue thousands of requests and their siblings at once: 0.4 s of one state-thread
-turn in tools/load.py).
+turn in tools/bench/load.py).
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ class RequestQueue:
         """A queued request's view changed (its group's progress, say): each order moves it only
         if its key there changed. A report re-puts its queued siblings; each was a remove and an
         add in every order, though its first-come place (and often its context) stays the same
-        (in tools/bench_group_leases.py 30% of the puts; the saving was below that bench's noise)."""
+        (in tools/bench/group_leases.py 30% of the puts; the saving was below that bench's noise)."""
         request_id = new.request_id
         self._items[request_id] = new
         if old.queued_at != new.queued_at:

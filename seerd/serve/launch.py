@@ -48,7 +48,7 @@ def serve_config(workers: int, options: dict) -> RunConfig:
     config = build_config(workers=workers, input_path=Path(os.devnull), prior_dir=None, **options)
     config.validate()
     if config.engine.api == "sim":
-        raise ConfigError("seerd serve runs vLLM engines: --engine-api sim is for `seerd run` and tools/load.py")
+        raise ConfigError("seerd serve runs vLLM engines: --engine-api sim is for `seerd run` and tools/bench/load.py")
     try:
         context = context_length(config.engine, load_model_limits(config.model_dir))
     except ModelDirError as exc:

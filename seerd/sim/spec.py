@@ -4,7 +4,7 @@ yields, and the depth policy the workers run.
 - `AcceptanceTable`: a request's expected tokens per step when drafted to the table's depth, by
   n, the number of its group's responses finished at that moment: the paper's Table 2
   (Qwen2-VL-72B, linear drafts, depth 8: n=0 1.70, n=1 2.04, n=5 2.32, n=15 2.53) or a measured
-  table (`tools/bench_draft_acceptance.py` on the motif model). Linear in n between rows, the
+  table (`tools/bench/draft_acceptance.py` on the motif model). Linear in n between rows, the
   last row's value past it. `request` mode (no group context) always reads the n=0 row.
 - Per-position acceptance from tokens per step: a constant conditional acceptance alpha(n) per
   draft position, the i.i.d. model behind the paper's T_SD formula, solved so that
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from seerd.sim.costs import InstanceCosts, ProfiledCosts
 
 PROFILE_DIR = Path(__file__).with_name("profiles")
-TABLE_DEPTH = 8  # the paper's gamma_max, and tools/bench_draft_acceptance.py's DEPTH
+TABLE_DEPTH = 8  # the paper's gamma_max, and tools/bench/draft_acceptance.py's DEPTH
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,7 @@ class AcceptanceTable:
     def load(cls, path: str | Path) -> AcceptanceTable:
         """A table in a JSON file, either
         {"source": ..., "depth": 8, "tokens_per_step": {"0": 1.69, "1": 1.87, ...}} or what
-        `tools/bench_draft_acceptance.py --json` prints (its `grouped` drafter's accepted draft
+        `tools/bench/draft_acceptance.py --json` prints (its `grouped` drafter's accepted draft
         tokens per step, plus the bonus token, at its depth 8)."""
         path = Path(path)
         try:
@@ -108,7 +108,7 @@ class AcceptanceTable:
             if "table" in raw:
                 cells = raw["table"]["grouped"]
                 rows = [(int(n), 1.0 + float(cell["accepted_per_step"])) for n, cell in cells.items()]
-                source, depth = f"tools/bench_draft_acceptance.py: {raw.get('run_dir', path)}", TABLE_DEPTH
+                source, depth = f"tools/bench/draft_acceptance.py: {raw.get('run_dir', path)}", TABLE_DEPTH
             else:
                 rows = [(int(n), float(tokens)) for n, tokens in raw["tokens_per_step"].items()]
                 source, depth = str(raw.get("source", path)), int(raw.get("depth", TABLE_DEPTH))

@@ -4,7 +4,7 @@ answers, replies decoded into their `seerd.protocol` types.
 
 On aiohttp, not httpx: a worker's event loop shares two cores with the engines here (and its
 engine's core on any node), and per call aiohttp costs about a third of httpx's CPU
-(`tools/bench_http_client.py`: a report-sized POST, ~0.3 ms against ~1 ms on this machine).
+(`tools/bench/http_client.py`: a report-sized POST, ~0.3 ms against ~1 ms on this machine).
 
 What ends a worker is the coordinator gone (no answer at all) for longer than its patience
 (`CoordinatorGone`); an answer, whatever its status, never does: a 5xx is retried, a 4xx is the
@@ -93,7 +93,7 @@ TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)  # no an
 
 class CallTimings:
     """Each answered call, by endpoint path, as a worker sees it: when it was sent (wall clock,
-    to line calls up with the coordinator's events), the seconds it took (what `tools/load.py`
+    to line calls up with the coordinator's events), the seconds it took (what `tools/bench/load.py`
     reports as the coordinator's latency; a lease's long-poll wait for work, `LeaseReply.waited_s`,
     taken out), and whether it was its worker's first call of that endpoint (a worker's first lease is its share of
     the start-up fill). Kept only where asked for (simulated workers)."""

@@ -6,7 +6,7 @@ preemption, prefix cache and step costs as the simulator models them, from a pre
 measured profile) runs on the wall clock sped up `time_scale` times. Everything around it is
 real: the worker's leases, reports, heartbeats and in-place continuations over HTTP, the
 coordinator, SQLite. So hundreds of workers fit in a few processes of this machine
-(`tools/load.py`), and the daemon and `seerd sim` can be compared on the same engine model.
+(`tools/bench/load.py`), and the daemon and `seerd sim` can be compared on the same engine model.
 
 What it makes up: token ids (deterministic, below the model's vocabulary) and logprobs (-1.0).
 Lengths are the worker's: a response ends where the row's target length or max_tokens says

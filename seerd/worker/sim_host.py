@@ -7,7 +7,7 @@ is the simulator's model of one (`seerd.worker.sim_engine.SimEngine`). The local
 one such process per `SIM_WORKERS_PER_PROCESS` workers (seerd/launch/local.py).
 
 At its end the process writes what its workers measured of the coordinator, the seconds of each
-answered call by endpoint with the time it was sent (`CallTimings`), to `logs/sim-calls-R.json` (`tools/load.py` reads them).
+answered call by endpoint with the time it was sent (`CallTimings`), to `logs/sim-calls-R.json` (`tools/bench/load.py` reads them).
 """
 
 from __future__ import annotations

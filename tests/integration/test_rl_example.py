@@ -26,7 +26,7 @@ def test_three_iterations_each_on_the_trainers_newest_weights(tmp_path):
     records = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert [r["iteration"] for r in records] == [1, 2, 3]
     versions = [r["weight_version"] for r in records]
-    assert versions[0].startswith(str(REPO_ROOT / "tools" / "motif_model" / "weights") + "@")
+    assert versions[0].startswith(str(REPO_ROOT / "examples" / "motif_model" / "weights") + "@")
     assert [v.rsplit("@", 1)[0] for v in versions[1:]] == [str(tmp_path / "rl" / f"ckpt-{i}") for i in (1, 2)]
     assert len(set(versions)) == 3
     assert all(r["responses"] == 8 * 8 and 0.0 <= r["reward"] <= 1.0 and r["rollout_s"] > 0 for r in records)

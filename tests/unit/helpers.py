@@ -138,7 +138,7 @@ def rows(groups: int = 2, n: int = 2, max_tokens: int = 40, prompt_len: int = 5)
             for g in range(groups)]
 
 
-VOCAB_SIZE = 1024  # the tiny model's (tools/make_tiny_model.py)
+VOCAB_SIZE = 1024  # the tiny model's (tests/fixtures/make_tiny_model.py)
 
 
 def make_book(tmp_path: Path, *, policy: str = "divided", chunk_tokens: int = 16, lease_ttl_s: float = 10.0,

@@ -1,4 +1,4 @@
-"""`tools/bench_plan_walk.py` on a small queue: it runs, and its tight-KV state reproduces what
+"""`tools/bench/plan_walk.py` on a small queue: it runs, and its tight-KV state reproduces what
 it is for (plans that walk far past the requests they can take)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "bench_plan_walk.py"
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "bench" / "plan_walk.py"
 
 
 def test_the_plan_walk_bench_walks_further_when_the_workers_kv_is_tight():

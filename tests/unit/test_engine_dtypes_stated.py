@@ -2,8 +2,8 @@
 depend on the CPU's instruction set (vLLM-CPU's bfloat16 kernels die by SIGILL on some CPUs, and
 its own `auto` picks bfloat16 wherever the CPU advertises it).
 
-A static check over tests/integration, tools and examples (unit tests start no engine), of the
-forms engines are started by here:
+A static check over tests/integration, tests/fixtures, tools and examples (unit tests start no
+engine), of the forms engines are started by here:
 - a seerd command line (a list or call with "--model" and "--input", "--run-dir" or a
   subcommand) holds "--dtype", counting the lists it unpacks and the names it is built from
   (assignments and `+=` in the same module); `--engine-api sim` starts no vLLM engine;
@@ -21,7 +21,7 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-ROOTS = ("tests/integration", "tools", "examples")
+ROOTS = ("tests/integration", "tests/fixtures", "tools", "examples")
 SUBCOMMANDS = {"run", "serve", "slurm-run", "submit"}
 VLLM_CONSTRUCTORS = {"LLM", "EngineArgs", "AsyncEngineArgs"}
 SETTINGS_TAKERS = {"engine_args", "start_engine"}

@@ -79,7 +79,7 @@ def test_a_table_loads_from_its_own_json_and_from_the_benchmarks_output(tmp_path
     own.write_text(json.dumps({"source": "here", "tokens_per_step": {"5": 2.0, "0": 1.5}}))
     loaded = AcceptanceTable.load(own)
     assert loaded.rows == ((0, 1.5), (5, 2.0)) and loaded.depth == 8 and loaded.source == "here"
-    bench = tmp_path / "bench.json"  # what tools/bench_draft_acceptance.py --json prints
+    bench = tmp_path / "bench.json"  # what tools/bench/draft_acceptance.py --json prints
     bench.write_text(json.dumps({"run_dir": "r", "groups": 24, "table": {
         "grouped": {"0": {"accepted_per_step": 0.69}, "15": {"accepted_per_step": 1.11}},
         "request": {"0": {"accepted_per_step": 0.69}, "15": {"accepted_per_step": 0.69}}}}))

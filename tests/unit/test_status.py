@@ -286,7 +286,7 @@ class FakeTime:
 def test_reading_status_in_a_loop_never_blocks_or_fails_the_writer_synthetic_engine(tmp_path):
     """The coordinator's writes (lease, report, heartbeat: real SQLite, WAL) go on while a status
     reader loops: neither side sees "database is locked". How long writes take with and without a
-    reader is measured by tools/bench_status_reader.py, not here."""
+    reader is measured by tools/bench/status_reader.py, not here."""
     book = make_book(tmp_path, policy="seer", chunk_tokens=4, prompt_rows=rows(groups=20, n=4, max_tokens=48))
     w = register(book, "w", 0)
     errors: list[BaseException] = []
