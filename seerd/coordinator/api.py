@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from seerd.config import EngineConfig
+from seerd.settings import EngineConfig
 from seerd.coordinator.auth import BodyDigestMismatch, SignedCalls, body_mismatch
 from seerd.coordinator.book import LeaseBook, RetiredWorker, UnknownWorker
 from seerd.coordinator.records import ReportCall

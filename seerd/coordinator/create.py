@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Sequence
+
+import msgspec
 
 from sqlalchemy import insert, select, update
 from sqlalchemy.orm import Session
@@ -16,24 +17,20 @@ from seerd.db import Group, Request, RequestStatus, RequestTarget, Rollout, Roll
 from seerd.db.transitions import insert_many_with_status, insert_with_status
 from seerd.io.codec import pack_ints
 from seerd.io.prompts import PromptRow
+from seerd.settings import SAMPLING_KEYS, Sampling
 
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos")
 
 
 def prompt_hash(token_ids: Sequence[int]) -> str:
     return hashlib.sha256(pack_ints(token_ids)).hexdigest()
 
 
-def group_sampling(config: RunConfig, row: PromptRow) -> dict:
-    sampling = {
-        "temperature": config.sampling.temperature,
-        "top_p": config.sampling.top_p,
-        "top_k": config.sampling.top_k,
-        "stop_token_ids": list(config.sampling.stop_token_ids),
-        "seed": None,
-    }
-    sampling.update({k: v for k, v in row.sampling.items() if k in SAMPLING_KEYS})
-    return sampling
+def group_sampling(config: RunConfig, row: PromptRow) -> Sampling:
+    """The run's sampling with the row's own settings over it."""
+    own = {k: v for k, v in row.sampling.items() if k in SAMPLING_KEYS}
+    if "stop_token_ids" in own:
+        own["stop_token_ids"] = tuple(own["stop_token_ids"])
+    return msgspec.structs.replace(config.sampling, **own)
 
 
 def create_rollout(session: Session, config: RunConfig, rows: Sequence[PromptRow], *,
@@ -56,7 +53,7 @@ def create_rollout(session: Session, config: RunConfig, rows: Sequence[PromptRow
             "rollout_id": rollout_id, "group_index": index, "prompt_id": row.prompt_id,
             "prompt_token_ids": pack_ints(row.prompt_token_ids), "prompt_len": len(row.prompt_token_ids),
             "prompt_hash": prompt_hash(row.prompt_token_ids), "n": row.n, "max_tokens": row.max_tokens,
-            "sampling_json": json.dumps(group_sampling(config, row)),
+            "sampling_json": msgspec.json.encode(group_sampling(config, row)).decode(),
             # Until a response of the group finishes, assume it is long (the paper's rule).
             "length_estimate": row.max_tokens, "finished_requests": 0,
         }

@@ -15,7 +15,7 @@ import signal
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -243,9 +243,9 @@ class Coordinator:
 
     def engine_settings(self) -> EngineSettings:
         kv_pool = None if self.pool is None else self.pool.engine_settings
-        return EngineSettings(self.config.model_path, self.config.engine.__dict__, self.config.seed,
-                              asdict(self.config.spec), kv_pool, weights_version=self.weights_version,
-                              serving=self.serving, batch=self.rollout_id)
+        return EngineSettings(self.config.model_path, self.config.engine, self.config.seed, self.config.spec,
+                              kv_pool, weights_version=self.weights_version, serving=self.serving,
+                              batch=self.rollout_id)
 
     async def _start_drafts(self) -> None:
         """Give the draft server every unfinished group with its tokens so far (and the earlier

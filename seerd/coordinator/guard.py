@@ -30,7 +30,7 @@ import uvicorn
 from starlette.responses import Response
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from seerd.config import EngineConfig
+from seerd.settings import EngineConfig
 from seerd.protocol import LONG_POLL_MAX_S, ErrorReply
 
 log = logging.getLogger("seerd.coordinator")

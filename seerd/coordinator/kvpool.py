@@ -26,17 +26,19 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from seerd.config import KVPoolConfig
+import msgspec
+
 from seerd.coordinator.records import WaitingRequest
 from seerd.kvpool.address import read_pool_address
 from seerd.kvpool.keys import batch_scope, group_pattern, request_pattern, run_pattern
 from seerd.kvpool.store import PoolUnavailable, close_quietly, open_store
 from seerd.rundir import RunDir
 from seerd.scheduler.state import SchedulerState
+from seerd.settings import KVPoolConfig, PoolSettings
 
 log = logging.getLogger("seerd.coordinator")
 
@@ -97,7 +99,7 @@ def host_pool(run_dir: RunDir, kv_pool: KVPoolConfig, *, host: str, tag: str, mo
     from seerd.kvpool.service import PoolService
 
     service = PoolService(run_dir.path, host, protocol=kv_pool.protocol, devices=kv_pool.devices, log_dir=run_dir.logs)
-    settings = {**asdict(kv_pool), "run_tag": tag, "model_revision": model_revision(model_path)}
+    settings = PoolSettings(**msgspec.structs.asdict(kv_pool), run_tag=tag, model_revision=model_revision(model_path))
     return PoolHost(service, tag, local_host=host, engine_settings=settings)
 
 
@@ -134,11 +136,12 @@ class PoolHost:
     hosts it: `tag` names the run's keys, `scope` the running batch's (`begin_batch`), which the
     book's removals and the trims use; `engine_settings` is what the engines' connectors start with."""
 
-    def __init__(self, service, tag: str, *, local_host: str, engine_settings: dict | None = None) -> None:  # noqa: ANN001
+    def __init__(self, service, tag: str, *, local_host: str,  # noqa: ANN001
+                 engine_settings: PoolSettings | None = None) -> None:
         self.service = service  # seerd.kvpool.service.PoolService
         self.tag = tag
         self.scope = tag  # until a batch begins (tests of the cleaning alone)
-        self.engine_settings = engine_settings or {}
+        self.engine_settings = engine_settings or PoolSettings()
         self.local_host = local_host
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="seerd-kvpool")
         self._store = None

@@ -7,6 +7,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Collection, Mapping, Sequence
 
+import msgspec
 from sqlalchemy import Connection, bindparam
 
 from seerd.coordinator.records import LeaseTerms, RequestProgress, chunk_seed
@@ -79,10 +80,10 @@ def chunk_grant(book, chunk_id: int, request_id: int, max_tokens: int, *,  # noq
     group = book.state.groups[request.group_id]
     inputs = book.inputs[request.group_id]
     terms = book.terms[chunk_id]
-    sampling = dict(inputs.sampling)
     # A row's own seed still differs per response and chunk; otherwise the rollout's seed.
-    base_seed = book.seed if sampling.get("seed") is None else int(sampling["seed"])
-    sampling["seed"] = chunk_seed(base_seed, group.index, request.response_index, terms.seq)
+    base_seed = book.seed if inputs.sampling.seed is None else inputs.sampling.seed
+    sampling = msgspec.structs.replace(
+        inputs.sampling, seed=chunk_seed(base_seed, group.index, request.response_index, terms.seq))
     context = []  # a continuation runs on in the engine request holding its context
     if not continues:
         context = inputs.prompt.tolist()

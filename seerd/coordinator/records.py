@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from seerd.protocol import ChunkReport, HeartbeatBody, UnreadableReport
+from seerd.settings import Sampling
 
 
 class UnknownWorker(LookupError):
@@ -46,7 +47,7 @@ class GroupInputs:
     """What a grant needs of a group besides the scheduler's view."""
 
     prompt: array  # int32 prompt token ids
-    sampling: dict
+    sampling: Sampling
 
 
 @dataclass

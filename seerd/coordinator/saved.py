@@ -8,17 +8,18 @@ and the chunks not done (a `leased` one is a previous coordinator's lease, to go
 
 from __future__ import annotations
 
-import json
 from array import array
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from sqlalchemy import Connection, select
 
 from seerd.coordinator.records import GroupInputs, RequestProgress
 from seerd.db import Chunk, ChunkStatus, Event, Group, Request, RequestStatus, RequestTarget
 from seerd.io.codec import unpack_ints
 from seerd.scheduler.state import GroupRecord, RequestRecord
+from seerd.settings import Sampling
 
 CHUNKS, REQUESTS, GROUPS = Chunk.__table__, Request.__table__, Group.__table__
 EVENTS, TARGETS = Event.__table__, RequestTarget.__table__
@@ -40,7 +41,7 @@ def read_saved_rollout(conn: Connection, rollout_id: int) -> SavedRollout:
     groups, requests, inputs, progress, bindings = [], [], {}, {}, {}
     for row in conn.execute(select(GROUPS).where(GROUPS.c.rollout_id == rollout_id)):
         prompt = array("i", unpack_ints(row.prompt_token_ids))
-        inputs[row.id] = GroupInputs(prompt, json.loads(row.sampling_json))
+        inputs[row.id] = GroupInputs(prompt, msgspec.json.decode(row.sampling_json, type=Sampling))
         groups.append(GroupRecord(row.id, row.group_index, len(prompt), row.n, row.max_tokens,
                                   row.length_estimate, row.finished_requests))
         if row.bound_worker:

@@ -43,7 +43,7 @@ from seerd.protocol import ChunkIdentity, parse_engine_id
 
 log = logging.getLogger("seerd.drafts")
 
-SETTINGS_ENV = "SEERD_DRAFT_SETTINGS"  # = seerd.worker.engine.DRAFTER_SETTINGS_ENV
+SETTINGS_ENV = "SEERD_DRAFT_SETTINGS"  # = seerd.worker.vllm_args.DRAFTER_SETTINGS_ENV
 REPLAN_EVERY_STEPS = 8  # the batch changes slowly; re-planning every step would cost more than it gains
 
 _stats_lock = threading.Lock()

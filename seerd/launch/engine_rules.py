@@ -5,7 +5,7 @@ created), and by vLLM's own rules, so that seerd's cannot drift from them:
 
 - Sampling (`SamplingCheck`): the settings of the options alone, then of each row merged with them
   as the run stores them (`group_sampling`), go through the very function the worker builds its
-  `SamplingParams` with (`seerd.worker.engine.sampling_params`: budget, seed, logprobs,
+  `SamplingParams` with (`seerd.worker.vllm_args.sampling_params`: budget, seed, logprobs,
   stop_token_ids, ...), with the first chunk's budget and a per-chunk seed like the lease book's.
   vLLM's range rules live in that constructor (temperature in [0, 2], top_p in (0, 1], top_k 0,
   -1 or >= 1, ...). It lets any Python int through, but AsyncLLM sends each request to its engine
@@ -25,15 +25,17 @@ without vLLM (one that only submits) gets a warning instead of the check.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import replace
 
-from seerd.config import CONTEXT_WHY, MAX_TOKEN_COUNT, ConfigError, EngineConfig, RunConfig, number_problem
+import msgspec
+
+from seerd.config import CONTEXT_WHY, MAX_TOKEN_COUNT, ConfigError, RunConfig, number_problem
 from seerd.coordinator.records import chunk_seed
 from seerd.coordinator.create import group_sampling
 from seerd.io.prompts import ContextLength, ModelLimits, PromptRow
-from seerd.worker.engine import sampling_params
+from seerd.settings import EngineConfig, Sampling
+from seerd.worker.vllm_args import sampling_params
 
 
 class SamplingCheck:
@@ -59,16 +61,15 @@ class SamplingCheck:
                 f"{objection}")
 
     def check(self, row: PromptRow) -> str | None:
-        sampling = group_sampling(self.config, row)
-        # The worker always gets a per-chunk seed (LeaseBook._grant), never the row's own.
-        sampling["seed"] = chunk_seed(self.config.seed, 0, 0, 0)
+        # The worker always gets a per-chunk seed (leases.chunk_grant), never the row's own.
+        sampling = msgspec.structs.replace(group_sampling(self.config, row), seed=chunk_seed(self.config.seed, 0, 0, 0))
         budget = min(self.config.chunk_tokens, row.max_tokens)  # the first chunk's
-        key = json.dumps([budget, sampling], sort_keys=True)
+        key = msgspec.json.encode([budget, sampling]).decode()
         if key not in self._seen:
             self._seen[key] = self._objection(budget, sampling)
         return self._seen[key]
 
-    def _objection(self, budget: int, sampling: dict) -> str | None:
+    def _objection(self, budget: int, sampling: Sampling) -> str | None:
         vllm = self._vllm()
         if vllm is None:
             return None
@@ -131,4 +132,4 @@ def with_context_length(config: RunConfig, context: ContextLength) -> RunConfig:
     length the prompts were checked against (their own fallback reads fewer of the model's keys)."""
     if config.engine.max_model_len is not None or "max_model_len" in config.engine.extra_args:
         return config
-    return replace(config, engine=replace(config.engine, max_model_len=context.tokens))
+    return replace(config, engine=msgspec.structs.replace(config.engine, max_model_len=context.tokens))

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from seerd.config import KVPoolConfig
+from seerd.settings import KVPoolConfig
 from seerd.coordinator.daemon import Coordinator, CoordinatorResult
 from seerd.event_loop import run_event_loop
 from seerd.db import RolloutStatus

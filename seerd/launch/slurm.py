@@ -27,12 +27,13 @@ import subprocess
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from seerd.config import DEFAULT_DRAIN_GRACE_S, KVPoolConfig
+from seerd.config import DEFAULT_DRAIN_GRACE_S
 from seerd.coordinator.daemon import Coordinator, CoordinatorResult
 from seerd.db import RolloutStatus
 from seerd.launch.local import WorkerPool, run_local, worker_env
 from seerd.ownership import Ownership
 from seerd.rundir import RunDir
+from seerd.settings import KVPoolConfig
 from seerd.status.locate import record_slurm_job
 
 log = logging.getLogger("seerd.slurm")

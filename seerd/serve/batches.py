@@ -24,10 +24,11 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import msgspec
 from sqlalchemy import Connection, Engine, func, select
 from sqlalchemy.orm import Session
 
-from seerd.config import RunConfig, SamplingDefaults
+from seerd.config import RunConfig
 from seerd.coordinator.create import create_rollout
 from seerd.coordinator.model_identity import weight_version
 from seerd.db import Event, Group, Request, RequestStatus, Rollout, RolloutStatus, make_sessionmaker
@@ -57,12 +58,8 @@ def batch_dir(run_dir: RunDir, batch: int) -> RunDir:
 
 def batch_config(base: RunConfig, body: BatchBody) -> RunConfig:
     """The serve's settings with the batch's own: input, weights, sampling, key."""
-    sampling = base.sampling
-    sampling = SamplingDefaults(
-        temperature=sampling.temperature if body.temperature is None else body.temperature,
-        top_p=sampling.top_p if body.top_p is None else body.top_p,
-        top_k=sampling.top_k if body.top_k is None else body.top_k,
-        stop_token_ids=sampling.stop_token_ids)
+    own = {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k}
+    sampling = msgspec.structs.replace(base.sampling, **{k: v for k, v in own.items() if v is not None})
     return replace(base, input_path=str(Path(body.input).resolve()),
                    model_path=str(Path(body.weights).resolve()) if body.weights else base.model_path,
                    n=base.n if body.n is None else body.n,

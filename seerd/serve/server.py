@@ -20,7 +20,6 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import asdict
 from functools import partial
 
 import msgspec
@@ -137,7 +136,7 @@ class Server:
         self.kv_pool = None if base.kv_pool.mode != "mooncake" else host_pool(
             run_dir, base.kv_pool, host=host, tag=run_tag(run_dir.path, clock()), model_path=base.model_path)
         fingerprint = fingerprint_json(model_fingerprint(base.model_dir))
-        self.idle_settings = EngineSettings(base.model_path, base.engine.__dict__, base.seed, asdict(base.spec),
+        self.idle_settings = EngineSettings(base.model_path, base.engine, base.seed, base.spec,
                                             None if self.kv_pool is None else self.kv_pool.engine_settings,
                                             weights_version=weight_version(base.model_path, fingerprint),
                                             serving=True, batch=None)

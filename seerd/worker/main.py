@@ -33,10 +33,12 @@ from seerd.protocol import (
     ReleaseBody, ReportBody, ReportReply, lease_key, parse_engine_id,
 )
 from seerd.rundir import RunDir
+from seerd.settings import Sampling
 from seerd.worker.client import (
     Backoff, CoordinatorClient, CoordinatorGone, CoordinatorRefused, NotRegistered, Retired, WeightsMismatch,
 )
-from seerd.worker.engine import EngineDead, Stream, start_engine
+from seerd.worker.engine import Engine, EngineDead, Stream
+from seerd.worker.engines import start_engine
 from seerd.worker.stats import WorkerStats
 
 log = logging.getLogger("seerd.worker")
@@ -59,9 +61,8 @@ def reported_finish_reason(grant: ChunkGrant, finish_reason: str, num_tokens: in
     return finish_reason
 
 
-def engine_figures(engine) -> dict | None:  # noqa: ANN001
-    counters = getattr(engine, "counters", None)
-    return None if counters is None else counters.figures()
+def engine_figures(engine: Engine) -> dict | None:
+    return None if engine.counters is None else engine.counters.figures()
 
 
 class LoadedWeights(NamedTuple):
@@ -81,7 +82,7 @@ class RunningRequest(NamedTuple):
 
 
 class Worker:
-    def __init__(self, client: CoordinatorClient, engine, rank: int,  # noqa: ANN001
+    def __init__(self, client: CoordinatorClient, engine: Engine, rank: int,
                  weights: LoadedWeights | None = None) -> None:
         self.client = client
         self.weights = weights or LoadedWeights("", 0.0)  # what it registers with
@@ -126,7 +127,7 @@ class Worker:
         reply = await self.client.call_until_answered(REGISTER, RegisterBody(
             self.worker_id, self.rank, address=f"{socket.gethostname()}:{os.getpid()}",
             max_chunks=self.engine.max_chunks, kv_capacity_tokens=self.engine.kv_capacity_tokens,
-            kv_block_tokens=getattr(self.engine, "kv_block_tokens", 1), weights_version=self.weights.version,
+            kv_block_tokens=self.engine.kv_block_tokens, weights_version=self.weights.version,
             weights_loaded_s=self.weights.reload_s, dtype=self.engine.dtype))
         self.worker_id = reply.worker_id
         self.heartbeat_interval_s = reply.heartbeat_interval_s
@@ -302,7 +303,7 @@ class Worker:
     def _heartbeat(self, leaving: bool = False) -> HeartbeatBody:
         stats = self.stats.payload({cid: self.offsets.get(cid, (lease_key(cid, epoch), 0))
                                     for cid, (epoch, _) in self.running.items()},
-                                   getattr(self.engine, "live", None), drafter_stats(), pool_stats(),
+                                   self.engine.live, drafter_stats(), pool_stats(),
                                    engine_figures(self.engine))
         stats["cpu"] = {"loop_s": time.thread_time() - self._cpu_since[0],
                         "process_s": time.process_time() - self._cpu_since[1]}
@@ -383,12 +384,12 @@ class Worker:
         self.held_by_chunk.clear()
 
 
-async def warm_up(engine) -> None:  # noqa: ANN001
+async def warm_up(engine: Engine) -> None:
     """One tiny request before registering: the engine's first step (lazy initialisation, seconds
     on some platforms) is paid before any chunk waits on it, and the step clock the coordinator
     judges progress by has its first figure. Not a seerd chunk id: no drafts, no KV pool."""
-    await engine.run("seerd-warm-up", [1, 2, 3, 4], 2, {"temperature": 0.0})
-    if getattr(engine, "counters", None) is not None:  # the engine's figures are of the rollout only
+    await engine.run("seerd-warm-up", [1, 2, 3, 4], 2, Sampling(temperature=0.0))
+    if engine.counters is not None:  # the engine's figures are of the rollout only
         engine.counters.reset()
 
 
@@ -423,7 +424,7 @@ async def amain(run_dir: RunDir, rank: int, patience_s: float, address_timeout_s
             if settings.weights_version != weights.version:  # the engine stays up, loaded with the batch's
                 weights = LoadedWeights(settings.weights_version, await engine.reload_weights(settings.model_path))
                 log.info("loaded %s in %.2fs", weights.version, weights.reload_s)
-            if getattr(engine, "counters", None) is not None:  # the figures are of a rollout only
+            if engine.counters is not None:  # the figures are of a rollout only
                 engine.counters.reset()
             reset_pool_stats()
             worker = Worker(client, engine, rank, weights)

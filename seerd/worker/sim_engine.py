@@ -32,6 +32,7 @@ from pathlib import Path
 from seerd.protocol import EngineProgress, parse_engine_id
 from seerd.sim.costs import InstanceCosts, ProfiledCosts
 from seerd.sim.engine import SimInstance, SimSeq
+from seerd.settings import EngineConfig, Sampling
 from seerd.worker.engine import ChunkResult, EngineDead, Stream, run_whole
 
 log = logging.getLogger("seerd.worker.sim")
@@ -93,7 +94,7 @@ class SimEngine:
         self._task = self._loop.create_task(self._run())
 
     # ------------------------------------------------------------ the worker's interface
-    def open(self, request_id: str, prompt_token_ids: list[int], max_tokens: int, sampling: dict,
+    def open(self, request_id: str, prompt_token_ids: list[int], max_tokens: int, sampling: Sampling,
              *, stream: bool = False) -> Stream:
         """As the vLLM engines' `open`; the chunk's request, group and prompt length come from
         its engine request id (`seerd.protocol.ChunkIdentity`), as vLLM's drafter reads them."""
@@ -110,14 +111,14 @@ class SimEngine:
                      generated_before=context - prompt_len, target=max(1, max_tokens), previous_instance=previous,
                      is_probe=chunk is not None and chunk.is_probe)
         output = Stream(self._loop)
-        seed = int(sampling.get("seed") or 0) if isinstance(sampling, dict) else 0
+        seed = sampling.seed or 0
         self._arrivals.append(_Live(request_id, output, seq, stream, token_base=(seed + context) % self.vocab_size))
         self.stats.chunks_opened += 1
         self._changed.set()
         return output
 
     async def run(self, request_id: str, prompt_token_ids: list[int], max_tokens: int,
-                  sampling: dict) -> ChunkResult:
+                  sampling: Sampling) -> ChunkResult:
         return await run_whole(self, request_id, prompt_token_ids, max_tokens, sampling)
 
     async def abort(self, request_id: str) -> None:
@@ -127,6 +128,9 @@ class SimEngine:
     def progress(self) -> EngineProgress:
         return EngineProgress(self.instance.step, self.stats.longest_step_s,
                               len(self.in_engine) + len(self._arrivals))
+
+    async def reload_weights(self, path: str) -> float:
+        raise EngineDead("a modelled engine holds no weights: `seerd serve` runs vLLM engines")
 
     def shutdown(self) -> None:
         self._task.cancel()
@@ -244,16 +248,16 @@ class SimEngine:
         live.pushed = upto
 
 
-def start_sim_engine(model_path: str, engine: dict, seed: int, index: int) -> SimEngine:
+def start_sim_engine(model_path: str, engine: EngineConfig, seed: int, index: int) -> SimEngine:
     """A simulated engine for worker rank `index` from the run's engine settings: the preset's
     cost model and KV capacity, the run's `max_num_seqs`, the model's vocabulary for token ids."""
     from seerd.sim.presets import get_preset
 
-    preset = get_preset(engine.get("sim_preset", "cpu-tiny"))
+    preset = get_preset(engine.sim_preset)
     costs = preset.costs()
     kv_tokens = preset.kv_tokens or costs.kv_capacity_tokens()
     config = json.loads((Path(model_path) / "config.json").read_text())
     return SimEngine(costs, index=index, kv_capacity_tokens=int(kv_tokens),
-                     max_num_seqs=int(engine.get("max_num_seqs", preset.max_num_seqs)),
-                     time_scale=float(engine.get("time_scale", 1.0)), vocab_size=int(config["vocab_size"]),
+                     max_num_seqs=engine.max_num_seqs, time_scale=engine.time_scale,
+                     vocab_size=int(config["vocab_size"]),
                      seed=seed + index)

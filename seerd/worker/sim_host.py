@@ -64,9 +64,9 @@ async def host(run_dir: RunDir, first_rank: int, count: int, patience_s: float, 
     first = await CoordinatorClient.from_run_dir(run_dir, patience_s=patience_s, address_timeout_s=address_timeout_s)
     settings = await first.call_until_answered(CONFIG)
     await first.close()
-    if settings.engine.get("api") != "sim":
+    if settings.engine.api != "sim":
         log.error("this run's workers are vLLM engines (--engine-api %s): start them with python -m seerd.worker",
-                  settings.engine.get("api"))
+                  settings.engine.api)
         return 2
     timings = CallTimings()
     workers = []

@@ -17,12 +17,13 @@ pytestmark = pytest.mark.vllm
 # Run in its own process: the engine sets process-wide vLLM settings (in-process engine core).
 SCRIPT = r"""
 import asyncio, json, sys
-from seerd.worker.engine import SteppedEngine
+from seerd.settings import EngineConfig, Sampling
+from seerd.worker.stepped import SteppedEngine
 
 async def main(model):
-    engine = SteppedEngine.start(model, {"kv_cache_gib": 0.1, "max_num_seqs": 4, "max_model_len": 64,
-                                         "dtype": "float32"}, seed=0)
-    greedy = {"temperature": 0.0}
+    engine = SteppedEngine.start(model, EngineConfig(kv_cache_gib=0.1, max_num_seqs=4, max_model_len=64,
+                                                     dtype="float32"), seed=0)
+    greedy = Sampling(temperature=0.0)
     too_long, fine = engine.run("c1e1g1r1p100", [5] * 100, 8, greedy), engine.run("c2e1g1r2p4", [5, 6, 7, 8], 8, greedy)
     results = await asyncio.gather(too_long, fine, return_exceptions=True)
     after = await engine.run("c3e1g1r3p4", [5, 6, 7, 8], 8, greedy)
@@ -51,7 +52,9 @@ def test_a_prompt_the_engine_refuses_fails_alone(tiny_model_dir):
 STREAM_SCRIPT = r"""
 import asyncio, json, sys
 from vllm.inputs import TokensPrompt
-from seerd.worker.engine import AsyncEngine, sampling_params
+from seerd.settings import EngineConfig, Sampling
+from seerd.worker.async_engine import AsyncEngine
+from seerd.worker.vllm_args import sampling_params
 
 async def final_only(engine, request_id, prompt, max_tokens, sampling):
     final = None
@@ -74,9 +77,9 @@ async def cut(engine, request_id, prompt, max_tokens, sampling, sizes):
     return token_ids, logprobs, chunk.finish_reason, runs_on
 
 async def main(model):
-    engine = AsyncEngine.start(model, {"kv_cache_gib": 0.1, "max_num_seqs": 4, "max_model_len": 128,
-                                       "dtype": "float32"}, seed=0)
-    cases = [([5, 6, 7, 8], {"temperature": 0.0}), ([9, 10, 11], {"temperature": 1.0, "seed": 3})]
+    engine = AsyncEngine.start(model, EngineConfig(kv_cache_gib=0.1, max_num_seqs=4, max_model_len=128,
+                                                   dtype="float32"), seed=0)
+    cases = [([5, 6, 7, 8], Sampling(temperature=0.0)), ([9, 10, 11], Sampling(temperature=1.0, seed=3))]
     streamed = await asyncio.gather(*(engine.run(f"s{i}", p, 40, s) for i, (p, s) in enumerate(cases)))
     final = await asyncio.gather(*(final_only(engine, f"f{i}", p, 40, s) for i, (p, s) in enumerate(cases)))
     chunks = await asyncio.gather(*(cut(engine, f"c{i}", p, 40, s, (16, 16, 8)) for i, (p, s) in enumerate(cases)))

@@ -23,11 +23,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from seerd.worker.engine import AsyncEngine, EngineBusy, SteppedEngine
+from seerd.settings import EngineConfig, Sampling
+from seerd.worker.async_engine import AsyncEngine
+from seerd.worker.engine import EngineBusy
+from seerd.worker.stepped import SteppedEngine
 
-SETTINGS = {"kv_cache_gib": 0.1, "max_num_seqs": 4, "max_model_len": 128, "dtype": "float32"}
+SETTINGS = EngineConfig(kv_cache_gib=0.1, max_num_seqs=4, max_model_len=128, dtype="float32")
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 40, 41, 42, 43]]
-GREEDY = {"temperature": 0.0, "ignore_eos": True}
+GREEDY = Sampling(temperature=0.0, ignore_eos=True)
 
 def perturbed(model, dest):
     shutil.copytree(model, dest)

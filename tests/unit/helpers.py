@@ -31,6 +31,7 @@ from sqlalchemy import select
 from seerd.db import Rollout
 from seerd.coordinator.model_identity import weight_version
 from seerd.worker.main import LoadedWeights
+from seerd.settings import Sampling
 from seerd.worker.engine import ChunkResult, StepClock, Stream, run_whole
 
 REPO = Path(__file__).resolve().parents[2]
@@ -172,7 +173,9 @@ class ScriptedEngine:
     (`chunk_tokens`) per pause until its limit or its end, as a real engine keeps decoding."""
 
     live = None  # no live figures for the heartbeat
+    counters = None  # nor vLLM's step figures
     dtype = "scripted"  # no tensors
+    kv_block_tokens = 1
 
     def __init__(self, length_of: Callable[[int], int], *, max_chunks: int = 4, pause_s: float = 0.01,
                  chunk_tokens: int = 16) -> None:
@@ -189,7 +192,7 @@ class ScriptedEngine:
     def progress(self):  # noqa: ANN201
         return self.clock.progress(generating=len(self.feeding))
 
-    def open(self, engine_id: str, prompt_token_ids: list[int], max_tokens: int, _sampling: dict,
+    def open(self, engine_id: str, prompt_token_ids: list[int], max_tokens: int, _sampling: Sampling,
              *, stream: bool = False) -> Stream:
         output = Stream(asyncio.get_running_loop())
         self.opened.append(engine_id)
@@ -217,7 +220,8 @@ class ScriptedEngine:
         finally:
             self.feeding.pop(engine_id, None)
 
-    async def run(self, engine_id: str, prompt_token_ids: list[int], max_tokens: int, sampling: dict) -> ChunkResult:
+    async def run(self, engine_id: str, prompt_token_ids: list[int], max_tokens: int,
+                  sampling: Sampling) -> ChunkResult:
         return await run_whole(self, engine_id, prompt_token_ids, max_tokens, sampling)
 
     async def abort(self, engine_id: str) -> None:
@@ -225,6 +229,9 @@ class ScriptedEngine:
         task = self.feeding.pop(engine_id, None)
         if task is not None:
             task.cancel()
+
+    async def reload_weights(self, path: str) -> float:
+        return 0.0  # scripted tokens depend on no weights
 
     def shutdown(self) -> None:
         return None

@@ -16,6 +16,7 @@ from seerd.protocol import (
     BadReply, ChunkGrant, ChunkReport, EngineSettings, HeartbeatBody, HeartbeatReply, LeaseBody, RegisterBody,
     RegisterReply, ReportBody, ReportReply, ReportResult,
 )
+from seerd.settings import EngineConfig
 from seerd.worker.client import CoordinatorClient, NotRegistered
 from tests.unit.helpers import FakeClock, loopback_socket, make_book, rows, served, signed_auth
 
@@ -40,7 +41,7 @@ def client(tmp_path):
     clock = FakeClock()
     book = make_book(tmp_path, prompt_rows=rows(groups=1, n=1, max_tokens=20), now=clock())
     app = create_app(book, SECRET, CoordinatorControl(), clock)
-    app.state.engine_settings = EngineSettings("m", {}, 0)
+    app.state.engine_settings = EngineSettings("m", EngineConfig(), 0)
     with TestClient(app) as test_client:
         test_client.auth = signed_auth(SECRET)
         test_client.clock = clock
@@ -227,7 +228,7 @@ def test_the_worker_client_gets_typed_replies(tmp_path):
     book = make_book(tmp_path, prompt_rows=rows(groups=1, n=1, max_tokens=20), now=clock())
     sock, address = loopback_socket()
     app = create_app(book, SECRET, CoordinatorControl(), clock, address=address)
-    app.state.engine_settings = EngineSettings("m", {"max_num_seqs": 2}, 0)
+    app.state.engine_settings = EngineSettings("m", EngineConfig(max_num_seqs=2), 0)
 
     async def scenario() -> None:
         async with served(app, sock) as url:
@@ -235,7 +236,7 @@ def test_the_worker_client_gets_typed_replies(tmp_path):
 
     async def calls(client: CoordinatorClient) -> None:
         settings = await client.call(protocol.CONFIG)
-        assert settings == EngineSettings("m", {"max_num_seqs": 2}, 0)
+        assert settings == EngineSettings("m", EngineConfig(max_num_seqs=2), 0)
         reg = await client.call(protocol.REGISTER, RegisterBody("w", 0, "x", max_chunks=1, kv_capacity_tokens=100))
         assert isinstance(reg, RegisterReply) and reg.lease_ttl_s == book.lease_ttl_s
         lease = await client.call(protocol.LEASE, LeaseBody(reg.worker_id, 4))

@@ -25,6 +25,7 @@ from seerd.coordinator.auth import REPLAYED
 from seerd.coordinator.forwarding import ApiFronts, api_processes_for
 from seerd.coordinator.guard import ConnectionLimits
 from seerd.protocol import EngineSettings, HeartbeatBody, LeaseBody, RegisterBody
+from seerd.settings import EngineConfig
 from seerd.worker.client import CoordinatorClient
 from tests.unit.helpers import FakeClock, loopback_socket, make_book, python, rows, signed_auth
 from tests.unit.test_connection_limits import connect, read_all, read_response, signed_head
@@ -42,7 +43,7 @@ async def fronted(tmp_path: Path, fronts: int = 2) -> AsyncIterator[tuple[str, s
     control = CoordinatorControl()
     app = create_app(book, SECRET, control, time.time, address=address, metrics_token=METRICS_TOKEN,
                      max_body_bytes=4096)
-    app.state.engine_settings = EngineSettings("m", {}, 0)
+    app.state.engine_settings = EngineSettings("m", EngineConfig(), 0)
     server = ApiFronts(app, control, fronts, secret=SECRET, address=address, metrics_token=METRICS_TOKEN,
                        max_body_bytes=4096, limits=ConnectionLimits())
     app.state.guard = server.guard

@@ -27,6 +27,7 @@ from seerd.coordinator.guard import (
     open_files_needed,
 )
 from seerd.protocol import EngineSettings, HeartbeatBody, LeaseBody, RegisterBody
+from seerd.settings import EngineConfig
 from seerd.signing import Signer, call_key
 from seerd.worker.client import CoordinatorClient
 from seerd.worker.main import Worker
@@ -45,7 +46,7 @@ def api(tmp_path: Path, limits: ConnectionLimits):  # noqa: ANN201
     sock, address = loopback_socket()
     book = make_book(tmp_path, prompt_rows=rows(groups=2, n=2, max_tokens=40), now=FakeClock()())
     app = create_app(book, SECRET, CoordinatorControl(), time.time, address=address, max_body_bytes=4096)
-    app.state.engine_settings = EngineSettings("m", {}, 0)
+    app.state.engine_settings = EngineSettings("m", EngineConfig(), 0)
     app.state.guard = ConnectionGuard(limits)  # as the daemon does: its counters on /metrics
     return app, app.state.guard, sock, address
 

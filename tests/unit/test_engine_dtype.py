@@ -1,10 +1,10 @@
-"""What `--dtype auto` means for an engine (`seerd.worker.engine.engine_dtype`)."""
+"""What `--dtype auto` means for an engine (`seerd.worker.vllm_args.engine_dtype`)."""
 
 from __future__ import annotations
 
 import json
 
-from seerd.worker.engine import checkpoint_dtype, engine_dtype
+from seerd.worker.vllm_args import checkpoint_dtype, engine_dtype
 
 
 def test_auto_runs_a_float32_checkpoint_in_float32_on_cpu_and_leaves_the_rest_to_vllm(tmp_path):

@@ -10,9 +10,9 @@ engine), of the forms engines are started by here:
 - `seerd.submit(...)`, `seerd.submit_serve(...)` pass `dtype=` (outside `pytest.raises`, where
   nothing starts);
 - `LLM(...)`, `EngineArgs(...)`, `AsyncEngineArgs(...)` pass `dtype=` or unpack seerd's
-  `engine_args(...)`; `engine_args`, `start_engine`, `SteppedEngine.start`, `AsyncEngine.start`
-  get settings with a "dtype" key where the settings are a literal (or a name bound to one);
-- a script kept in a string that builds `LLM(` or `EngineArgs(` passes `dtype=`.
+  `engine_args(...)`; seerd's engine settings, `EngineConfig(...)`, pass `dtype=` (but for
+  `api="sim"`, no vLLM);
+- a script kept in a string that builds `LLM(`, `EngineArgs(` or `EngineConfig(` passes `dtype=`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ REPO = Path(__file__).resolve().parents[2]
 ROOTS = ("tests/integration", "tests/fixtures", "tools", "examples")
 SUBCOMMANDS = {"run", "serve", "slurm-run", "submit"}
 VLLM_CONSTRUCTORS = {"LLM", "EngineArgs", "AsyncEngineArgs"}
-SETTINGS_TAKERS = {"engine_args", "start_engine"}
 
 
 def call_name(call: ast.Call) -> str:
@@ -73,20 +72,12 @@ class Module:
                 return True
         return False
 
-    def settings_have_dtype(self, node: ast.AST) -> bool | None:
-        """True/False for a settings dict literal (or a name bound to one); None when not resolvable."""
-        if isinstance(node, ast.Name) and node.id in self.bound:
-            verdicts = [self.settings_have_dtype(v) for v in self.bound[node.id]]
-            return None if None in verdicts else all(verdicts)
-        if isinstance(node, ast.Dict):
-            return any(isinstance(k, ast.Constant) and k.value == "dtype" for k in node.keys) or None in node.keys
-        return None
-
     def problems(self) -> list[str]:
         found = []
         for node in ast.walk(self.tree):
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and \
-                    ("LLM(" in node.value or "EngineArgs(" in node.value) and "dtype=" not in node.value:
+                    any(f"{name}(" in node.value for name in ("LLM", "EngineArgs", "EngineConfig")) and \
+                    "dtype=" not in node.value:
                 found.append(f"{self.where(node)}: a script in a string starts vLLM without dtype=")
             if isinstance(node, ast.List | ast.Tuple | ast.Call):
                 found += self.command_line_problem(node)
@@ -119,11 +110,9 @@ class Module:
             unpacked = [k.value for k in call.keywords if k.arg is None]
             if not any(self.from_engine_args(v) for v in unpacked):
                 return [f"{self.where(call)}: {name}(...) without dtype="]
-        if name in SETTINGS_TAKERS or name in {"SteppedEngine.start", "AsyncEngine.start"}:
-            settings = call.args[1] if len(call.args) > 1 else next(
-                (k.value for k in call.keywords if k.arg == "engine"), None)
-            if settings is not None and self.settings_have_dtype(settings) is False:
-                return [f"{self.where(call)}: {name}(...) with engine settings that have no dtype"]
+        if name.rsplit(".", 1)[-1] == "EngineConfig" and "dtype" not in keywords and not any(
+                k.arg == "api" and isinstance(k.value, ast.Constant) and k.value.value == "sim" for k in call.keywords):
+            return [f"{self.where(call)}: EngineConfig(...) without dtype="]
         return []
 
     def from_engine_args(self, node: ast.AST) -> bool:
@@ -150,7 +139,7 @@ def test_the_check_finds_an_implicit_dtype(tmp_path):
                    'run_seerd("run", "--input", "p", "--model", "m", *COMMON)\n'
                    'seerd.submit(p, m, r, n=2)\n'
                    'LLM(model=m, enforce_eager=True)\n'
-                   'start_engine(m, {"kv_cache_gib": 0.25}, 0)\n'
+                   'start_engine(m, EngineConfig(kv_cache_gib=0.25), 0)\n'
                    'SCRIPT = "llm = LLM(model=m)"\n')
     good = tmp_path / "good.py"
     good.write_text('COMMON = ["--workers", "2", "--dtype", "float32"]\n'
@@ -158,7 +147,7 @@ def test_the_check_finds_an_implicit_dtype(tmp_path):
                     'run_seerd("run", "--input", "p", "--model", "m", "--engine-api", "sim")\n'
                     'seerd.submit(p, m, r, n=2, dtype="float32")\n'
                     'LLM(model=m, dtype="float32")\n'
-                    'config = engine_args(m, {"dtype": "float32"}, 0)\n'
+                    'config = engine_args(m, EngineConfig(dtype="float32"), 0)\n'
                     'EngineArgs(**config)\n'
                     'SCRIPT = "llm = LLM(model=m, dtype=dtype)"\n')
     global REPO

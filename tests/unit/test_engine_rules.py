@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
+import msgspec
 import pytest
 from sqlalchemy import select
 
@@ -20,7 +20,7 @@ from seerd.launch import engine_rules
 from seerd.launch.engine_rules import SamplingCheck, context_length
 from seerd.launch.prepare import prepare_run
 from seerd.rundir import RunDir
-from seerd.worker.engine import engine_args
+from seerd.worker.vllm_args import engine_args
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -60,7 +60,7 @@ def test_the_check_is_the_workers_call_once_per_distinct_setting(tmp_path, tiny_
     real = engine_rules.sampling_params
 
     def spy(max_tokens, sampling):  # noqa: ANN001, ANN202
-        calls.append((max_tokens, dict(sampling)))
+        calls.append((max_tokens, msgspec.structs.asdict(sampling)))
         return real(max_tokens, sampling)
 
     monkeypatch.setattr(engine_rules, "sampling_params", spy)
@@ -72,7 +72,7 @@ def test_the_check_is_the_workers_call_once_per_distinct_setting(tmp_path, tiny_
     assert budgets == [8, 8, 3]
     assert [sampling["top_p"] for _, sampling in calls] == [1.0, 0.5, 1.0]
     for _, sampling in calls:
-        assert set(sampling) == {"temperature", "top_p", "top_k", "stop_token_ids", "seed"}
+        assert set(sampling) == {"temperature", "top_p", "top_k", "stop_token_ids", "seed", "ignore_eos"}
         assert 0 <= sampling["seed"] < 2**31
 
 
@@ -85,7 +85,7 @@ def test_the_run_stores_the_context_length_the_prompts_were_checked_against(tmp_
     prompts = write_rows(tmp_path / "p.jsonl", [{}])
     prepared = prepare_run(RunDir(tmp_path / "run"), config_for(model_dir, prompts, max_tokens=16), prompts)
     assert prepared.config.engine.max_model_len == 64
-    assert engine_args(str(model_dir), asdict(prepared.config.engine), 0)["max_model_len"] == 64
+    assert engine_args(str(model_dir), prepared.config.engine, 0)["max_model_len"] == 64
 
 
 def test_an_engine_arg_length_is_left_for_the_worker_to_apply(tmp_path, tiny_model_dir):
@@ -93,7 +93,7 @@ def test_an_engine_arg_length_is_left_for_the_worker_to_apply(tmp_path, tiny_mod
     config = config_for(tiny_model_dir, prompts, max_tokens=16, engine_args={"max_model_len": 32})
     prepared = prepare_run(RunDir(tmp_path / "run"), config, prompts)
     assert prepared.config.engine.max_model_len is None
-    assert engine_args(str(tiny_model_dir), asdict(prepared.config.engine), 0)["max_model_len"] == 32
+    assert engine_args(str(tiny_model_dir), prepared.config.engine, 0)["max_model_len"] == 32
 
 
 @pytest.mark.parametrize("max_model_len,engine_arg,expected", [

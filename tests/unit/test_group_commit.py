@@ -18,6 +18,7 @@ from seerd.coordinator.records import ReportCall
 from seerd.coordinator.records import BookBroken
 from seerd.db.base import CommitTimes
 from seerd.protocol import ChunkReport, EngineSettings, LeaseBody, RegisterBody, ReportBody
+from seerd.settings import EngineConfig
 from seerd.worker.client import CoordinatorClient
 from tests.unit.helpers import VOCAB_SIZE, FakeClock, loopback_socket, make_book, rows, served
 
@@ -32,7 +33,7 @@ def _served_book(tmp_path):  # noqa: ANN001, ANN202
     control = CoordinatorControl()
     sock, address = loopback_socket()
     app = create_app(book, SECRET, control, clock, address=address)
-    app.state.engine_settings = EngineSettings("m", {}, 0)
+    app.state.engine_settings = EngineSettings("m", EngineConfig(), 0)
     return book, control, app, sock
 
 

@@ -216,11 +216,11 @@ def test_release_puts_the_chunk_back(tmp_path):
 def test_chunk_seeds_differ_per_request_and_chunk_but_repeat_per_run(tmp_path):
     book = make_book(tmp_path, prompt_rows=rows(groups=2, n=2))
     w = register(book)
-    seeds = [g.sampling["seed"] for g in book.lease(w, wanted=8, now=1000.0)]
+    seeds = [g.sampling.seed for g in book.lease(w, wanted=8, now=1000.0)]
     assert len(set(seeds)) == 4
     other = make_book(tmp_path, prompt_rows=rows(groups=2, n=2), db_name="other.db")
     w2 = register(other)
-    assert [g.sampling["seed"] for g in other.lease(w2, wanted=8, now=1000.0)] == seeds
+    assert [g.sampling.seed for g in other.lease(w2, wanted=8, now=1000.0)] == seeds
 
 
 def test_queued_longest_names_requests_that_ran_oldest_first(tmp_path):

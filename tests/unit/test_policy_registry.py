@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from seerd.cli.options import rollout_options
-from seerd.config import ROLLOUT_DEFAULTS, ConfigError, KVPoolConfig, RunConfig
+from seerd.config import ROLLOUT_DEFAULTS, ConfigError, RunConfig, resolve_pool_mode
 from seerd.scheduler import make_policy, make_sim_policy
 from seerd.scheduler.registry import DAEMON_POLICIES, SIM_ONLY_POLICIES, policy_traits
 
@@ -39,16 +39,16 @@ def test_group_is_the_one_daemon_policy_that_binds_and_preempts():
 
 
 def test_kv_pool_auto_follows_whether_requests_move():
-    assert KVPoolConfig.resolve_mode("auto", workers=4, policy="seer", nodes=2) == "mooncake"
-    assert KVPoolConfig.resolve_mode("auto", workers=2, policy="seer") == "off"  # one node: `seerd run`
-    assert KVPoolConfig.resolve_mode("auto", workers=4, policy="group", nodes=2) == "off"
-    assert KVPoolConfig.resolve_mode("auto", workers=1, policy="seer", nodes=2) == "off"
-    assert KVPoolConfig.resolve_mode("auto", workers=4, policy="fastest", nodes=2) == "off"
+    assert resolve_pool_mode("auto", workers=4, policy="seer", nodes=2) == "mooncake"
+    assert resolve_pool_mode("auto", workers=2, policy="seer") == "off"  # one node: `seerd run`
+    assert resolve_pool_mode("auto", workers=4, policy="group", nodes=2) == "off"
+    assert resolve_pool_mode("auto", workers=1, policy="seer", nodes=2) == "off"
+    assert resolve_pool_mode("auto", workers=4, policy="fastest", nodes=2) == "off"
     # GPU workers: the pool on one node too (recomputing a moved chunk's context costs GPU time).
-    assert KVPoolConfig.resolve_mode("auto", workers=4, policy="seer", nodes=2, gpus_per_worker=1) == "mooncake"
-    assert KVPoolConfig.resolve_mode("auto", workers=8, policy="divided", gpus_per_worker=1) == "mooncake"
-    assert KVPoolConfig.resolve_mode("auto", workers=1, policy="seer", gpus_per_worker=8) == "off"
-    assert KVPoolConfig.resolve_mode("auto", workers=8, policy="group", gpus_per_worker=1) == "off"
+    assert resolve_pool_mode("auto", workers=4, policy="seer", nodes=2, gpus_per_worker=1) == "mooncake"
+    assert resolve_pool_mode("auto", workers=8, policy="divided", gpus_per_worker=1) == "mooncake"
+    assert resolve_pool_mode("auto", workers=1, policy="seer", gpus_per_worker=8) == "off"
+    assert resolve_pool_mode("auto", workers=8, policy="group", gpus_per_worker=1) == "off"
     with pytest.raises(ConfigError, match="--policy must be one of seer, divided, group"):
         RunConfig(input_path="p", model_path="m", policy="fastest").validate()
 

@@ -18,8 +18,9 @@ from seerd.protocol import (
     GroupsReply, HeartbeatReply, LeaseBody, LeaseReply, RegisterBody, RegisterReply, ReleaseBody, ReleaseReply, ReportBody,
     ReportReply, ReportResult, StatusReply, StatusSnapshot, decode_reply, parse_engine_id,
 )
+from seerd.settings import EngineConfig, PoolSettings, Sampling, SpecConfig
 
-GRANT = ChunkGrant(11, 2, 5, [1, 2, 3, 9], 16, {"temperature": 1.0, "seed": 7}, 1030.5, 4,
+GRANT = ChunkGrant(11, 2, 5, [1, 2, 3, 9], 16, Sampling(temperature=1.0, seed=7), 1030.5, 4,
                    group_id=3, prompt_len=3, is_probe=True)
 REPORT = ChunkReport(11, 2, [9, 8], [-0.5, -1.25], "length", cached_tokens=3)
 
@@ -27,14 +28,14 @@ REPORT = ChunkReport(11, 2, [9, 8], [-0.5, -1.25], "length", cached_tokens=3)
 MESSAGES = [
     RegisterBody("w0-host-1", 0, "host:1", 4, 1000, 16, "/ckpt/step-3@0123456789abcdef", 0.04),
     RegisterReply("w0-host-1", 30.0, 2.0),
-    EngineSettings("model/", {"max_num_seqs": 4}, 0, {"mode": "grouped"}, {"mode": "mooncake"},
+    EngineSettings("model/", EngineConfig(max_num_seqs=4), 0, SpecConfig(mode="grouped"), PoolSettings(mode="mooncake"),
                    "model/@0123456789abcdef", True, 3),
     BatchBody("/data/prompts.jsonl", "k1", "/ckpt/step-3", 8, 256, 1.0, 0.9, 50, 7),
     BatchState(3, "running", "/ckpt/step-3@0123456789abcdef", 4, 1, 32, 9, "why", "/run/batches/3/rollouts.jsonl"),
     GroupsReply([{"group_index": 0, "prompt_id": "p0", "rows": [{"token_ids": [1, 2]}]}], 41, "running", 4),
     LeaseBody("w0", 3, 1.0),
     GRANT,
-    LeaseReply([GRANT, ChunkGrant(12, 1, 6, [1], 8, {}, 1031.0)], done=False, retry_after_s=0.05),
+    LeaseReply([GRANT, ChunkGrant(12, 1, 6, [1], 8, Sampling(), 1031.0)], done=False, retry_after_s=0.05),
     REPORT,
     ReportBody("w0", [REPORT, ChunkReport(12, 1, [], [], "stop")]),
     ReportResult(11, True, False, ""),
@@ -87,7 +88,7 @@ def test_grant_and_report_keep_their_wire_names():
     bare = msgspec.json.decode(b'{"chunk_id":1,"epoch":1,"token_ids":[],"logprobs":[],"finish_reason":"stop"}',
                                type=ChunkReport)
     assert bare.cached_tokens is None and not bare.running_on
-    assert ChunkGrant(1, 1, 2, [5], 8, {}, 0.0).target_remaining is None
+    assert ChunkGrant(1, 1, 2, [5], 8, Sampling(), 0.0).target_remaining is None
 
 
 def test_draft_ids_are_json_object_keys_on_the_wire():
@@ -151,11 +152,11 @@ def test_engine_ids_round_trip():
     assert parse_engine_id("c12e3b4g7r99p31").lease_key == "c12e3"
 
 
-def test_the_protocol_imports_nothing_else_of_seerd_and_nothing_heavy():
+def test_the_protocol_imports_nothing_else_of_seerd_but_its_settings_and_nothing_heavy():
     code = ("import sys, seerd.protocol; print(sorted(m for m in sys.modules "
             "if m.split('.')[0] in ('seerd', 'fastapi', 'starlette', 'httpx', 'sqlalchemy', 'numpy', 'torch', 'vllm')))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert loaded.strip() == "['seerd', 'seerd.protocol']"
+    assert loaded.strip() == "['seerd', 'seerd.protocol', 'seerd.settings']"
 
 
 def test_the_heartbeat_interval_grows_with_the_workers_past_the_budget_and_stays_within_a_quarter_ttl():

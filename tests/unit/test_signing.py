@@ -14,6 +14,7 @@ from starlette.testclient import TestClient
 from seerd.coordinator.api import CoordinatorControl, create_app
 from seerd.coordinator.auth import SeenNonces
 from seerd.protocol import EngineSettings
+from seerd.settings import EngineConfig
 from seerd.signing import (
     REPLY_HEADER, STALE_TIMESTAMP, Mac, Signer, block_key, call_key, parse_authorization, reply_mac,
 )
@@ -81,7 +82,7 @@ def api(tmp_path):
     book = make_book(tmp_path, prompt_rows=rows(groups=1, n=1, max_tokens=20), now=clock())
     control = CoordinatorControl()
     app = create_app(book, SECRET, control, clock, metrics_token=METRICS_TOKEN)
-    app.state.engine_settings = EngineSettings("m", {}, 0)
+    app.state.engine_settings = EngineSettings("m", EngineConfig(), 0)
     with TestClient(app) as client:
         client.control = control
         yield client

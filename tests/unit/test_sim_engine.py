@@ -10,6 +10,7 @@ import asyncio
 import pytest
 
 from seerd.protocol import ChunkIdentity
+from seerd.settings import Sampling
 from seerd.sim.presets import get_preset
 from seerd.worker.sim_engine import SimEngine
 
@@ -28,7 +29,7 @@ def make_engine(kv_tokens: int = 100_000, max_num_seqs: int = 32) -> SimEngine:
 def test_each_request_ends_at_its_limit_with_tokens_and_logprobs_below_the_vocabulary():
     async def scenario():
         engine = make_engine()
-        results = await asyncio.gather(*(engine.run(engine_id(c, c), list(range(8)), length, {"seed": c})
+        results = await asyncio.gather(*(engine.run(engine_id(c, c), list(range(8)), length, Sampling(seed=c))
                                          for c, length in [(1, 5), (2, 40), (3, 300)]))
         engine.shutdown()
         return engine, results
@@ -44,7 +45,7 @@ def test_each_request_ends_at_its_limit_with_tokens_and_logprobs_below_the_vocab
 def test_a_streamed_request_wakes_its_worker_at_each_chunk_boundary_and_runs_on():
     async def scenario():
         engine = make_engine()
-        stream = engine.open(engine_id(1, 1), list(range(8)), 100, {}, stream=True)
+        stream = engine.open(engine_id(1, 1), list(range(8)), 100, Sampling(), stream=True)
         await stream.until(30)
         first, runs_on = stream.result(0, 30)
         await stream.until(100)
@@ -63,8 +64,8 @@ def test_an_aborted_request_frees_its_kv_and_the_others_complete():
         # so the abort reaches it running, however slow the machine.
         engine = SimEngine(get_preset("cpu-tiny").costs(), index=0, kv_capacity_tokens=10**8, max_num_seqs=4,
                            time_scale=100.0, vocab_size=1000)
-        kept = engine.open(engine_id(1, 1), list(range(8)), 50, {}, stream=True)
-        dropped = engine.open(engine_id(2, 2), list(range(8)), 10**7, {})
+        kept = engine.open(engine_id(1, 1), list(range(8)), 50, Sampling(), stream=True)
+        dropped = engine.open(engine_id(2, 2), list(range(8)), 10**7, Sampling())
         await kept.until(1)  # both are running now
         await engine.abort(engine_id(2, 2))
         await asyncio.wait_for(kept.until(50), 60)
@@ -83,7 +84,7 @@ def test_more_context_than_kv_is_admitted_in_turns_and_every_request_completes()
     async def scenario():
         engine = make_engine(kv_tokens=600, max_num_seqs=32)  # room for about three at a time
         results = await asyncio.gather(*(engine.run(engine_id(c, c, group=c, prompt_len=100), list(range(100)),
-                                                    100, {}) for c in range(1, 9)))
+                                                    100, Sampling()) for c in range(1, 9)))
         engine.shutdown()
         return engine, results
 

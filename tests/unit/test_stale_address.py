@@ -18,6 +18,7 @@ from seerd.coordinator.daemon import Coordinator
 from seerd.db import Chunk, ChunkStatus, Request, RequestStatus, RolloutStatus
 from seerd.io.codec import unpack_ints
 from seerd.ownership import take_ownership
+from seerd.settings import EngineConfig
 from seerd.status.locate import ask_coordinator
 from seerd.worker.client import CoordinatorClient, CoordinatorGone
 from seerd.worker.main import Worker
@@ -28,7 +29,7 @@ from tests.unit.test_export_live import GROUPS, N, build_run
 FAKE_STATUS = msgspec.json.encode(protocol.StatusReply(
     rollout_id=1, policy="seer", requests_total=1, requests_done=0, groups_total=1, groups_done=0, leases=0,
     output_tokens=0, workers_alive=0, complete=False, accepting=True, coordinator_busy_s=0.0, api_calls=0))
-FAKE_CONFIG = msgspec.json.encode(protocol.EngineSettings("/models/evil", {}, 0))
+FAKE_CONFIG = msgspec.json.encode(protocol.EngineSettings("/models/evil", EngineConfig(), 0))
 
 
 class Impostor:

@@ -15,6 +15,7 @@ from seerd.io.prompts import PromptRow
 from seerd.protocol import ChunkGrant, ChunkReport
 from seerd.scheduler import Plan, QueuedRequest, Snapshot, WorkerLoad, make_policy
 from seerd.scheduler.state import GroupRecord, LeaseRecord, RequestRecord, WorkerRecord
+from seerd.settings import Sampling
 from seerd.worker.main import generation_budget, reported_finish_reason
 from tests.unit.helpers import make_book
 
@@ -167,7 +168,7 @@ def test_the_scheduler_sees_the_same_rollout_with_and_without_targets(tmp_path, 
 
 def test_worker_cuts_the_budget_at_the_target_and_names_the_reason():
     def grant(max_tokens: int, target_remaining: int | None = None) -> ChunkGrant:
-        return ChunkGrant(1, 1, 1, [1, 2], max_tokens, {}, 0.0, target_remaining)
+        return ChunkGrant(1, 1, 1, [1, 2], max_tokens, Sampling(), 0.0, target_remaining)
 
     plain = grant(16)
     assert generation_budget(plain) == 16 and reported_finish_reason(plain, "length", 16) == "length"
