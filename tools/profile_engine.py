@@ -44,7 +44,8 @@ def main() -> None:
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from seerd.worker.engine import engine_args, engine_env_defaults, sampling_params
+    from seerd.settings import EngineConfig, Sampling
+    from seerd.worker.vllm_args import engine_args, engine_env_defaults, sampling_params
 
     engine_env_defaults()
     model = args.model
@@ -58,9 +59,8 @@ def main() -> None:
 
     batches = [int(x) for x in args.batches.split(",")]
     prompts = [int(x) for x in args.prompts.split(",")]
-    engine = engine_args(str(model), {"kv_cache_gib": 0.25, "max_num_seqs": max(batches), "max_model_len": 1024,
-                                      "dtype": args.dtype},
-                         seed=0)
+    engine = engine_args(str(model), EngineConfig(kv_cache_gib=0.25, max_num_seqs=max(batches), max_model_len=1024,
+                                                  dtype=args.dtype), seed=0)
     llm = LLMEngine.from_engine_args(EngineArgs(**engine))
     vocab = min(1000, json.loads((Path(model) / "config.json").read_text())["vocab_size"])  # prompt token ids below it
     decode_rows, prefill_rows = [], []
@@ -68,7 +68,7 @@ def main() -> None:
     for prompt_len in prompts:
         for batch in batches:
             for _ in range(2):  # a warm-up pass, then the measured one
-                params = sampling_params(args.decode, {"temperature": 1.0, "ignore_eos": True, "seed": counter})
+                params = sampling_params(args.decode, Sampling(temperature=1.0, ignore_eos=True, seed=counter))
                 for _ in range(batch):
                     counter += 1
                     # distinct prompts: the prefix cache must not serve them

@@ -83,7 +83,8 @@ def main() -> int:
     args = parser.parse_args()
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from seerd.worker.engine import engine_args, engine_env_defaults, sampling_params
+    from seerd.settings import EngineConfig, Sampling
+    from seerd.worker.vllm_args import engine_args, engine_env_defaults, sampling_params
 
     engine_env_defaults()
     from vllm.engine.arg_utils import EngineArgs
@@ -92,7 +93,7 @@ def main() -> int:
 
     batches = [int(b) for b in args.batches.split(",")]
     extra = {k: json.loads(v) for k, _, v in (pair.partition("=") for pair in args.engine_arg)}
-    settings = {"max_num_seqs": max(batches), "dtype": args.dtype, "kv_cache_gib": 2.0, "extra_args": extra}
+    settings = EngineConfig(max_num_seqs=max(batches), dtype=args.dtype, kv_cache_gib=2.0, extra_args=extra)
     config = engine_args(args.model, settings, seed=0)
     config["speculative_config"] = {"method": "custom_class", "model": "__main__.ForcedDepthDrafter",
                                     "num_speculative_tokens": args.gamma_max}
@@ -108,7 +109,7 @@ def main() -> int:
             # A rollout chunk's own parameters: seeded, the sampled token's logprob returned (both
             # cost per step: per-request generators, logprobs of every verified position).
             llm.add_request(rid, TokensPrompt(prompt_token_ids=prompt),
-                            sampling_params(100_000, {"temperature": 1.0, "ignore_eos": True, "seed": i}))
+                            sampling_params(100_000, Sampling(temperature=1.0, ignore_eos=True, seed=i)))
         for _ in range(3):  # prefill, then decode steps
             llm.step()
         row = []

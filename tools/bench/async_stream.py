@@ -10,7 +10,9 @@ import asyncio
 import statistics
 import time
 
-from seerd.worker.engine import AsyncEngine, sampling_params
+from seerd.settings import EngineConfig, Sampling
+from seerd.worker.async_engine import AsyncEngine
+from seerd.worker.vllm_args import sampling_params
 
 async def run_final(engine, rid, prompt, n, sampling):
     from vllm.inputs import TokensPrompt
@@ -20,9 +22,10 @@ async def run_final(engine, rid, prompt, n, sampling):
     return final.outputs[0]  # a CompletionOutput: token_ids, as the streamed ChunkResult has
 
 async def main(model, repeats):
-    engine = AsyncEngine.start(model, {"kv_cache_gib": 0.5, "max_num_seqs": 64, "max_model_len": 512, "dtype": "float32"}, seed=0)
+    engine = AsyncEngine.start(model, EngineConfig(kv_cache_gib=0.5, max_num_seqs=64, max_model_len=512, dtype="float32"),
+                               seed=0)
     prompts = [[4 + (i * 7 + j) % 900 for j in range(20)] for i in range(64)]
-    greedy = {"temperature": 0.0, "ignore_eos": True}
+    greedy = Sampling(temperature=0.0, ignore_eos=True)
     times = {"final": [], "delta": []}
     k = 0
     for rep in range(repeats):

@@ -39,10 +39,14 @@ def build(model: str, settings: dict):  # -> LLMEngine
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    from seerd.worker.engine import engine_args, engine_env_defaults
+    import msgspec
+
+    from seerd.settings import EngineConfig
+    from seerd.worker.vllm_args import engine_args, engine_env_defaults
 
     engine_env_defaults()
-    return LLMEngine.from_engine_args(EngineArgs(**engine_args(model, settings["engine"], settings["seed"])))
+    engine = msgspec.convert(settings["engine"], EngineConfig)
+    return LLMEngine.from_engine_args(EngineArgs(**engine_args(model, engine, settings["seed"])))
 
 
 def warm_up(llm) -> None:  # noqa: ANN001
@@ -50,9 +54,10 @@ def warm_up(llm) -> None:  # noqa: ANN001
     engine's first step pays lazy initialisation (seconds here) that a long-lived engine has paid."""
     from vllm.inputs import TokensPrompt
 
-    from seerd.worker.engine import sampling_params
+    from seerd.settings import Sampling
+    from seerd.worker.vllm_args import sampling_params
 
-    llm.add_request("warm-up", TokensPrompt(prompt_token_ids=[1, 2, 3, 4]), sampling_params(2, {"temperature": 0.0}))
+    llm.add_request("warm-up", TokensPrompt(prompt_token_ids=[1, 2, 3, 4]), sampling_params(2, Sampling(temperature=0.0)))
     while llm.has_unfinished_requests():
         llm.step()
 
@@ -66,8 +71,9 @@ def generate(llm, shard: Path, out: Path, go: Path) -> None:  # noqa: ANN001
     from vllm.inputs import TokensPrompt
 
     from seerd.cpu import ThreadClock
+    from seerd.settings import SAMPLING_KEYS, Sampling
     from seerd.worker.counters import EngineCounters
-    from seerd.worker.engine import sampling_params
+    from seerd.worker.vllm_args import sampling_params
 
     requests = [json.loads(line) for line in shard.read_text().splitlines() if line.strip()]
     counters = EngineCounters.attach(llm)
@@ -77,7 +83,8 @@ def generate(llm, shard: Path, out: Path, go: Path) -> None:  # noqa: ANN001
     for i, request in enumerate(requests):
         sampling = request["sampling"]
         llm.add_request(str(i), TokensPrompt(prompt_token_ids=request["prompt_token_ids"]),
-                        sampling_params(sampling["max_tokens"], sampling))
+                        sampling_params(sampling["max_tokens"],
+                                        Sampling(**{k: v for k, v in sampling.items() if k in SAMPLING_KEYS})))
     finished: list[float | None] = [None] * len(requests)
     lengths = [0] * len(requests)
     thread_clock = ThreadClock()
@@ -114,9 +121,10 @@ def decode_alone_then_together(llm, settings: dict, rank: int, out: Path, go: Pa
 def decode(llm, batch: int, tag: str) -> dict:  # noqa: ANN001
     from vllm.inputs import TokensPrompt
 
-    from seerd.worker.engine import sampling_params
+    from seerd.settings import Sampling
+    from seerd.worker.vllm_args import sampling_params
 
-    params = sampling_params(PROFILE_TOKENS, {"temperature": 1.0, "ignore_eos": True})
+    params = sampling_params(PROFILE_TOKENS, Sampling(temperature=1.0, ignore_eos=True))
     for i in range(batch):  # distinct prompts: no prefix cache hits between them
         prompt = [(i * 7919 + j * 31) % 400 + 5 for j in range(PROFILE_PROMPT)]
         llm.add_request(f"{tag}{i}", TokensPrompt(prompt_token_ids=prompt), params)

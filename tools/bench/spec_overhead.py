@@ -37,14 +37,15 @@ NO_DRAFTS = "tools.profile_spec_steps.ForcedDepthDrafter"
 def measure(model: str, spec: bool, batches: list[int], steps: int, warmup: int, dtype: str) -> dict[int, float]:
     """Median step seconds per batch size, in this process (one engine)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from seerd.worker.engine import engine_args, engine_env_defaults, sampling_params
+    from seerd.settings import EngineConfig, Sampling
+    from seerd.worker.vllm_args import engine_args, engine_env_defaults, sampling_params
 
     engine_env_defaults()
     from vllm.engine.arg_utils import EngineArgs
     from vllm.inputs import TokensPrompt
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    config = engine_args(model, {"max_num_seqs": max(batches), "dtype": dtype, "kv_cache_gib": 1.0}, seed=0)
+    config = engine_args(model, EngineConfig(max_num_seqs=max(batches), dtype=dtype, kv_cache_gib=1.0), seed=0)
     if spec:
         config["speculative_config"] = {"method": "custom_class", "model": NO_DRAFTS,
                                         "num_speculative_tokens": 4}
@@ -56,7 +57,7 @@ def measure(model: str, spec: bool, batches: list[int], steps: int, warmup: int,
         for rid in ids:
             prompt = [rng.randrange(4, 400) for _ in range(64)]
             llm.add_request(rid, TokensPrompt(prompt_token_ids=prompt),
-                            sampling_params(100_000, {"temperature": 1.0, "ignore_eos": True}))
+                            sampling_params(100_000, Sampling(temperature=1.0, ignore_eos=True)))
         timings = []
         for step in range(3 + warmup + steps):  # the first steps prefill
             started = time.perf_counter()

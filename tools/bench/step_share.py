@@ -32,7 +32,8 @@ def measure(model: str, mode: str) -> tuple[float, float]:
     """(ms per step, step CPU share) of one engine stepped the way `mode` says."""
     sys.path.insert(0, str(REPO))
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from seerd.worker.engine import engine_args, engine_env_defaults, sampling_params
+    from seerd.settings import EngineConfig, Sampling
+    from seerd.worker.vllm_args import engine_args, engine_env_defaults, sampling_params
 
     engine_env_defaults()
     from vllm.engine.arg_utils import EngineArgs
@@ -40,13 +41,13 @@ def measure(model: str, mode: str) -> tuple[float, float]:
     from vllm.v1.engine.llm_engine import LLMEngine
 
     llm = LLMEngine.from_engine_args(EngineArgs(**engine_args(
-        model, {"max_num_seqs": 64, "dtype": "float32", "kv_cache_gib": 0.5}, seed=0)))
+        model, EngineConfig(max_num_seqs=64, dtype="float32", kv_cache_gib=0.5), seed=0)))
     rng = random.Random(0)
 
     def run() -> tuple[float, float]:
         for i in range(64):
             llm.add_request(f"r{i}", TokensPrompt(prompt_token_ids=[rng.randrange(4, 400) for _ in range(32)]),
-                            sampling_params(100_000, {"temperature": 1.0, "ignore_eos": True}))
+                            sampling_params(100_000, Sampling(temperature=1.0, ignore_eos=True)))
         wall = cpu = 0.0
         for step in range(STEPS):
             started, cpu_started = time.monotonic(), time.thread_time()
