@@ -157,7 +157,7 @@ class ReportBody(msgspec.Struct):
     # sent just before the call, and answered in `ReportReply.heartbeat`. A worker that reports
     # within its heartbeat interval makes no heartbeat call of its own (heartbeats were a third to
     # a half of all calls at 1,000 workers). Lease calls carried them too for a while: a second
-    # state-thread call beside the lease that bought nothing measurable (docs/benchmarks.md).
+    # state-thread call beside the lease that bought nothing measurable (docs/journal/2026-11-29.md).
     heartbeat: HeartbeatBody | None = None
 
 

@@ -1,6 +1,6 @@
 """What the coordinator's memory will come to, checked at its start against what the machine has.
 
-The lease book keeps every request of the run in memory (docs/benchmarks.md, "Memory":
+The lease book keeps every request of the run in memory (docs/benchmarks.md, "Coordinator memory":
 tools/bench/coordinator_memory.py measured 1,628-1,792 bytes a request with prompts of 1,024
 tokens in groups of 8, a quarter of it the prompts' tokens, and ~1 KB a worker with its leases),
 and the process itself (its imports, the API, the database's caches) measured ~0.6 GB of RSS in

@@ -4,7 +4,7 @@
 The state thread writes every report and lease through a handful of fixed statements. Through
 SQLAlchemy each `execute` costs ~0.1-0.2 ms of Python (execution context, parameter processing,
 result setup) beside the driver's own work, several times per report: on two cores that CPU is
-taken from the engines (docs/benchmarks.md). The statements stay SQLAlchemy Core expressions,
+taken from the engines (docs/journal/2026-11-27.md). The statements stay SQLAlchemy Core expressions,
 compiled here by SQLAlchemy's SQLite dialect; only their execution skips it. What is skipped is
 SQLAlchemy's bind processing, so values must be what the driver stores as they are (int, float,
 str, bytes, None; a status is passed as its `.value`), as the hot paths' rows are.

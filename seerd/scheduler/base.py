@@ -200,7 +200,7 @@ def _admit(snapshot: Snapshot, ordered: Iterable[QueuedRequest], skip: Callable[
     ordered = iter(ordered)
     # An order that can pass over, in one call, the requests that fit another worker and not this
     # one (`seer.PassingOrder`): with the workers' KV full they were 95% of the requests a plan looked
-    # at, each a step through the policy's generators and `skip` (docs/benchmarks.md). Asked once
+    # at, each a step through the policy's generators and `skip` (docs/journal/2026-11-30.md). Asked once
     # the walk passed one over like that: a plan that takes what it meets first never needs it.
     pass_over = getattr(ordered, "pass_over_unfit", None)
     passing = False

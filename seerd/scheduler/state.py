@@ -140,7 +140,7 @@ def first_chunk_tokens(chunk_tokens: int, rank: int, spread: float = FIRST_CHUNK
     Engines started together otherwise reach their first chunk boundaries together: at 512
     workers every one of them reported its whole first fill within ~2 s, 16,000 reports in group
     commits of 150-190 ms back to back, and every call of those seconds waited behind them
-    (tools/bench/load.py, docs/benchmarks.md). Shortened by rank, the first boundaries spread over half
+    (tools/bench/load.py, docs/journal/2026-11-29.md). Shortened by rank, the first boundaries spread over half
     a chunk's time, and each worker's later ones keep the offset. Rank 0's is never shortened."""
     return max(1, chunk_tokens - int(chunk_tokens * spread * ((rank * _GOLDEN) % 1.0)))
 

@@ -325,7 +325,7 @@ class Simulation:
         queued (`LeaseLine.serve`): the most KV room first, then by when their current poll began.
         The daemon puts first the calls planned for in vain the fewest times and stops after the
         requests queued plus `waiting.EXTRA_PLANS` plans; this model plans for every waiting call
-        (the simulator beside the daemon: docs/benchmarks.md, item 4). A poll times out after
+        (the simulator beside the daemon: docs/benchmarks.md, "The daemon beside the simulator"). A poll times out after
         LONG_POLL_S and the worker asks again (a new wait)."""
         def wake_order(i: int) -> tuple[int, float, int]:
             began, ask = self.waiting_since[i]

@@ -4,7 +4,7 @@
 The state thread's plans at 512 workers and 100,000 requests (`tools/bench/load.py`) walk ~100-150
 queued requests each once the workers' KV fills (~200 s in), 95% of them passed over because
 they do not fit the asking worker's KV but fit another's, and a third to a half of the plans stop
-at `MAX_PASSED_OVER` with nothing (docs/benchmarks.md, seventeenth session). This reproduces that
+at `MAX_PASSED_OVER` with nothing (docs/journal/2026-11-30.md, seventeenth session). This reproduces that
 state without a daemon: a queue of `--queued` requests (groups of 8, a `--requeued` share of
 them re-queued with a home among the workers, the rest fresh) and `--workers` workers of the cpu-tiny engine (32
 sequences, 5,120 KV tokens in blocks of 16), then `--plans` plans of seer, each for a random
