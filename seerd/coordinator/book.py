@@ -28,9 +28,6 @@ import contextlib
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from sqlalchemy import Connection, Engine, select, update
-from sqlalchemy.orm import Session, sessionmaker
-
 from seerd.coordinator.book_reports import BookReports
 from seerd.coordinator.leases import grant_leases, write_leases
 from seerd.coordinator.liveness import WorkerLiveness, chunk_failed
@@ -38,17 +35,10 @@ from seerd.coordinator.records import (
     BookBroken, Failure, GroupInputs, LeaseTerms, RequestProgress, Requeue, RetiredWorker, UnknownWorker,
 )
 from seerd.coordinator.saved import read_saved_rollout
-from seerd.coordinator.statements import (
-    CHUNKS, GROUP_FORECAST, INSERT_EVENT, REQUESTS, ROLLOUTS, WORKER_FIGURES, WORKERS, stats_json,
-)
 from seerd.cpu import CpuSnapshot
-from seerd.db import ChunkStatus, RequestStatus, RolloutStatus, WorkerStatus
-from seerd.db import driver
+from seerd.db import ChunkStatus, Connection, Engine, RolloutStatus, Session, WorkerStatus, queries, sessionmaker
 from seerd.db.base import Writer
 from seerd.db.event import event_row
-from seerd.db.transitions import (
-    ROW_EPOCH, ROW_ID, change_one, change_status, insert_with_status,
-)
 from seerd.protocol import ChunkGrant, EngineProgress
 from seerd.scheduler.state import FIRST_CHUNK_SPREAD, SchedulerState
 from seerd.scheduler.views import Policy
@@ -132,29 +122,26 @@ class LeaseBook(BookReports):
         """Chunks go from LEASED back to QUEUED, their requests from RUNNING, in the caller's transaction."""
         if not chunks:
             return
-        change_status(conn, CHUNKS, ChunkStatus.LEASED, ChunkStatus.QUEUED,
-                      [{ROW_ID: c.chunk_id, ROW_EPOCH: c.epoch} for c in chunks],
-                      values={"lease_holder": None, "lease_deadline": None}, guard_epoch=True)
-        change_status(conn, REQUESTS, RequestStatus.RUNNING, RequestStatus.QUEUED,
-                      [{ROW_ID: c.request_id} for c in chunks])
-        conn.execute(INSERT_EVENT, [event_row(self.rollout_id, now, kind, c.holder, c.request_id, c.chunk_id,
-                                                {"epoch": c.epoch, **({"reason": reason} if reason else {})})
-                                      for c in chunks])
+        queries.chunks.requeue(conn, [(c.chunk_id, c.epoch) for c in chunks])
+        queries.requests.requeue(conn, [c.request_id for c in chunks])
+        queries.events.append(conn, [event_row(self.rollout_id, now, kind, c.holder, c.request_id, c.chunk_id,
+                                               {"epoch": c.epoch, **({"reason": reason} if reason else {})})
+                                     for c in chunks])
 
     # ----------------------------------------------------------------- workers
     def register(self, *, rank: int, address: str, max_chunks: int, kv_capacity_tokens: int,
                  worker_id: str, now: float, kv_block_tokens: int = 1, weights_version: str = "",
                  weights_loaded_s: float = 0.0, dtype: str = "") -> WorkerLiveness:
         with self.writer.begin(durable=False) as conn:
-            if conn.execute(select(WORKERS.c.id).where(WORKERS.c.id == worker_id)).first() is not None:
+            if queries.workers.exists(conn, worker_id):
                 # Same id again (a restarted coordinator, a worker back from a partition): a new
                 # identity, so reports of its old leases can never pass as the new one's.
                 worker_id = f"{worker_id}+{int(now * 1000)}"
-            insert_with_status(conn, WORKERS, WorkerStatus.ALIVE, {
+            queries.workers.insert_alive(conn, {
                 "id": worker_id, "rollout_id": self.rollout_id, "rank": rank, "address": address,
                 "max_chunks": max_chunks, "kv_capacity_tokens": kv_capacity_tokens, "registered_at": now,
                 "last_heartbeat": now})
-            conn.execute(INSERT_EVENT, [event_row(
+            queries.events.append(conn, [event_row(
                 self.rollout_id, now, "worker_registered", worker_id,
                 data={"rank": rank, "address": address, "max_chunks": max_chunks,
                       "kv_capacity_tokens": kv_capacity_tokens, "kv_block_tokens": kv_block_tokens,
@@ -174,9 +161,8 @@ class LeaseBook(BookReports):
         figures = {"last_heartbeat": now, "stats": stats}  # encoded when written: most are overwritten first
         if worker.status == WorkerStatus.STALE:
             with self.writer.begin(durable=False) as conn:
-                change_one(conn, WORKERS, worker_id, WorkerStatus.STALE, WorkerStatus.ALIVE, last_heartbeat=now,
-                           stats_json=stats_json(stats))
-                conn.execute(INSERT_EVENT, [event_row(self.rollout_id, now, "worker_alive", worker_id)])
+                queries.workers.revive(conn, worker_id, now=now, stats=stats)
+                queries.events.append(conn, [event_row(self.rollout_id, now, "worker_alive", worker_id)])
             self.unwritten_heartbeats.pop(worker_id, None)
         else:  # soft state: written with the next `persist_soft_state`, not one commit per heartbeat
             self.unwritten_heartbeats[worker_id] = figures
@@ -202,10 +188,7 @@ class LeaseBook(BookReports):
 
     def _retire_all(self, conn: Connection) -> None:
         """Every worker row of the rollout that is not gone becomes gone (in the caller's transaction)."""
-        rows = conn.execute(select(WORKERS.c.id, WORKERS.c.status).where(
-            WORKERS.c.rollout_id == self.rollout_id, WORKERS.c.status != WorkerStatus.GONE.value)).all()
-        for status in (WorkerStatus.ALIVE, WorkerStatus.STALE):
-            change_status(conn, WORKERS, status, WorkerStatus.GONE, [{ROW_ID: r.id} for r in rows if r.status == status])
+        queries.workers.retire(conn, queries.workers.not_gone(conn, self.rollout_id))
 
     def _worker(self, worker_id: str) -> WorkerLiveness:
         worker = self.workers.get(worker_id)
@@ -224,11 +207,10 @@ class LeaseBook(BookReports):
         reasons = {w.id: reason_of(w) for w in workers}
         ending = self._ending([cid for w in workers for cid in self.state.workers[w.id].chunks])
         with self.writer.begin(durable=False) as conn:
-            for status in (WorkerStatus.ALIVE, WorkerStatus.STALE):
-                change_status(conn, WORKERS, status, WorkerStatus.GONE,
-                              [{ROW_ID: w.id} for w in workers if w.status == status])
-            conn.execute(INSERT_EVENT, [event_row(self.rollout_id, now, "worker_retired", w.id,
-                                                    data={"reason": reasons[w.id]}) for w in workers])
+            queries.workers.retire(conn, {status: [w.id for w in workers if w.status == status]
+                                          for status in (WorkerStatus.ALIVE, WorkerStatus.STALE)})
+            queries.events.append(conn, [event_row(self.rollout_id, now, "worker_retired", w.id,
+                                                   data={"reason": reasons[w.id]}) for w in workers])
             self._write_requeue(conn, ending, now, kind="lease_revoked", reason="worker retired")
         self._forget_leases(ending)
         self._revoked_unannounced += len(ending)  # told to the daemon by the next `expire`
@@ -352,15 +334,13 @@ class LeaseBook(BookReports):
         failure = Failure(Requeue(chunk_id, lease.request_id, lease.worker_id, terms.epoch), attempts,
                            attempts >= MAX_FAILED_ATTEMPTS)
         if failure.fatal:
-            change_one(conn, CHUNKS, chunk_id, ChunkStatus.LEASED, ChunkStatus.FAILED, finished_at=now,
-                       finish_reason="error", lease_deadline=None)
-            change_one(conn, REQUESTS, lease.request_id, RequestStatus.RUNNING, RequestStatus.FAILED,
-                       failed_attempts=attempts, error=reason, finish_reason="error", finished_at=now)
-            conn.execute(INSERT_EVENT, [event_row(self.rollout_id, now, "request_failed", lease.worker_id,
-                                                    lease.request_id, chunk_id, {"reason": reason, "attempts": attempts})])
+            queries.chunks.fail(conn, chunk_id, now)
+            queries.requests.fail(conn, lease.request_id, attempts=attempts, error=reason, now=now)
+            queries.events.append(conn, [event_row(self.rollout_id, now, "request_failed", lease.worker_id,
+                                                   lease.request_id, chunk_id, {"reason": reason, "attempts": attempts})])
         else:
             self._write_requeue(conn, [failure.lease], now, kind=kind, reason=reason)
-            conn.execute(update(REQUESTS).where(REQUESTS.c.id == lease.request_id).values(failed_attempts=attempts))
+            queries.requests.set_failed_attempts(conn, lease.request_id, attempts)
         return failure
 
     def _apply_failure(self, failure: Failure) -> None:
@@ -399,8 +379,8 @@ class LeaseBook(BookReports):
         silent = [w for w in self.live_workers() if now - w.last_heartbeat > self.lease_ttl_s]
         if silent:
             with self.writer.begin(durable=False) as conn:
-                change_status(conn, WORKERS, WorkerStatus.ALIVE, WorkerStatus.STALE, [{ROW_ID: w.id} for w in silent])
-                conn.execute(INSERT_EVENT, [event_row(self.rollout_id, now, "worker_stale", w.id) for w in silent])
+                queries.workers.mark_stale(conn, [w.id for w in silent])
+                queries.events.append(conn, [event_row(self.rollout_id, now, "worker_stale", w.id) for w in silent])
             for worker in silent:
                 worker.status = WorkerStatus.STALE
                 self.state.set_live(worker.id, False)
@@ -454,16 +434,13 @@ class LeaseBook(BookReports):
         heartbeats, self.unwritten_heartbeats = self.unwritten_heartbeats, {}
         if changed or heartbeats:
             with self.writer.begin(durable=False) as conn:
-                driver.executemany(conn, GROUP_FORECAST, [{"gid": gid, "forecast": forecast}
-                                                          for gid, forecast in changed.items()])
-                driver.executemany(conn, WORKER_FIGURES, [{"wid": wid, "beat": f["last_heartbeat"],
-                                                           "stats": stats_json(f["stats"])} for wid, f in heartbeats.items()])
+                queries.groups.set_forecasts(conn, changed)
+                queries.workers.set_figures(conn, heartbeats)
         return len(changed) + len(heartbeats)
 
     def set_rollout_status(self, status: RolloutStatus, now: float, reason: str | None = None) -> None:
         with self.writer.begin(durable=True) as conn:
-            current, started_at = conn.execute(select(ROLLOUTS.c.status, ROLLOUTS.c.started_at)
-                                               .where(ROLLOUTS.c.id == self.rollout_id)).one()
+            current, started_at = queries.rollouts.status_and_start(conn, self.rollout_id)
             if current == status:
                 return
             values: dict = {"status_reason": reason}
@@ -471,6 +448,6 @@ class LeaseBook(BookReports):
                 values["started_at"] = now
             if status == RolloutStatus.FINISHED:
                 values["finished_at"] = now
-            change_one(conn, ROLLOUTS, self.rollout_id, current, status, **values)
-            conn.execute(INSERT_EVENT, [event_row(self.rollout_id, now, f"rollout_{status.value}",
-                                                    data={"reason": reason})])
+            queries.rollouts.change(conn, self.rollout_id, current, status, **values)
+            queries.events.append(conn, [event_row(self.rollout_id, now, f"rollout_{status.value}",
+                                                   data={"reason": reason})])

@@ -7,18 +7,13 @@ from collections.abc import Sequence
 
 import msgspec
 
-from sqlalchemy import insert, select, update
-from sqlalchemy.orm import Session
-
 from seerd.config import RunConfig
 from seerd.coordinator.model_identity import fingerprint_json
 from seerd.coordinator.prior import PriorLengths, seed_from_prior
-from seerd.db import Group, Request, RequestStatus, RequestTarget, Rollout, RolloutStatus, add_event
-from seerd.db.transitions import insert_many_with_status, insert_with_status
-from seerd.io.codec import pack_ints
+from seerd.db import Session, add_event, queries
+from seerd.db.codec import pack_ints
 from seerd.io.prompts import PromptRow
 from seerd.settings import SAMPLING_KEYS, Sampling
-
 
 
 def prompt_hash(token_ids: Sequence[int]) -> str:
@@ -43,14 +38,14 @@ def create_rollout(session: Session, config: RunConfig, rows: Sequence[PromptRow
     model directory with.
     """
     conn = session.connection()
-    rollout_id = insert_with_status(conn, Rollout.__table__, RolloutStatus.CREATED, {
+    rollout_id = queries.rollouts.insert(conn, {
         "policy": config.policy, "seed": config.seed, "model_path": config.model_path,
         "input_path": config.input_path, "input_sha256": input_sha256, "config_json": config.to_json(),
         "created_at": now,
         "model_fingerprint": None if model_fingerprint is None else fingerprint_json(model_fingerprint)})
-    session.execute(insert(Group), [
+    id_of = queries.groups.insert_all(session, rollout_id, [
         {
-            "rollout_id": rollout_id, "group_index": index, "prompt_id": row.prompt_id,
+            "group_index": index, "prompt_id": row.prompt_id,
             "prompt_token_ids": pack_ints(row.prompt_token_ids), "prompt_len": len(row.prompt_token_ids),
             "prompt_hash": prompt_hash(row.prompt_token_ids), "n": row.n, "max_tokens": row.max_tokens,
             "sampling_json": msgspec.json.encode(group_sampling(config, row)).decode(),
@@ -59,21 +54,14 @@ def create_rollout(session: Session, config: RunConfig, rows: Sequence[PromptRow
         }
         for index, row in enumerate(rows)
     ])
-    group_ids = session.execute(
-        select(Group.group_index, Group.id).where(Group.rollout_id == rollout_id)
-    ).all()
-    id_of = dict(group_ids)
-    insert_many_with_status(conn, Request.__table__, RequestStatus.QUEUED, [
+    queries.requests.insert_queued(conn, [
         {
             "rollout_id": rollout_id, "group_id": id_of[index], "response_index": k,
             "is_probe": k == 0, "generated_tokens": 0, "num_chunks": 0, "queued_at": now,
         }
         for index, row in enumerate(rows) for k in range(row.n)
     ])
-    probes = session.execute(
-        select(Request.group_id, Request.id).where(Request.rollout_id == rollout_id, Request.is_probe)
-    ).all()
-    session.execute(update(Group), [{"id": gid, "probe_request_id": rid} for gid, rid in probes])
+    queries.groups.set_probes(session, rollout_id)
     _insert_targets(session, rollout_id, rows, id_of)
     seeded = 0 if prior is None else seed_from_prior(session, rollout_id, prior, model_path=config.model_path,
                                                      now=now)
@@ -88,8 +76,6 @@ def _insert_targets(session: Session, rollout_id: int, rows: Sequence[PromptRow]
     targeted = {group_id_of[index]: row.target_lengths for index, row in enumerate(rows) if row.target_lengths}
     if not targeted:
         return
-    requests = session.execute(
-        select(Request.id, Request.group_id, Request.response_index).where(Request.rollout_id == rollout_id)
-    ).all()
-    session.execute(insert(RequestTarget), [
+    requests = queries.requests.ids_by_response(session, rollout_id)
+    queries.targets.insert_all(session, [
         {"request_id": rid, "target_length": targeted[gid][k]} for rid, gid, k in requests if gid in targeted])

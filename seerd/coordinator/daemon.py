@@ -20,7 +20,6 @@ from functools import partial
 from pathlib import Path
 
 import uvicorn
-from sqlalchemy import Engine, select
 from starlette.applications import Starlette
 
 from seerd.config import RunConfig
@@ -35,7 +34,7 @@ from seerd.coordinator.latency import watch_loop_lag
 from seerd.coordinator.kvpool import PoolHost, host_pool, queued_longest, run_tag
 from seerd.coordinator.model_identity import verify_model, weight_version
 from seerd.cpu import CpuSnapshot
-from seerd.db import Rollout, RolloutStatus, WorkerStatus, add_event, make_engine, make_sessionmaker
+from seerd.db import Engine, Rollout, RolloutStatus, WorkerStatus, add_event, make_engine, make_sessionmaker, queries
 from seerd.db.base import CommitTimes
 from seerd.db.migrate import upgrade_run_database
 from seerd.db.read import UnreadableDatabase
@@ -94,11 +93,8 @@ def open_database(run_dir: RunDir, *, synchronous: str = "FULL") -> Engine:
 def load_rollout(engine: Engine, rollout_id: int | None = None) -> Rollout:
     """The rollout `rollout_id`, or the latest (a `seerd run` database holds one; `seerd serve`'s
     one per batch)."""
-    query = select(Rollout).order_by(Rollout.id.desc()).limit(1)
-    if rollout_id is not None:
-        query = select(Rollout).where(Rollout.id == rollout_id)
     with make_sessionmaker(engine).begin() as session:
-        rollout = session.scalars(query).first()
+        rollout = queries.rollouts.load(session, rollout_id)
     if rollout is None:
         raise RunNotFound("the run's database holds no rollout" if rollout_id is None else f"no rollout {rollout_id}")
     return rollout
@@ -272,9 +268,7 @@ class Coordinator:
     def _earlier_batches(self) -> list[int]:
         """`seerd serve`: the finished batches before this one whose responses seed its drafts."""
         with self.engine.connect() as conn:
-            return list(conn.execute(select(Rollout.id).where(Rollout.id < self.rollout_id,
-                                                              Rollout.status == RolloutStatus.FINISHED)
-                                     .order_by(Rollout.id.desc()).limit(HISTORY_BATCHES)).scalars())
+            return queries.rollouts.finished_before(conn, self.rollout_id, HISTORY_BATCHES)
 
     def status_snapshot(self, tail_rows: int, status: StatusReply) -> dict:
         """`seerd status`'s snapshot, read here for a host that may not open the database itself

@@ -24,10 +24,9 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
-from sqlalchemy import Connection
 
 from seerd.coordinator.leases import read_tokens
-from seerd.db import read
+from seerd.db import Connection, queries, read
 from seerd.drafts.server import DraftError, DraftServer
 from seerd.ownership import Ownership
 from seerd.protocol import DraftAppendItem, DraftAppendResult
@@ -112,17 +111,17 @@ def history_sequences(history_db: Path, this_db: Path, groups: Sequence[int], *,
     `rollouts`: only these rollouts of `history_db` (`seerd serve`: its earlier batches, same database).
 
     Raises seerd.db.read.UnreadableDatabase."""
-    from seerd.io.codec import unpack_ints
+    from seerd.db.codec import unpack_ints
 
     wanted = set(groups)
     by_hash = defaultdict(list)
     with read.reading(this_db, ownership=ownership) as conn:
-        for gid, prompt_hash in read.prompt_hashes(conn):
+        for gid, prompt_hash in queries.groups.prompt_hashes(conn):
             if gid in wanted:
                 by_hash[prompt_hash].append(gid)
     responses: dict[str, dict[int, list[int]]] = defaultdict(dict)
     with read.reading(history_db, ownership=ownership if history_db == this_db else None) as old:
-        for _, prompt_hash, rid, blob in read.finished_response_chunks(old, rollouts):
+        for _, prompt_hash, rid, blob in queries.responses.finished_response_chunks(old, rollouts):
             if prompt_hash in by_hash:
                 per_prompt = responses[prompt_hash]
                 if rid in per_prompt or len(per_prompt) < HISTORY_RESPONSES_PER_PROMPT:

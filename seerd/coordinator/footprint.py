@@ -15,9 +15,7 @@ import contextlib
 import logging
 from dataclasses import dataclass
 
-from sqlalchemy import Engine, func, select
-
-from seerd.db import Group, Request
+from seerd.db import Engine, queries
 
 log = logging.getLogger("seerd.coordinator")
 
@@ -46,9 +44,8 @@ class Footprint:
 
 def run_footprint(engine: Engine, rollout_id: int, workers: int) -> Footprint:
     with engine.connect() as conn:
-        requests = conn.execute(select(func.count()).select_from(Request).where(Request.rollout_id == rollout_id)).scalar_one()
-        prompt_tokens = conn.execute(select(func.coalesce(func.sum(Group.prompt_len), 0))
-                                     .where(Group.rollout_id == rollout_id)).scalar_one()
+        requests = queries.requests.count(conn, rollout_id)
+        prompt_tokens = queries.groups.prompt_tokens(conn, rollout_id)
     return Footprint(int(requests), int(prompt_tokens), workers)
 
 

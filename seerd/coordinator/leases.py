@@ -8,14 +8,12 @@ from array import array
 from collections.abc import Collection, Mapping, Sequence
 
 import msgspec
-from sqlalchemy import Connection, bindparam
 
 from seerd.coordinator.records import LeaseTerms, RequestProgress, chunk_seed
-from seerd.coordinator.statements import BIND_GROUP, CHUNKS, DONE_TOKENS, FIRST_START, INSERT_EVENT, REQUESTS
-from seerd.db import ChunkStatus, RequestStatus, driver
+from seerd.db import Connection, queries
+from seerd.db.codec import unpack_ints
 from seerd.db.event import event_row
-from seerd.db.transitions import ROW_EPOCH, ROW_ID, change_status, insert_many_returning_ids
-from seerd.io.codec import unpack_ints
+from seerd.db.transitions import ROW_EPOCH, ROW_ID
 from seerd.protocol import ChunkGrant
 from seerd.scheduler.state import LeaseRecord
 from seerd.scheduler.views import Plan
@@ -27,7 +25,7 @@ def write_leases(conn: Connection, rollout_id: int, progress_of: Mapping[int, Re
     """The rows of a checked plan, in the caller's transaction: each assignment's chunk row
     (new, or the one an ended lease left queued, epoch + 1) leased, its request running.
     Returns the chunk ids and lease epochs, in assignment order."""
-    driver.executemany(conn, BIND_GROUP, [{"gid": gid, "worker": w} for gid, w in plan.new_bindings.items()])
+    queries.groups.bind(conn, plan.new_bindings)
     chunk_ids: list[int | None] = []
     epochs, reused, fresh = [], [], []
     for assignment in plan.assignments:
@@ -46,18 +44,13 @@ def write_leases(conn: Connection, rollout_id: int, progress_of: Mapping[int, Re
                           "leased_at": now, "num_tokens": 0})
             chunk_ids.append(None)
             epochs.append(1)
-    new_ids = iter(insert_many_returning_ids(conn, CHUNKS, ChunkStatus.LEASED, fresh))
+    new_ids = iter(queries.chunks.insert_leased(conn, fresh))
     chunk_ids = [next(new_ids) if chunk_id is None else chunk_id for chunk_id in chunk_ids]
-    if reused:  # (its values hold SQL expressions, built for the call: rare)
-        change_status(conn, CHUNKS, ChunkStatus.QUEUED, ChunkStatus.LEASED, reused, guard_epoch=True, values={
-            "max_tokens": bindparam("budget"), "lease_holder": worker_id, "lease_deadline": deadline,
-            "lease_epoch": CHUNKS.c.lease_epoch + 1, "attempt": CHUNKS.c.attempt + 1, "leased_at": now})
-    request_rows = [{ROW_ID: a.request_id} for a in plan.assignments]
-    change_status(conn, REQUESTS, RequestStatus.QUEUED, RequestStatus.RUNNING, request_rows,
-                  values={"last_worker": worker_id})
-    if request_rows:
-        driver.executemany(conn, FIRST_START, [{**row, "now": now} for row in request_rows])
-        driver.executemany(conn, INSERT_EVENT, [
+    if reused:
+        queries.chunks.lease_again(conn, reused, worker_id=worker_id, deadline=deadline, now=now)
+    queries.requests.start(conn, [a.request_id for a in plan.assignments], worker_id=worker_id, now=now)
+    if plan.assignments:
+        queries.events.append(conn, [
             event_row(rollout_id, now, "chunk_leased", worker_id, a.request_id, chunk_id,
                       {"seq": progress_of[a.request_id].num_chunks, "epoch": epoch, "max_tokens": a.max_tokens,
                        **({"in_place": True} if a.request_id in continuing else {})})
@@ -68,7 +61,7 @@ def write_leases(conn: Connection, rollout_id: int, progress_of: Mapping[int, Re
 def read_tokens(conn: Connection, request_id: int) -> array:
     """A request's tokens from its done chunks, in order."""
     tokens = array("i")
-    for blob in conn.execute(DONE_TOKENS, {"rid": request_id}).scalars():
+    for blob in queries.chunks.done_tokens(conn, request_id):
         tokens.extend(unpack_ints(blob))
     return tokens
 

@@ -28,10 +28,7 @@ import os
 import struct
 from pathlib import Path
 
-from sqlalchemy import update
-from sqlalchemy.orm import Session, sessionmaker
-
-from seerd.db import Rollout, add_event
+from seerd.db import Rollout, Session, add_event, queries, sessionmaker
 
 FINGERPRINT_VERSION = 1
 WHOLE_FILE_BYTES = 16 << 20
@@ -160,8 +157,7 @@ def verify_model(sessions: sessionmaker[Session], rollout: Rollout, *, allow_cha
     if current is None or current == recorded_fingerprint(rollout):
         return
     with sessions.begin() as session:
-        session.execute(update(Rollout).where(Rollout.id == rollout.id)
-                        .values(model_fingerprint=fingerprint_json(current)))
+        queries.rollouts.set_model_fingerprint(session, rollout.id, fingerprint_json(current))
         if changes:
             add_event(session, rollout.id, now, "model_changed",
                       data={"model_path": rollout.model_path, "changes": changes, "allowed_by": "--allow-model-change"})

@@ -22,11 +22,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sqlalchemy import inspect, insert, select, update
-from sqlalchemy.exc import SQLAlchemyError
-from sqlalchemy.orm import Session
-
-from seerd.db import Group, PromptLengthHistory, Request, RequestStatus, Rollout, RolloutStatus, add_event
+from seerd.db import DatabaseError, RolloutStatus, Session, add_event, queries
 from seerd.db.read import UnreadableDatabase, open_read_only
 from seerd.rundir import RunDir
 
@@ -64,10 +60,7 @@ def read_prior(run_dir: Path, prompt_hashes: set[str], rollout_id: int | None = 
         raise PriorRunError(f"--prior {run_dir}: {exc}") from None
     try:
         with engine.connect() as conn:
-            query = select(Rollout.id, Rollout.status, Rollout.model_path).order_by(Rollout.id.desc()).limit(1)
-            if rollout_id is not None:
-                query = query.where(Rollout.id == rollout_id)
-            rollout = conn.execute(query).first()
+            rollout = queries.rollouts.newest(conn, rollout_id)
             if rollout is None:
                 raise PriorRunError(f"--prior {run_dir}: its database holds no rollout")
             if rollout.status != RolloutStatus.FINISHED:
@@ -76,23 +69,14 @@ def read_prior(run_dir: Path, prompt_hashes: set[str], rollout_id: int | None = 
                     f"unfinished responses are the longest, so its lengths would understate the estimates. "
                     f"Finish it with `seerd resume {run_dir}` or pick a finished run")
             lengths: dict[str, list[tuple[int, int]]] = defaultdict(list)
-            own = conn.execute(select(Group.prompt_hash, Request.generated_tokens)
-                               .join(Group, Group.id == Request.group_id)
-                               .where(Request.rollout_id == rollout.id,
-                                      Request.status == RequestStatus.FINISHED))
-            for prompt_hash, length in own:
+            for prompt_hash, length in queries.requests.finished_lengths_by_prompt(conn, rollout.id):
                 if prompt_hash in prompt_hashes:
                     lengths[prompt_hash].append((1, length))
             # A prior made before the history table existed simply has no history.
-            if inspect(conn).has_table(PromptLengthHistory.__tablename__):
-                older = conn.execute(select(PromptLengthHistory.prompt_hash, PromptLengthHistory.age,
-                                            PromptLengthHistory.length)
-                                     .where(PromptLengthHistory.rollout_id == rollout.id,
-                                            PromptLengthHistory.age < MAX_HISTORY_AGE))
-                for prompt_hash, age, length in older:
-                    if prompt_hash in prompt_hashes:
-                        lengths[prompt_hash].append((age + 1, length))
-    except SQLAlchemyError as exc:
+            for prompt_hash, age, length in queries.history.younger_than(conn, rollout.id, MAX_HISTORY_AGE):
+                if prompt_hash in prompt_hashes:
+                    lengths[prompt_hash].append((age + 1, length))
+    except DatabaseError as exc:
         raise PriorRunError(f"--prior {run_dir}: cannot read {rundir.db_path}: {exc}") from exc
     return PriorLengths(str(rundir.path), rollout.model_path, dict(lengths))
 
@@ -103,19 +87,16 @@ def seed_from_prior(session: Session, rollout_id: int, prior: PriorLengths, *, m
 
     Returns the number of groups seeded; a `prior_seeded` event records it.
     """
-    groups = session.execute(select(Group.id, Group.prompt_hash, Group.max_tokens)
-                             .where(Group.rollout_id == rollout_id)).all()
-    seeds = []
+    groups = queries.groups.estimate_inputs(session, rollout_id)
+    seeds = {}
     for group_id, prompt_hash, max_tokens in groups:
         longest = prior.longest_recent(prompt_hash)
         if longest is not None:
-            seeds.append({"id": group_id, "length_estimate": max(1, min(longest, max_tokens))})
-    if seeds:
-        session.execute(update(Group), seeds)
+            seeds[group_id] = max(1, min(longest, max_tokens))
+    queries.groups.set_estimates(session, seeds)
     history = [{"rollout_id": rollout_id, "prompt_hash": prompt_hash, "age": age, "length": length}
                for prompt_hash, entries in prior.lengths.items() for age, length in entries]
-    if history:
-        session.execute(insert(PromptLengthHistory), history)
+    queries.history.insert_all(session, history)
     add_event(session, rollout_id, now, "prior_seeded", data={
         "prior_run_dir": prior.run_dir, "prior_model_path": prior.model_path,
         "same_model_path": prior.model_path == model_path, "groups_seeded": len(seeds),

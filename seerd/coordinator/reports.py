@@ -14,16 +14,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import NamedTuple, Protocol
 
-from sqlalchemy import Connection, select
-
 from seerd.coordinator.records import LeaseTerms, RequestProgress
-from seerd.coordinator.statements import (
-    CHUNK_DONE_VALUES, CHUNKS, GROUP_COUNTS, INSERT_EVENT, REQUEST_COUNT_VALUES, REQUEST_FINISH_REASON, REQUESTS,
-)
-from seerd.db import ChunkStatus, RequestStatus, driver
+from seerd.db import ChunkStatus, Connection, queries
+from seerd.db.codec import pack_floats, pack_ints
 from seerd.db.event import event_row
-from seerd.db.transitions import ROW_EPOCH, ROW_ID, change_status
-from seerd.io.codec import pack_floats, pack_ints
+from seerd.db.transitions import ROW_EPOCH, ROW_ID
 from seerd.protocol import ChunkReport, UnreadableReport
 from seerd.scheduler.state import ChunkResult, ResultsUpdate, SchedulerState
 
@@ -168,15 +163,12 @@ def write_results(conn: Connection, rollout_id: int, prepared: ResultsUpdate,
                                            "group_estimate": outcome.group_estimate}))
         else:
             requeued_rows.append(row)
-    change_status(conn, CHUNKS, ChunkStatus.LEASED, ChunkStatus.DONE, chunk_rows, guard_epoch=True,
-                  values=CHUNK_DONE_VALUES)
-    change_status(conn, REQUESTS, RequestStatus.RUNNING, RequestStatus.FINISHED, finished_rows,
-                  values={**REQUEST_COUNT_VALUES, "finish_reason": REQUEST_FINISH_REASON, "finished_at": now})
-    change_status(conn, REQUESTS, RequestStatus.RUNNING, RequestStatus.QUEUED, requeued_rows,
-                  values={**REQUEST_COUNT_VALUES, "queued_at": now})
-    driver.executemany(conn, GROUP_COUNTS, [{"gid": g.group_id, "fr": g.finished, "est": g.estimate,
-                                               "fa": now if g.complete else None} for g in prepared.groups])
-    driver.executemany(conn, INSERT_EVENT, events)
+    queries.chunks.done(conn, chunk_rows)
+    queries.requests.finish(conn, finished_rows, now)
+    queries.requests.requeue_counted(conn, requeued_rows, now)
+    queries.groups.set_counts(conn, [{"gid": g.group_id, "fr": g.finished, "est": g.estimate,
+                                      "fa": now if g.complete else None} for g in prepared.groups])
+    queries.events.append(conn, events)
 
 
 def judge_unleased(conn: Connection, worker_id: str, report: ChunkReport | UnreadableReport) -> ReportOutcome:
@@ -187,8 +179,7 @@ def judge_unleased(conn: Connection, worker_id: str, report: ChunkReport | Unrea
     5xx) finds its chunk `done` at its epoch by its worker and is acknowledged as a duplicate
     without counting twice; a report for a lease that ended meanwhile finds another epoch or
     status and is rejected."""
-    chunk = conn.execute(select(CHUNKS.c.status, CHUNKS.c.lease_epoch, CHUNKS.c.lease_holder)
-                         .where(CHUNKS.c.id == report.chunk_id)).first()
+    chunk = queries.chunks.lease_of(conn, report.chunk_id)
     if chunk is None:
         return ReportOutcome(False, reason=f"unknown chunk {report.chunk_id}")
     if chunk.status == ChunkStatus.DONE and chunk.lease_epoch == report.epoch and chunk.lease_holder == worker_id:

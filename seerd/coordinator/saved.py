@@ -13,16 +13,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-from sqlalchemy import Connection, select
 
 from seerd.coordinator.records import GroupInputs, RequestProgress
-from seerd.db import Chunk, ChunkStatus, Event, Group, Request, RequestStatus, RequestTarget
-from seerd.io.codec import unpack_ints
+from seerd.db import Connection, RequestStatus, queries
+from seerd.db.codec import unpack_ints
 from seerd.scheduler.state import GroupRecord, RequestRecord
 from seerd.settings import Sampling
-
-CHUNKS, REQUESTS, GROUPS = Chunk.__table__, Request.__table__, Group.__table__
-EVENTS, TARGETS = Event.__table__, RequestTarget.__table__
 
 
 @dataclass
@@ -39,7 +35,7 @@ class SavedRollout:
 
 def read_saved_rollout(conn: Connection, rollout_id: int) -> SavedRollout:
     groups, requests, inputs, progress, bindings = [], [], {}, {}, {}
-    for row in conn.execute(select(GROUPS).where(GROUPS.c.rollout_id == rollout_id)):
+    for row in queries.groups.of_rollout_whole(conn, rollout_id):
         prompt = array("i", unpack_ints(row.prompt_token_ids))
         inputs[row.id] = GroupInputs(prompt, msgspec.json.decode(row.sampling_json, type=Sampling))
         groups.append(GroupRecord(row.id, row.group_index, len(prompt), row.n, row.max_tokens,
@@ -47,7 +43,7 @@ def read_saved_rollout(conn: Connection, rollout_id: int) -> SavedRollout:
         if row.bound_worker:
             bindings[row.id] = row.bound_worker
     max_tokens = {group.id: group.max_tokens for group in groups}
-    for row in conn.execute(select(REQUESTS).where(REQUESTS.c.rollout_id == rollout_id)):
+    for row in queries.requests.of_rollout_whole(conn, rollout_id):
         requests.append(RequestRecord(row.id, row.group_id, row.response_index, row.is_probe,
                                       max_tokens[row.group_id], row.generated_tokens, row.last_worker,
                                       row.queued_at, row.status == RequestStatus.FINISHED,
@@ -55,18 +51,8 @@ def read_saved_rollout(conn: Connection, rollout_id: int) -> SavedRollout:
         progress[row.id] = RequestProgress(row.num_chunks, row.failed_attempts)
     # Finished responses in the order the running coordinator learned of them: its events were
     # written in that order (finished_at ties within one report).
-    finish_order = conn.execute(
-        select(EVENTS.c.request_id).where(EVENTS.c.rollout_id == rollout_id,
-                                          EVENTS.c.kind == "request_finished").order_by(EVENTS.c.id)
-    ).scalars().all()
-    targets = {rid: target for rid, target in conn.execute(
-        select(TARGETS.c.request_id, TARGETS.c.target_length)
-        .join(REQUESTS, REQUESTS.c.id == TARGETS.c.request_id)
-        .where(REQUESTS.c.rollout_id == rollout_id))}
-    unfinished_chunks = conn.execute(
-        select(CHUNKS.c.id, CHUNKS.c.request_id, CHUNKS.c.status, CHUNKS.c.lease_epoch, CHUNKS.c.lease_holder)
-        .join(REQUESTS, REQUESTS.c.id == CHUNKS.c.request_id)
-        .where(REQUESTS.c.rollout_id == rollout_id, CHUNKS.c.status != ChunkStatus.DONE.value)
-    ).all()
+    finish_order = queries.events.finish_order(conn, rollout_id)
+    targets = queries.targets.of_rollout(conn, rollout_id)
+    unfinished_chunks = queries.chunks.unfinished(conn, rollout_id)
     return SavedRollout(groups, requests, inputs, progress, bindings, list(finish_order), targets,
                         list(unfinished_chunks))

@@ -1,4 +1,11 @@
-"""SQLite state of a run: typed models (one module per noun) and the engine factory."""
+"""SQLite state of a run: typed models (one module per noun), the engine factory, and the handles
+the rest of seerd passes around (a connection, a session, their factories). Only `seerd.db`
+imports SQLAlchemy: statements and queries live here (`seerd.db.queries`), and other packages hold
+these handles without building SQL."""
+
+from sqlalchemy import Connection, Engine, Row
+from sqlalchemy.exc import SQLAlchemyError as DatabaseError
+from sqlalchemy.orm import Session, sessionmaker
 
 from seerd.db.base import Base, make_engine, make_sessionmaker
 from seerd.db.chunk import Chunk
@@ -12,7 +19,7 @@ from seerd.db.target import RequestTarget
 from seerd.db.worker import Worker
 
 __all__ = [
-    "Base", "Chunk", "ChunkStatus", "Event", "Group", "PromptLengthHistory", "Request", "RequestStatus",
+    "Base", "Chunk", "Connection", "DatabaseError", "Engine", "Row", "Session", "sessionmaker", "ChunkStatus", "Event", "Group", "PromptLengthHistory", "Request", "RequestStatus",
     "RequestTarget", "Rollout", "RolloutStatus", "Worker", "WorkerStatus", "add_event", "check_transition",
     "make_engine", "make_sessionmaker",
 ]

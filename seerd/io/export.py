@@ -22,13 +22,11 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from sqlalchemy import Row, func, select
-from sqlalchemy.orm import Session
 
-from seerd.db import Chunk, ChunkStatus, Group, Request, RequestStatus, RolloutStatus
+from seerd.db import ChunkStatus, Connection, RolloutStatus, Row, Session, queries
+from seerd.db.codec import unpack_floats, unpack_ints
 from seerd.db.migrate import head_revisions
-from seerd.db.read import UnreadableDatabase, latest_rollout, reading, schema_revision
-from seerd.io.codec import unpack_floats, unpack_ints
+from seerd.db.read import UnreadableDatabase, reading, schema_revision
 from seerd.rundir import RunDir
 
 SCHEMA = pa.schema([
@@ -88,35 +86,28 @@ class ResponseRows:
         return cls(len(rows), sum(row["finish_reason"] == "error" for row in rows), lambda: iter([rows]))
 
 
-def collect_rows(session: Session, rollout_id: int) -> tuple[ResponseRows, int]:
+def collect_rows(conn: Connection, rollout_id: int) -> tuple[ResponseRows, int]:
     """The run's ended responses (iterate them in the same transaction) and its response count."""
-    ended = Request.status.in_((RequestStatus.FINISHED, RequestStatus.FAILED))
-    total, ended_count, failed = session.execute(
-        select(func.count(), func.count().filter(ended), func.count().filter(ended & (Request.finish_reason == "error")))
-        .where(Request.rollout_id == rollout_id)).one()
-    return ResponseRows(ended_count, failed, lambda: _row_batches(session, rollout_id, ended)), total
+    total, ended_count, failed = queries.requests.ended_counts(conn, rollout_id)
+    return ResponseRows(ended_count, failed, lambda: _row_batches(conn, rollout_id)), total
 
 
-def _row_batches(session: Session, rollout_id: int, ended) -> Iterator[list[dict]]:  # noqa: ANN001
+def _row_batches(conn: Connection, rollout_id: int) -> Iterator[list[dict]]:
     """Batches of `EXPORT_GROUPS` groups, each read by its unique index (rollout, group index)."""
     after = -1  # the last group index read
     while True:
-        groups = session.execute(
-            select(Group.id, Group.prompt_id, Group.group_index, Group.prompt_len)
-            .where(Group.rollout_id == rollout_id, Group.group_index > after)
-            .order_by(Group.group_index).limit(EXPORT_GROUPS)).all()
+        groups = queries.groups.page(conn, rollout_id, after, EXPORT_GROUPS)
         if not groups:
             return
         after = groups[-1].group_index
-        yield group_rows(session, groups, ended)
+        yield group_rows(conn, groups)
 
 
-def group_rows(session: Session, groups: Sequence[Row], ended) -> list[dict]:  # noqa: ANN001
-    """The ended responses (`ended`: a condition on Request) of `groups` (id, prompt_id, group_index,
-    prompt_len) as export rows, in (group, response) order."""
+def group_rows(conn: Connection, groups: Sequence[Row]) -> list[dict]:
+    """The ended responses of `groups` (id, prompt_id, group_index, prompt_len) as export rows, in
+    (group, response) order."""
     by_id = {group.id: group for group in groups}
-    requests = session.execute(
-        select(Request).where(Request.group_id.in_(list(by_id)), ended)).scalars().all()
+    requests = queries.responses.ended_of_groups(conn, list(by_id))
     batch = {request.id: {
         "prompt_id": by_id[request.group_id].prompt_id, "group_index": by_id[request.group_id].group_index,
         "response_index": request.response_index, "token_ids": [], "logprobs": [],
@@ -125,14 +116,8 @@ def group_rows(session: Session, groups: Sequence[Row], ended) -> list[dict]:  #
         "started_at": request.started_at, "finished_at": request.finished_at, "generation_s": 0.0,
         "error": request.error,
     } for request in requests}
-    # Every chunk of these requests, by the request index, the done ones kept here: with the
-    # status in the query SQLite chose the status index and read every done chunk of the run
-    # for each batch.
-    chunks = session.execute(
-        select(Chunk.request_id, Chunk.status, Chunk.token_ids, Chunk.logprobs, Chunk.leased_at,
-               Chunk.finished_at)
-        .where(Chunk.request_id.in_(list(batch))).order_by(Chunk.request_id, Chunk.seq))
-    for request_id, status, token_blob, logprob_blob, leased_at, finished_at in chunks:
+    for request_id, status, token_blob, logprob_blob, leased_at, finished_at in \
+            queries.responses.chunks_of_requests(conn, list(batch)):
         if status != ChunkStatus.DONE:
             continue
         row = batch[request_id]
@@ -184,7 +169,7 @@ def _batched(rows: Iterable[dict], size: int) -> Iterator[list[dict]]:
 
 
 def export_run(session: Session, rollout_id: int, run_dir: RunDir) -> ExportResult:
-    rows, total = collect_rows(session, rollout_id)
+    rows, total = collect_rows(session.connection(), rollout_id)
     return write_outputs(run_dir, rows, total)
 
 
@@ -199,13 +184,12 @@ def export_snapshot(run_dir: RunDir) -> tuple[ExportResult, RolloutStatus]:
             raise UnreadableDatabase(
                 f"{run_dir.db_path} has schema {revision or 'none'}, this seerd reads {', '.join(heads)}: "
                 f"bring it up with `seerd db upgrade {run_dir.path}` (or export with the seerd that made it)")
-        rollout = latest_rollout(conn)
+        rollout = queries.rollouts.latest(conn)
         if rollout is None:
             raise UnreadableDatabase(f"no run at {run_dir.path}: its creation did not complete (or never started); "
                                      f"`seerd run` with the run's arguments creates it there again")
-        with Session(bind=conn) as session:
-            rows, total = collect_rows(session, rollout.id)
-            return write_outputs(run_dir, rows, total), rollout.status  # rows are read as they are written
+        rows, total = collect_rows(conn, rollout.id)
+        return write_outputs(run_dir, rows, total), rollout.status  # rows are read as they are written
 
 
 @contextlib.contextmanager

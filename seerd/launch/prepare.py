@@ -20,12 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sqlalchemy import Row
-
 from seerd.config import ConfigError, RunConfig
-from seerd.db import Rollout, RolloutStatus, make_engine, make_sessionmaker
+from seerd.db import Rollout, RolloutStatus, Row, make_engine, make_sessionmaker, queries
 from seerd.db.migrate import upgrade, upgrade_run_database
-from seerd.db.read import latest_rollout, reading
+from seerd.db.read import reading
 from seerd.ownership import Ownership, OwnershipError, RunOwned, take_ownership
 from seerd.rundir import RunDir
 
@@ -79,7 +77,7 @@ def read_rollout(rundir: RunDir) -> Row:
     from seerd.coordinator.daemon import RunNotFound
 
     with reading(rundir.db_path) as conn:
-        rollout = latest_rollout(conn)
+        rollout = queries.rollouts.latest(conn)
     if rollout is None:
         raise RunNotFound("the run's database holds no rollout")
     return rollout

@@ -14,9 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from sqlalchemy import Connection
 
-from seerd.db import ChunkStatus, RequestStatus, read
+from seerd.db import ChunkStatus, Connection, RequestStatus, queries, read
 from seerd.db.read import UnreadableDatabase
 
 
@@ -145,17 +144,17 @@ def load_run(db_path: Path) -> RunData:
 
 
 def _read(conn: Connection, db_path: Path) -> RunData:
-    rollout = read.latest_rollout(conn)
+    rollout = queries.rollouts.latest(conn)
     if rollout is None:
         raise ReportError(f"{db_path} holds no rollout yet")
     info = RolloutInfo(rollout.id, rollout.status.value, rollout.policy, rollout.status_reason,
                        rollout.created_at, rollout.started_at, rollout.finished_at,
                        json.loads(rollout.config_json))
 
-    g = read.groups(conn, rollout.id)
+    g = queries.groups.of_rollout(conn, rollout.id)
     groups = GroupRows(*(np.array([r[i] for r in g], dtype=np.int64) for i in range(7)))
 
-    r = read.requests(conn, rollout.id)
+    r = queries.requests.of_rollout(conn, rollout.id)
     requests = RequestRows(
         id=np.array([x.id for x in r], dtype=np.int64),
         group_id=np.array([x.group_id for x in r], dtype=np.int64),
@@ -165,7 +164,7 @@ def _read(conn: Connection, db_path: Path) -> RunData:
         generated=np.array([x.generated_tokens for x in r], dtype=np.int64),
         finished_at=np.array([np.nan if x.finished_at is None else x.finished_at for x in r], dtype=float))
 
-    c = read.chunks(conn, rollout.id)
+    c = queries.chunks.of_rollout(conn, rollout.id)
     chunks = ChunkRows(
         request_id=np.array([x.request_id for x in c], dtype=np.int64),
         seq=np.array([x.seq for x in c], dtype=np.int64),
@@ -177,8 +176,8 @@ def _read(conn: Connection, db_path: Path) -> RunData:
         finished_at=np.array([np.nan if x.finished_at is None else x.finished_at for x in c], dtype=float))
 
     workers = tuple(WorkerInfo(x.id, x.rank, x.max_chunks, x.kv_capacity_tokens, x.registered_at)
-                    for x in read.workers(conn, rollout.id))
+                    for x in queries.workers.of_rollout(conn, rollout.id))
     events = tuple(EventRow(e.id, e.ts, e.kind, e.worker_id, e.request_id, e.chunk_id,
                             json.loads(e.data_json) if e.data_json else {})
-                   for e in read.events(conn, rollout.id))
+                   for e in queries.events.of_rollout(conn, rollout.id))
     return RunData(db_path, info, groups, requests, chunks, workers, events)

@@ -25,14 +25,12 @@ from dataclasses import replace
 from pathlib import Path
 
 import msgspec
-from sqlalchemy import Connection, Engine, func, select
-from sqlalchemy.orm import Session
 
 from seerd.config import RunConfig
 from seerd.coordinator.create import create_rollout
 from seerd.coordinator.model_identity import weight_version
-from seerd.db import Event, Group, Request, RequestStatus, Rollout, RolloutStatus, make_sessionmaker
-from seerd.io.codec import unpack_ints
+from seerd.db import Connection, Engine, RolloutStatus, make_sessionmaker, queries
+from seerd.db.codec import unpack_ints
 from seerd.io.export import group_rows
 from seerd.launch.prepare import BadRun, file_sha256, validated
 from seerd.protocol import BatchBody, BatchState, GroupsReply
@@ -40,7 +38,6 @@ from seerd.rundir import RunDir
 
 # Keys of config.json that say how a checkpoint was saved, not what model it is.
 BOOKKEEPING_KEYS = frozenset({"_name_or_path", "transformers_version", "torch_dtype", "dtype"})
-ENDED = (RequestStatus.FINISHED, RequestStatus.FAILED)
 END_EVENTS = ("request_finished", "request_failed")
 GROUPS_PER_REPLY = 256  # ended groups per answer at most: a client catching up reads in pages
 
@@ -122,14 +119,6 @@ def weights_problem(base_model: str, weights: str) -> str | None:
     return None
 
 
-def existing_batch(conn: Connection, key: str) -> int | None:
-    """The batch created with this client key, if any (a submission sent again)."""
-    for rollout_id, config_json in conn.execute(select(Rollout.id, Rollout.config_json).order_by(Rollout.id)):
-        if json.loads(config_json).get("batch_key") == key:
-            return rollout_id
-    return None
-
-
 def create_batch(engine: Engine, run_dir: RunDir, base: RunConfig, body: BatchBody) -> int:
     """The batch's rollout id: created (one transaction, as `seerd run` creates a run), or the one
     this key created before. BatchRefused with every problem, and nothing written, otherwise."""
@@ -137,10 +126,9 @@ def create_batch(engine: Engine, run_dir: RunDir, base: RunConfig, body: BatchBo
     if not body.key:
         raise BatchRefused("a batch needs a key (the client's name for it: sent again, it answers the same batch)")
     with engine.connect() as conn:
-        if (found := existing_batch(conn, body.key)) is not None:
+        if (found := queries.rollouts.with_batch_key(conn, body.key)) is not None:
             return found
-        previous = conn.execute(select(Rollout.id).where(Rollout.status == RolloutStatus.FINISHED)
-                                .order_by(Rollout.id.desc()).limit(1)).scalar()
+        previous = next(iter(queries.rollouts.finished_before(conn, None, 1)), None)
     config = batch_config(base, body)
     if body.weights and (problem := weights_problem(base.model_path, config.model_path)):
         raise BatchRefused(problem)
@@ -149,7 +137,7 @@ def create_batch(engine: Engine, run_dir: RunDir, base: RunConfig, body: BatchBo
     except BadRun as exc:
         raise BatchRefused(str(exc)) from None
     with sessions.begin() as session:
-        if (found := existing_batch(session.connection(), body.key)) is not None:
+        if (found := queries.rollouts.with_batch_key(session.connection(), body.key)) is not None:
             return found
         return create_rollout(session, new.config, new.rows, input_sha256=file_sha256(Path(config.input_path)),
                               now=time.time(), prior=new.prior, model_fingerprint=new.model_fingerprint)
@@ -157,20 +145,15 @@ def create_batch(engine: Engine, run_dir: RunDir, base: RunConfig, body: BatchBo
 
 def next_batch(conn: Connection) -> int | None:
     """The batch to run next: the oldest not yet ended (one interrupted by a restart first of all)."""
-    return conn.execute(select(Rollout.id).where(Rollout.status.in_(
-        (RolloutStatus.CREATED, RolloutStatus.RUNNING, RolloutStatus.INTERRUPTED))).order_by(Rollout.id).limit(1)).scalar()
+    return queries.rollouts.oldest_unended(conn)
 
 
 def batch_state(conn: Connection, run_dir: RunDir, batch: int) -> BatchState | None:
-    rollout = conn.execute(select(Rollout.status, Rollout.status_reason, Rollout.model_path, Rollout.model_fingerprint)
-                           .where(Rollout.id == batch)).first()
+    rollout = queries.rollouts.identity(conn, batch)
     if rollout is None:
         return None
-    requests, ended = conn.execute(
-        select(func.count(), func.count().filter(Request.status.in_(ENDED))).where(Request.rollout_id == batch)).one()
-    unended = select(Request.group_id).where(Request.rollout_id == batch, Request.status.not_in(ENDED))
-    groups, groups_done = conn.execute(
-        select(func.count(), func.count().filter(Group.id.not_in(unended))).where(Group.rollout_id == batch)).one()
+    requests, ended, _failed = queries.requests.ended_counts(conn, batch)
+    groups, groups_done = queries.requests.group_counts(conn, batch)
     output = run_dir.path / "batches" / str(batch) / "rollouts.jsonl"
     finished = rollout.status == RolloutStatus.FINISHED
     return BatchState(batch, rollout.status.value, weight_version(rollout.model_path, rollout.model_fingerprint),
@@ -180,17 +163,13 @@ def batch_state(conn: Connection, run_dir: RunDir, batch: int) -> BatchState | N
 
 def ended_groups(conn: Connection, batch: int, after: int) -> GroupsReply | None:
     """The groups of `batch` that ended with an event past `after` (see the module's docstring)."""
-    rollout = conn.execute(select(Rollout.status, Rollout.model_path, Rollout.model_fingerprint)
-                           .where(Rollout.id == batch)).first()
+    rollout = queries.rollouts.identity(conn, batch)
     if rollout is None:
         return None
-    total = conn.execute(select(func.count()).where(Group.rollout_id == batch)).scalar_one()
-    events = conn.execute(
-        select(Event.id, Request.group_id).join(Request, Request.id == Event.request_id)
-        .where(Event.rollout_id == batch, Event.kind.in_(END_EVENTS), Event.id > after).order_by(Event.id)).all()
+    total = queries.groups.count(conn, batch)
+    events = queries.events.group_ends_after(conn, batch, after, END_EVENTS)
     completion = {group_id: event_id for event_id, group_id in events}  # a group's last end event
-    unended = set(conn.execute(select(Request.group_id).where(
-        Request.group_id.in_(list(completion)), Request.status.not_in(ENDED))).scalars())
+    unended = queries.requests.groups_with_unended(conn, completion)
     ended, cursor = [], after
     for event_id, group_id in events:
         if group_id not in unended and completion[group_id] == event_id:  # it ended with this event
@@ -198,10 +177,8 @@ def ended_groups(conn: Connection, batch: int, after: int) -> GroupsReply | None
                 break  # the next page starts here
             ended.append(group_id)
         cursor = event_id
-    groups = conn.execute(select(Group.id, Group.prompt_id, Group.group_index, Group.prompt_len,
-                                 Group.prompt_token_ids).where(Group.id.in_(ended))).all()
-    with Session(bind=conn) as session:
-        rows = group_rows(session, groups, Request.status.in_(ENDED))
+    groups = queries.groups.with_prompts(conn, ended)
+    rows = group_rows(conn, groups)
     version = weight_version(rollout.model_path, rollout.model_fingerprint)
     by_index: dict[int, list[dict]] = {}
     for row in rows:

@@ -23,7 +23,6 @@ from collections.abc import Callable
 from functools import partial
 
 import msgspec
-from sqlalchemy import Engine, select
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
@@ -39,10 +38,7 @@ from seerd.coordinator.heap import HeapKeeper
 from seerd.coordinator.kvpool import host_pool, run_tag
 from seerd.coordinator.guard import ConnectionGuard, api_server, limits_for, raise_open_files_limit
 from seerd.coordinator.model_identity import ModelChanged, fingerprint_json, model_fingerprint, weight_version
-from seerd.coordinator.statements import INSERT_EVENT, ROLLOUTS
-from seerd.db import RolloutStatus
-from seerd.db.event import event_row
-from seerd.db.transitions import change_one
+from seerd.db import Engine, queries
 from seerd.db.read import UnreadableDatabase, reading
 from seerd.launch.local import WorkerPool
 from seerd.ownership import Ownership
@@ -333,6 +329,4 @@ class Server:
     def _fail(self, batch: int, reason: str) -> None:
         log.error("batch %d cannot run: %s", batch, reason)
         with self.engine.begin() as conn:
-            current = conn.execute(select(ROLLOUTS.c.status).where(ROLLOUTS.c.id == batch)).scalar_one()
-            change_one(conn, ROLLOUTS, batch, current, RolloutStatus.FAILED, status_reason=reason)
-            conn.execute(INSERT_EVENT, [event_row(batch, self.clock(), "rollout_failed", data={"reason": reason})])
+            queries.rollouts.fail(conn, batch, reason, self.clock())

@@ -21,10 +21,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sqlalchemy import Connection
 
-from seerd.db import RolloutStatus, WorkerStatus, read
-from seerd.db.read import UnfinishedRequest
+from seerd.db import Connection, RolloutStatus, WorkerStatus, queries, read
+from seerd.db.queries.requests import UnfinishedRequest
 from seerd.protocol import StatusReply, heartbeat_interval
 from seerd.rundir import RunDir
 from seerd.tail import finishes_before_tail
@@ -71,7 +70,7 @@ def _coordinator_part(answer: StatusReply | None) -> dict:
 
 
 def _read(conn: Connection, run_dir: Path, tail_rows: int, now: float) -> dict:
-    rollout = read.latest_rollout(conn)
+    rollout = queries.rollouts.latest(conn)
     if rollout is None:
         raise UnknownRun(f"{run_dir} has no rollout yet")
     rid = rollout.id
@@ -81,11 +80,11 @@ def _read(conn: Connection, run_dir: Path, tail_rows: int, now: float) -> dict:
     workers = _workers(conn, rid, clock, float(config.get("lease_ttl_s", 30.0)))
     live = {int(cid): entry for w in workers for cid, entry in w.pop("live_running").items()}
 
-    counts = read.request_counts(conn, rid)
-    groups = read.group_counts(conn, rid)
+    counts = queries.requests.counts(conn, rid)
+    groups = queries.groups.counts(conn, rid)
     requests_total, requests_done, requests_failed = counts.total or 0, counts.done or 0, counts.failed or 0
     committed = counts.tokens or 0
-    unfinished = read.unfinished_requests(conn, rid)
+    unfinished = queries.requests.unfinished(conn, rid)
     tail, tail_total, in_flight = _tail(unfinished, clock, live, tail_rows)
     output_tokens = committed + in_flight
     started = counts.first_start or rollout.started_at
@@ -122,19 +121,19 @@ def _read(conn: Connection, run_dir: Path, tail_rows: int, now: float) -> dict:
         "tail_total": tail_total,
         "workers": workers,
         # Worker processes that exited before the run was done: signal, meaning, fix, log tail.
-        "worker_exits": read.worker_exits(conn, rid, WORKER_EXITS_SHOWN),
+        "worker_exits": queries.events.worker_exits(conn, rid, WORKER_EXITS_SHOWN),
         # True when the coordinator read this for a host that may not open the database (status.locate).
         "read_through_coordinator": False,
     }
 
 
 def _workers(conn: Connection, rid: int, clock: float, lease_ttl_s: float) -> list[dict]:
-    rows = read.worker_loads(conn, rid)
+    rows = queries.workers.loads(conn, rid)
     # The interval the coordinator gives its workers follows how many are alive.
     alive_count = sum(row.status == WorkerStatus.ALIVE for row in rows)
     stale_after = STALE_HEARTBEATS * heartbeat_interval(lease_ttl_s, alive_count)
     workers = []
-    taken_out = read.taken_out_workers(conn, rid)
+    taken_out = queries.events.taken_out_workers(conn, rid)
     for row in rows:
         stats = json.loads(row.stats_json) if row.stats_json else {}
         age = max(0.0, clock - row.last_heartbeat)
@@ -217,12 +216,12 @@ def _rate_now(conn: Connection, rid: int, clock: float, workers: list[dict]) -> 
     rates = [w["tokens_per_s"] for w in workers if not w["stale"] and w["tokens_per_s"] is not None]
     if rates:
         return sum(rates)
-    return read.tokens_done_since(conn, rid, clock - RATE_WINDOW_S) / RATE_WINDOW_S
+    return queries.chunks.tokens_done_since(conn, rid, clock - RATE_WINDOW_S) / RATE_WINDOW_S
 
 
 def _expected_remaining_tokens(unfinished: list[UnfinishedRequest], live: dict[int, dict]) -> int:
     """Tokens the unfinished requests are still expected to generate: each up to its group's
-    forecast as the coordinator persisted it (`seerd.db.read.group_forecast`: what seer schedules
+    forecast as the coordinator persisted it (`seerd.db.queries.groups.group_forecast`: what seer schedules
     by, else the group's length estimate), less its tokens so far (committed plus its running
     chunk's progress). For the time left only; a request already past its forecast counts
     nothing, so in the tail the figure is a floor."""
@@ -238,6 +237,6 @@ def _tail_phase(conn: Connection, rid: int, total: int, done: int, clock: float)
     threshold = finishes_before_tail(total)
     if total == 0 or done < threshold:
         return None
-    started = read.nth_finish_at(conn, rid, threshold)
-    last = clock if done < total else read.last_finish_at(conn, rid)
+    started = queries.requests.nth_finish_at(conn, rid, threshold)
+    last = clock if done < total else queries.requests.last_finish_at(conn, rid)
     return {"started_at": started, "duration_s": max(0.0, last - started), "requests_left": total - done}

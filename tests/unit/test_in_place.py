@@ -14,7 +14,7 @@ from sqlalchemy import select
 from seerd.coordinator.api import CoordinatorControl, create_app
 from seerd.coordinator.records import ReportCall
 from seerd.db import Chunk, ChunkStatus, Request, RequestStatus
-from seerd.io.codec import unpack_ints
+from seerd.db.codec import unpack_ints
 from seerd import protocol
 from seerd.protocol import ChunkReport
 from seerd.worker.client import CoordinatorClient

@@ -237,3 +237,20 @@ def test_no_import_cycles():
     if found:
         pytest.fail("import cycles, per group of modules that import each other (the first imports listed "
                     "close one cycle):\n" + "\n".join(map(describe, found)), pytrace=False)
+
+
+def test_only_the_db_package_imports_sqlalchemy_or_sqlite3():
+    """SQL has one home: statements and queries live in `seerd.db` (`seerd.db.queries` for the
+    rest of seerd), and the Alembic migrations beside it; every other module holds a connection
+    or a session without building SQL."""
+    found = []
+    for module, path in sorted(module_files().items()):
+        if in_package(module, "seerd.db") or in_package(module, "seerd.migrations"):
+            continue
+        for node, where in _import_statements([ast.parse(path.read_text(), str(path))]):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            for name in names:
+                if name.split(".")[0] in ("sqlalchemy", "sqlite3"):
+                    found.append(f"  {module} -> {name} ({path.relative_to(REPO)}:{node.lineno}{', ' + where if where else ''})")
+    if found:
+        pytest.fail("modules outside seerd.db import SQL libraries:\n" + "\n".join(found), pytrace=False)

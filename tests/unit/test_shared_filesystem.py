@@ -26,7 +26,7 @@ from click.testing import CliRunner
 import seerd.db.filesystem
 from seerd.cli.main import cli
 from seerd.coordinator.daemon import Coordinator
-from seerd.db import read
+from seerd.db import queries, read
 from seerd.db.read import DatabaseInUseElsewhere
 from seerd.db.sharing import coordinator_elsewhere, coordinator_warning
 from seerd.ownership import CLOCK_SKEW_S, STALE_AFTER_S, take_ownership
@@ -111,7 +111,7 @@ def test_the_coordinators_own_host_opens_the_database_faked_nfs_mount(tmp_path, 
     mountinfo = faked_nfs_mount(tmp_path, run)
     assert coordinator_elsewhere(run / "state.db", mountinfo=mountinfo) is None
     with read.reading(run / "state.db", mountinfo=mountinfo) as conn:
-        assert read.request_counts(conn, book.rollout_id).total == 4
+        assert queries.requests.counts(conn, book.rollout_id).total == 4
     book.close()
 
 
@@ -141,7 +141,7 @@ def test_a_local_or_unknown_filesystem_never_refuses(tmp_path, holders):
     for mountinfo in (local_mount(tmp_path), tmp_path / "no-mountinfo-here"):
         assert coordinator_elsewhere(run / "state.db", mountinfo=mountinfo) is None
         with read.reading(run / "state.db", mountinfo=mountinfo) as conn:
-            assert read.latest_rollout(conn) is not None
+            assert queries.rollouts.latest(conn) is not None
     assert coordinator_warning(run / "state.db", mountinfo=local_mount(tmp_path)) is None
     book.close()
 

@@ -16,7 +16,7 @@ from sqlalchemy import select
 from seerd import protocol
 from seerd.coordinator.daemon import Coordinator
 from seerd.db import Chunk, ChunkStatus, Request, RequestStatus, RolloutStatus
-from seerd.io.codec import unpack_ints
+from seerd.db.codec import unpack_ints
 from seerd.ownership import take_ownership
 from seerd.settings import EngineConfig
 from seerd.status.locate import ask_coordinator

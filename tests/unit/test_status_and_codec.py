@@ -7,7 +7,7 @@ import pytest
 from seerd.db.status import (
     ALLOWED_TRANSITIONS, ChunkStatus, IllegalTransition, RequestStatus, RolloutStatus, check_transition,
 )
-from seerd.io.codec import pack_floats, pack_ints, unpack_floats, unpack_ints
+from seerd.db.codec import pack_floats, pack_ints, unpack_floats, unpack_ints
 
 
 def test_every_status_has_a_row_in_its_table():

@@ -55,7 +55,7 @@ def test_targets_are_stored_apart_and_reach_only_the_grant(tmp_path):
             assert book.report(w, obey_target(grant), now=1001.0).accepted
     assert 40 - 16 in remaining_seen and 40 - 32 in remaining_seen  # the remainder shrinks chunk by chunk
     with book.sessions.begin() as s:
-        rows, total = collect_rows(s, book.rollout_id)
+        rows, total = collect_rows(s.connection(), book.rollout_id)
         rows = list(rows)  # read within the transaction
     assert total == 9
     assert {(r["group_index"], r["response_index"]): r["length"] for r in rows} == {

@@ -13,7 +13,7 @@ from sqlalchemy import select
 from seerd import protocol
 from seerd.coordinator.api import CoordinatorControl, create_app
 from seerd.db import Chunk, ChunkStatus, Request, RequestStatus
-from seerd.io.codec import unpack_ints
+from seerd.db.codec import unpack_ints
 from seerd.protocol import ErrorReply, LeaseBody, RegisterBody
 from seerd.worker.client import CoordinatorClient, CoordinatorGone, CoordinatorRefused, NotRegistered
 from seerd.worker.main import Worker

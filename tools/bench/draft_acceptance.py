@@ -62,14 +62,14 @@ def make_rollouts(groups: int, work: Path, seed: int) -> Path:
 def load_groups(run_dir: Path) -> list[tuple[list[int], list[list[int]]]]:
     from sqlalchemy import select
 
-    from seerd.db import Group, read
-    from seerd.io.codec import unpack_ints
+    from seerd.db import Group, queries, read
+    from seerd.db.codec import unpack_ints
 
     with read.reading(run_dir / "state.db") as conn:
         prompts = {gid: unpack_ints(blob)
                    for gid, blob in conn.execute(select(Group.id, Group.prompt_token_ids))}
         responses: dict[int, dict[int, list[int]]] = defaultdict(dict)
-        for gid, _, rid, blob in read.finished_response_chunks(conn):  # what --spec-history reads
+        for gid, _, rid, blob in queries.responses.finished_response_chunks(conn):  # what --spec-history reads
             responses[gid].setdefault(rid, []).extend(unpack_ints(blob))
     return [(list(prompts[gid]), list(by_request.values())) for gid, by_request in sorted(responses.items())]
 
