@@ -97,3 +97,19 @@ class ThreadClock:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+class Laps:
+    """Time spent per named phase of one piece of work, into `held` (name -> [count, seconds]),
+    as `SlowTurns` keeps it: `lap(name)` charges the time since the previous lap to `name`."""
+
+    def __init__(self, held: dict[str, list]) -> None:
+        self.held = held
+        self._last = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        spent = self.held.setdefault(name, [0, 0.0])
+        spent[0] += 1
+        spent[1] += now - self._last
+        self._last = now

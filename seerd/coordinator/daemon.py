@@ -22,16 +22,10 @@ from pathlib import Path
 import uvicorn
 from starlette.applications import Starlette
 
+from seerd.book.book import FORECASTS_PER_TICK, LeaseBook
 from seerd.config import RunConfig
-from seerd.coordinator.api import CoordinatorControl, create_app
-from seerd.coordinator.book import FORECASTS_PER_TICK, LeaseBook
-from seerd.coordinator.drafts import REFRESH_S, DraftHost, book_sequences, history_sequences
 from seerd.coordinator.footprint import check_footprint, mem_available_bytes, run_footprint
-from seerd.coordinator.forwarding import ApiFronts, FrontsGuard, api_processes_for
-from seerd.coordinator.guard import ConnectionGuard, api_server, body_limit, limits_for, raise_open_files_limit
 from seerd.coordinator.heap import HeapKeeper
-from seerd.coordinator.latency import watch_loop_lag
-from seerd.coordinator.kvpool import PoolHost, host_pool, queued_longest, run_tag
 from seerd.coordinator.model_identity import verify_model, weight_version
 from seerd.cpu import CpuSnapshot
 from seerd.db import Engine, Rollout, RolloutStatus, WorkerStatus, add_event, make_engine, make_sessionmaker, queries
@@ -40,13 +34,19 @@ from seerd.db.migrate import upgrade_run_database
 from seerd.db.read import UnreadableDatabase
 from seerd.db.sharing import warn_if_shared
 from seerd.db.wal_sync import WalSyncer
+from seerd.drafts.host import REFRESH_S, DraftHost, book_sequences, history_sequences
 from seerd.io.export import ExportResult, export_run
 from seerd.io.prompts import load_model_limits
+from seerd.kvpool.host import PoolHost, host_pool, queued_longest, run_tag
 from seerd.ownership import Ownership
 from seerd.protocol import EngineSettings, StatusReply
 from seerd.rundir import RunDir
 from seerd.scheduler import make_policy
 from seerd.scheduler.registry import policy_traits
+from seerd.server.app import CoordinatorControl, create_app
+from seerd.server.forwarding import ApiFronts, FrontsGuard, api_processes_for
+from seerd.server.guard import ConnectionGuard, api_server, body_limit, limits_for, raise_open_files_limit
+from seerd.server.latency import watch_loop_lag
 from seerd.status.snapshot import read_snapshot
 
 log = logging.getLogger("seerd.coordinator")

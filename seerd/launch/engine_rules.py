@@ -30,8 +30,8 @@ from dataclasses import replace
 
 import msgspec
 
+from seerd.book.records import chunk_seed
 from seerd.config import CONTEXT_WHY, MAX_TOKEN_COUNT, ConfigError, RunConfig, number_problem
-from seerd.coordinator.records import chunk_seed
 from seerd.coordinator.create import group_sampling
 from seerd.io.prompts import ContextLength, ModelLimits, PromptRow
 from seerd.settings import EngineConfig, Sampling

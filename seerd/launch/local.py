@@ -21,13 +21,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from seerd.settings import KVPoolConfig
 from seerd.coordinator.daemon import Coordinator, CoordinatorResult
-from seerd.event_loop import run_event_loop
 from seerd.db import RolloutStatus
+from seerd.event_loop import run_event_loop
 from seerd.launch.exits import WorkerExit, describe_exit, log_tail
 from seerd.parent_death import die_with_parent as _die_with_parent
 from seerd.rundir import RunDir
+from seerd.settings import KVPoolConfig
 
 log = logging.getLogger("seerd.local")
 

@@ -30,18 +30,18 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from seerd.config import RunConfig
-from seerd.coordinator.api import CoordinatorControl
-from seerd.coordinator.auth import BodyDigestMismatch, SignedCalls, body_mismatch
-from seerd.coordinator.guard import BodyLimitMiddleware
 from seerd.coordinator.daemon import Coordinator, CoordinatorResult, listening_socket, open_database
 from seerd.coordinator.heap import HeapKeeper
-from seerd.coordinator.kvpool import host_pool, run_tag
-from seerd.coordinator.guard import ConnectionGuard, api_server, limits_for, raise_open_files_limit
 from seerd.coordinator.model_identity import ModelChanged, fingerprint_json, model_fingerprint, weight_version
 from seerd.db import Engine, queries
 from seerd.db.read import UnreadableDatabase, reading
+from seerd.kvpool.host import host_pool, run_tag
 from seerd.launch.local import WorkerPool
 from seerd.ownership import Ownership
+from seerd.server.app import CoordinatorControl
+from seerd.server.auth import BodyDigestMismatch, SignedCalls, body_mismatch
+from seerd.server.guard import BodyLimitMiddleware
+from seerd.server.guard import ConnectionGuard, api_server, limits_for, raise_open_files_limit
 from seerd.protocol import (
     BATCH_GROUPS_AFTER, BATCH_GROUPS_WAIT, BATCH_WAIT_MAX_S, BATCHES, CONFIG, CONFIG_AFTER_BATCH, BatchBody,
     EngineSettings, ErrorReply, GroupsReply,

@@ -6,7 +6,7 @@ and a killed worker's leases expire and run elsewhere. No answer of the coordina
 coordinator no longer knows it; only a coordinator gone for longer than the patience does (exit 3).
 A worker exits 4, to be started afresh by its supervisor, when its engine is dead or when the
 coordinator took it out (`Retired`: its engine stopped stepping, or failed what others ran;
-`seerd.coordinator.liveness`).
+`seerd.book.liveness`).
 """
 
 from __future__ import annotations

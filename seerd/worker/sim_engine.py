@@ -30,9 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from seerd.protocol import EngineProgress, parse_engine_id
+from seerd.settings import EngineConfig, Sampling
 from seerd.sim.costs import InstanceCosts, ProfiledCosts
 from seerd.sim.engine import SimInstance, SimSeq
-from seerd.settings import EngineConfig, Sampling
 from seerd.worker.engine import ChunkResult, EngineDead, Stream, run_whole
 
 log = logging.getLogger("seerd.worker.sim")

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from seerd.coordinator.records import WaitingRequest
-from seerd.coordinator.kvpool import TRIM_ABOVE, TRIM_BELOW, PoolHost
+from seerd.book.records import WaitingRequest
 from seerd.kvpool.holder import HolderProcess
+from seerd.kvpool.host import TRIM_ABOVE, TRIM_BELOW, PoolHost
 from seerd.kvpool.keys import BlockKeys
 from seerd.kvpool.service import EVICTION_HIGH_WATERMARK, PoolService
 from seerd.kvpool.store import MiB, close_quietly, open_store

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from seerd.coordinator.kvpool import PoolHost
 from seerd.kvpool.holder import HolderProcess
+from seerd.kvpool.host import PoolHost
 from seerd.kvpool.keys import BlockKeys
 from seerd.kvpool.service import PoolService
 from seerd.kvpool.store import MiB, close_quietly, open_store

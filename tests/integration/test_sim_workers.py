@@ -110,7 +110,7 @@ def test_the_load_tool_runs_64_workers_and_5000_requests_each_exactly_once(tmp_p
 
 
 def test_the_load_tool_runs_through_api_front_processes_each_request_exactly_once(tmp_path):
-    """The same with the API served by two front processes (coordinator/front.py), as from 600
+    """The same with the API served by two front processes (server/front.py), as from 600
     workers: every call forwarded to the coordinator's handlers, every request ends once, and
     the fronts' CPU is counted as the coordinator's (its load figures name them)."""
     import sqlite3

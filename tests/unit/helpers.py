@@ -14,25 +14,25 @@ from pathlib import Path
 
 import pytest
 
+from seerd.book.book import LeaseBook
 from seerd.config import RunConfig
-from seerd.coordinator.book import LeaseBook
 from seerd.coordinator.create import create_rollout
 from seerd.coordinator.prior import PriorLengths
 from seerd.db import make_engine, make_sessionmaker
 from seerd.db.migrate import upgrade
+from seerd.db.read import reading
 from seerd.io.prompts import PromptRow
 from seerd.protocol import parse_engine_id
+from seerd.rundir import RunDir
 from seerd.scheduler import make_policy
 from seerd.scheduler.state import FIRST_CHUNK_SPREAD
 from seerd.signing import Signer, call_key, httpx_auth
-from seerd.rundir import RunDir
-from seerd.db.read import reading
 from sqlalchemy import select
-from seerd.db import Rollout
 from seerd.coordinator.model_identity import weight_version
-from seerd.worker.main import LoadedWeights
+from seerd.db import Rollout
 from seerd.settings import Sampling
 from seerd.worker.engine import ChunkResult, StepClock, Stream, run_whole
+from seerd.worker.main import LoadedWeights
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -62,7 +62,7 @@ async def served(app, sock: socket.socket | None = None, guard=None) -> AsyncIte
     """`app` served on `sock` (else a free loopback port) by the coordinator's own server
     (`guard.api_server`: httptools behind the connection guard): its base URL, for a real client
     over a real socket."""
-    from seerd.coordinator.guard import ConnectionGuard, api_server
+    from seerd.server.guard import ConnectionGuard, api_server
 
     if sock is None:
         sock, _ = loopback_socket()

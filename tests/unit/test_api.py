@@ -10,8 +10,8 @@ import httpx
 import pytest
 from starlette.testclient import TestClient
 
-from seerd.coordinator.api import CoordinatorControl, create_app
 from seerd import protocol
+from seerd.server.app import CoordinatorControl, create_app
 from seerd.protocol import (
     BadReply, ChunkGrant, ChunkReport, EngineSettings, HeartbeatBody, HeartbeatReply, LeaseBody, RegisterBody,
     RegisterReply, ReportBody, ReportReply, ReportResult,
@@ -217,7 +217,7 @@ def test_a_long_poll_whose_worker_cannot_take_the_work_waits_on_to_its_deadline(
 
     answer, again = asyncio.run(scenario())
     assert answer["chunks"] == [] and answer["waited_s"] >= 0.95  # its deadline
-    # The coordinator's own time for it leaves the wait out (seerd/coordinator/latency.py).
+    # The coordinator's own time for it leaves the wait out (seerd/server/latency.py).
     figures = control.latencies.figures()
     assert figures["/v1/lease"]["max_ms"] < 900 and figures["/v1/lease"]["calls"] == 3
     assert again["prompt_token_ids"][-16:] == [3] * 16  # left to w0, which holds room for it
@@ -256,7 +256,7 @@ def test_the_worker_client_gets_typed_replies(tmp_path):
 
 
 def test_the_worker_client_says_when_a_reply_is_not_its_type():
-    from seerd.coordinator.auth import SignedCalls
+    from seerd.server.auth import SignedCalls
 
     async def not_a_lease_reply(scope, receive, send) -> None:  # noqa: ANN001
         body = b'{"chunks": [{"chunk_id": 1}], "done": false}'
@@ -279,7 +279,7 @@ def test_the_worker_client_says_when_a_reply_is_not_its_type():
 
 def drafts_app(tmp_path, address: str = ""):  # noqa: ANN201
     """An API with a grouped draft server over a book of 2 groups x 2: (app, book, draft host)."""
-    from seerd.coordinator.drafts import DraftHost
+    from seerd.drafts.host import DraftHost
 
     clock = FakeClock()
     book = make_book(tmp_path, prompt_rows=rows(groups=2, n=2, max_tokens=20), now=clock())
@@ -374,7 +374,7 @@ def test_the_draft_sync_threads_transport_appends_and_fetches_over_a_real_socket
 def test_a_long_state_thread_turn_hands_over_the_answers_it_has_before_it_ends():
     # The second call of the turn only ends once the first call's answer has reached the loop: a
     # turn that answered every call at its end would never let it (the wait times out and fails).
-    from seerd.coordinator.control import ANSWERS_EVERY_S
+    from seerd.server.control import ANSWERS_EVERY_S
 
     async def scenario() -> list[str]:
         control = CoordinatorControl()

@@ -1,4 +1,4 @@
-"""The coordinator's API served by front processes (coordinator/front.py, forwarding.py): real
+"""The coordinator's API served by front processes (server/front.py, forwarding.py): real
 front processes on a real socket, forwarding to the API's handlers on a real book. Calls are
 signed and answered as in one process; a replay is refused whichever front takes it; the fronts'
 refusals reach the coordinator's /metrics; a killed front is started again; the fronts die with
@@ -20,11 +20,11 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from seerd import protocol
-from seerd.coordinator.api import CoordinatorControl, create_app
-from seerd.coordinator.auth import REPLAYED
-from seerd.coordinator.forwarding import ApiFronts, api_processes_for
-from seerd.coordinator.guard import ConnectionLimits
 from seerd.protocol import EngineSettings, HeartbeatBody, LeaseBody, RegisterBody
+from seerd.server.app import CoordinatorControl, create_app
+from seerd.server.auth import REPLAYED
+from seerd.server.forwarding import ApiFronts, api_processes_for
+from seerd.server.guard import ConnectionLimits
 from seerd.settings import EngineConfig
 from seerd.worker.client import CoordinatorClient
 from tests.unit.helpers import FakeClock, loopback_socket, make_book, python, rows, signed_auth

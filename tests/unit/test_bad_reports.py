@@ -10,12 +10,12 @@ import pytest
 from starlette.testclient import TestClient
 from sqlalchemy import select
 
+from seerd.book.report_rules import LOGPROB_ROUNDING, report_problem
 from seerd.config import EngineConfig
-from seerd.coordinator.api import CoordinatorControl, create_app
-from seerd.coordinator.guard import body_limit
-from seerd.coordinator.reports import LOGPROB_ROUNDING, report_problem
 from seerd.db import Chunk, ChunkStatus, Event, Request, RequestStatus
 from seerd.protocol import ChunkReport
+from seerd.server.app import CoordinatorControl, create_app
+from seerd.server.guard import body_limit
 from tests.unit.helpers import VOCAB_SIZE, FakeClock, make_book, rows, signed_auth
 
 SECRET = "s3cret-token"

@@ -1,4 +1,4 @@
-"""The coordinator's connection limits (coordinator/guard.py) on its real server (uvicorn, httptools,
+"""The coordinator's connection limits (server/guard.py) on its real server (uvicorn, httptools,
 the API on a real book): heads too large or too slow, bodies too large or too slow, strangers
 holding hundreds of idle connections while a registered worker is served, and the open-files
 limit raised to what the workers need."""
@@ -21,8 +21,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from seerd import protocol
-from seerd.coordinator.api import CoordinatorControl, create_app
-from seerd.coordinator.guard import (
+from seerd.server.app import CoordinatorControl, create_app
+from seerd.server.guard import (
     FILES_PER_WORKER, MAX_UNPROVEN, RESERVED_FILES, ConnectionGuard, ConnectionLimits, limits_for,
     open_files_needed,
 )
@@ -259,7 +259,7 @@ def test_a_coordinator_whose_open_files_are_few_still_serves_its_worker_past_400
 RAISE = """
 import json, resource, sys
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, int(sys.argv[1])))
-from seerd.coordinator.guard import raise_open_files_limit
+from seerd.server.guard import raise_open_files_limit
 limits = [raise_open_files_limit(8), raise_open_files_limit(4096)]
 print(json.dumps([*limits, resource.getrlimit(resource.RLIMIT_NOFILE)]))
 """
@@ -289,7 +289,7 @@ def test_a_call_that_never_ends_does_not_keep_the_stopping_server_from_stopping(
     from starlette.applications import Starlette
     from starlette.routing import Route
 
-    from seerd.coordinator import guard as guard_module
+    from seerd.server import guard as guard_module
 
     monkeypatch.setattr(guard_module, "SHUTDOWN_GRACE_S", 0.5)
     entered = asyncio.Event()

@@ -10,8 +10,8 @@ import msgspec
 import numpy as np
 import pytest
 
-from seerd.coordinator.drafts import append_items
 from seerd.drafts.client import DraftClient
+from seerd.drafts.host import append_items
 from seerd.drafts.server import DraftServer
 from seerd.protocol import (
     DRAFTS_APPEND, DRAFTS_FETCH, DraftAppendBody, DraftAppendItem, DraftAppendReply, DraftAppendResult, DraftChanges,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from seerd.coordinator.drafts import DraftHost, book_sequences, history_sequences
+from seerd.drafts.host import DraftHost, book_sequences, history_sequences
 from seerd.drafts.server import UnknownRequest
 from seerd.protocol import ChunkReport
 from tests.unit.helpers import make_book, reopen, rows

@@ -10,7 +10,7 @@ import json
 
 from sqlalchemy import select
 
-from seerd.coordinator.book import MAX_FAILED_ATTEMPTS
+from seerd.book.book import MAX_FAILED_ATTEMPTS
 from seerd.db import Chunk, ChunkStatus, Event, Request, RequestStatus
 from seerd.io.export import export_run
 from seerd.protocol import ChunkReport

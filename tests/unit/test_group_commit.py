@@ -12,12 +12,12 @@ import pytest
 from sqlalchemy import text
 
 from seerd import protocol
-from seerd.coordinator.api import CoordinatorControl, create_app
-from seerd.coordinator.book import LeaseBook, UnknownWorker
-from seerd.coordinator.records import ReportCall
-from seerd.coordinator.records import BookBroken
+from seerd.book.book import LeaseBook, UnknownWorker
+from seerd.book.records import ReportCall
+from seerd.book.records import BookBroken
 from seerd.db.base import CommitTimes
 from seerd.protocol import ChunkReport, EngineSettings, LeaseBody, RegisterBody, ReportBody
+from seerd.server.app import CoordinatorControl, create_app
 from seerd.settings import EngineConfig
 from seerd.worker.client import CoordinatorClient
 from tests.unit.helpers import VOCAB_SIZE, FakeClock, loopback_socket, make_book, rows, served

@@ -11,12 +11,12 @@ import time
 import pytest
 from sqlalchemy import select
 
-from seerd.coordinator.api import CoordinatorControl, create_app
-from seerd.coordinator.records import ReportCall
+from seerd import protocol
+from seerd.book.records import ReportCall
 from seerd.db import Chunk, ChunkStatus, Request, RequestStatus
 from seerd.db.codec import unpack_ints
-from seerd import protocol
 from seerd.protocol import ChunkReport
+from seerd.server.app import CoordinatorControl, create_app
 from seerd.worker.client import CoordinatorClient
 from seerd.worker.main import Worker
 from tests.unit.helpers import ScriptedEngine, loopback_socket, make_book, rows, scripted_tokens, served

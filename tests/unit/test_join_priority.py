@@ -9,8 +9,8 @@ import asyncio
 import threading
 import time
 
-from seerd.coordinator import control as state_thread
-from seerd.coordinator.api import CoordinatorControl
+from seerd.server import control as state_thread
+from seerd.server.app import CoordinatorControl
 
 
 async def _until(condition) -> None:  # noqa: ANN001

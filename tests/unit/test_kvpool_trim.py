@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from seerd.coordinator.records import WaitingRequest
-from seerd.coordinator.kvpool import (
+from seerd.book.records import WaitingRequest
+from seerd.kvpool.host import (
     CHECK_EVERY_S, CHECK_NEAR_BUDGET_S, TRIM_ABOVE, TRIM_BELOW, PoolHost, TrimBudget, queued_longest,
 )
 from seerd.kvpool.keys import request_pattern
@@ -172,7 +172,7 @@ def test_the_pool_is_read_more_often_once_past_the_low_watermark(monkeypatch, he
     pool.hold(1, "r11", held_blocks)
     host = pool_host(pool)
     now = [1000.0]
-    monkeypatch.setattr("seerd.coordinator.kvpool.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("seerd.kvpool.host.time.monotonic", lambda: now[0])
     calls = []
     pool.check = lambda: calls.append(now[0]) or False
     asyncio.run(host.check())

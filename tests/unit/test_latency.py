@@ -1,4 +1,4 @@
-"""The coordinator's own answer times (seerd/coordinator/latency.py): percentiles from 5%-wide
+"""The coordinator's own answer times (seerd/server/latency.py): percentiles from 5%-wide
 buckets agree with the exact ones."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from seerd.coordinator.latency import BUCKET_RATIO, CallLatencies, PlansPerCall, SlowTurns, watch_loop_lag
+from seerd.server.latency import BUCKET_RATIO, CallLatencies, PlansPerCall, SlowTurns, watch_loop_lag
 
 
 def test_bucketed_percentiles_are_within_a_bucket_of_the_exact_ones():

@@ -193,8 +193,18 @@ def test_the_cycle_finder_names_a_cycle():
 
 
 @pytest.mark.parametrize("importer", ["seerd.status", "seerd.sim", "seerd.worker"])
-def test_readers_simulator_and_workers_never_import_the_coordinator(importer):
-    fail_if_any(imports_from(importer, "seerd.coordinator"), f"{importer} imports the coordinator")
+@pytest.mark.parametrize("daemon_part", ["seerd.coordinator", "seerd.book", "seerd.server"])
+def test_readers_simulator_and_workers_never_import_the_daemon(importer, daemon_part):
+    fail_if_any(imports_from(importer, daemon_part), f"{importer} imports {daemon_part}")
+
+
+def test_the_book_knows_nothing_of_the_server_or_the_run_lifecycle():
+    fail_if_any(imports_from("seerd.book", "seerd.server") + imports_from("seerd.book", "seerd.coordinator"),
+                "seerd.book imports the server or the coordinator")
+
+
+def test_the_server_knows_nothing_of_the_run_lifecycle():
+    fail_if_any(imports_from("seerd.server", "seerd.coordinator"), "seerd.server imports the coordinator")
 
 
 def test_the_simulator_uses_the_scheduler_the_protocol_and_the_draft_depth_policy_only():

@@ -1,4 +1,4 @@
-"""The line of long-polling lease calls and the state thread serving it (seerd/coordinator/waiting.py).
+"""The line of long-polling lease calls and the state thread serving it (seerd/server/waiting.py).
 
 The lease here is a callback standing in for the book's (`LeaseBook.lease`), which the HTTP tests
 in test_api.py drive for real; these pin the order of service, the bound on plans, and the hand-over
@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from seerd.coordinator.waiting import EXTRA_PLANS, LeaseLine, Waited
+from seerd.server.waiting import EXTRA_PLANS, LeaseLine, Waited
 
 
 async def parked(line: LeaseLine, workers: list[str], timeout_s: float = 60.0) -> list[tuple[str, asyncio.Task]]:

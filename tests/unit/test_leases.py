@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from sqlalchemy import func, select
 
-from seerd.coordinator.book import MAX_FAILED_ATTEMPTS, UnknownWorker
-from seerd.coordinator.kvpool import queued_longest
+from seerd.book.book import MAX_FAILED_ATTEMPTS, UnknownWorker
 from seerd.db import Chunk, ChunkStatus, Event, Group, Request, RequestStatus
+from seerd.kvpool.host import queued_longest
 from seerd.protocol import ChunkReport
 from tests.unit.helpers import make_book, reopen, rows
 

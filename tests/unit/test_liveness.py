@@ -1,4 +1,4 @@
-"""Liveness by progress (`seerd.coordinator.liveness`): on the real lease book (SQLite) with moved
+"""Liveness by progress (`seerd.book.liveness`): on the real lease book (SQLite) with moved
 time. A worker whose engine stops stepping loses its leases within the stall bound although its
 heartbeats go on, and is taken out; a worker whose engine fails what others run is taken out; a
 poison request takes out nobody. The API tells a taken-out worker so, and its client raises."""
@@ -11,11 +11,11 @@ import pytest
 from sqlalchemy import select
 
 from seerd import protocol
-from seerd.coordinator.api import CoordinatorControl, create_app
-from seerd.coordinator.book import MAX_FAILED_ATTEMPTS, RetiredWorker
-from seerd.coordinator.liveness import RETIRE_AFTER_REFUTED, STALL_STEPS, stall_bound
+from seerd.book.book import MAX_FAILED_ATTEMPTS, RetiredWorker
+from seerd.book.liveness import RETIRE_AFTER_REFUTED, STALL_STEPS, stall_bound
 from seerd.db import Event, Worker, WorkerStatus
 from seerd.protocol import ChunkReport, EngineProgress, HeartbeatBody
+from seerd.server.app import CoordinatorControl, create_app
 from seerd.status.snapshot import read_snapshot
 from seerd.worker.client import CoordinatorClient, Retired
 from seerd.worker.engine import StepClock

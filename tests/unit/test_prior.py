@@ -7,9 +7,9 @@ import json
 import pytest
 from sqlalchemy import select
 
+from seerd.book.book import LeaseBook
 from seerd.coordinator.create import prompt_hash
 from seerd.coordinator.prior import MAX_HISTORY_AGE, PriorLengths, PriorRunError, read_prior
-from seerd.coordinator.book import LeaseBook
 from seerd.db import Event, Group, PromptLengthHistory, RolloutStatus, make_engine
 from seerd.io.prompts import PromptRow
 from seerd.protocol import ChunkReport

@@ -98,7 +98,7 @@ def test_draft_ids_are_json_object_keys_on_the_wire():
 
 
 def test_every_api_route_is_a_protocol_endpoint(tmp_path):
-    from seerd.coordinator.api import CoordinatorControl, create_app
+    from seerd.server.app import CoordinatorControl, create_app
     from tests.unit.helpers import make_book, rows
 
     from seerd.serve.server import Server

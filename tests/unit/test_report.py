@@ -24,8 +24,8 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from seerd.book.book import LeaseBook
 from seerd.cli.main import EXIT_BAD_INPUT, cli
-from seerd.coordinator.book import LeaseBook
 from seerd.db import RolloutStatus, add_event
 from seerd.io.prompts import PromptRow
 from seerd.protocol import ChunkReport

@@ -17,8 +17,8 @@ from click.testing import CliRunner
 from seerd.cli.main import EXIT_BAD_INPUT, cli
 from seerd.config import ROLLOUT_DEFAULTS, build_config
 from seerd.coordinator.daemon import Coordinator
-from seerd.event_loop import run_event_loop
 from seerd.db import RolloutStatus
+from seerd.event_loop import run_event_loop
 from seerd.launch.prepare import BadRun, prepare_run, stored_rollout
 from seerd.ownership import OWNER_FILE, read_owner, take_ownership
 from seerd.rundir import RunDir

@@ -130,7 +130,7 @@ def test_a_file_that_is_no_safetensors_is_refused(tmp_path, garbage):
 
 
 def test_a_batchs_drafts_are_seeded_with_the_earlier_batches_responses_only(tmp_path):
-    from seerd.coordinator.drafts import history_sequences
+    from seerd.drafts.host import history_sequences
 
     same = rows(groups=2, n=2, max_tokens=40)
     first = make_book(tmp_path, chunk_tokens=64, prompt_rows=same)
@@ -148,7 +148,7 @@ def test_a_batchs_drafts_are_seeded_with_the_earlier_batches_responses_only(tmp_
 def test_a_batch_is_created_once_per_key_checked_as_a_run_and_seeded_by_the_previous_batch(tmp_path,
                                                                                           tiny_model_dir):
     from seerd.config import RunConfig
-    from seerd.coordinator.book import LeaseBook
+    from seerd.book.book import LeaseBook
     from seerd.db import RolloutStatus, make_engine, make_sessionmaker
     from seerd.db.migrate import upgrade
     from seerd.protocol import BatchBody

@@ -1,4 +1,4 @@
-"""Signed calls (seerd/signing.py, coordinator/auth.py): what a signature binds, replays and
+"""Signed calls (seerd/signing.py, server/auth.py): what a signature binds, replays and
 tampering refused with 401, answers a client can tell from a stranger's, clocks that disagree,
 and Prometheus's read-only token."""
 
@@ -11,9 +11,9 @@ import time
 import pytest
 from starlette.testclient import TestClient
 
-from seerd.coordinator.api import CoordinatorControl, create_app
-from seerd.coordinator.auth import SeenNonces
 from seerd.protocol import EngineSettings
+from seerd.server.app import CoordinatorControl, create_app
+from seerd.server.auth import SeenNonces
 from seerd.settings import EngineConfig
 from seerd.signing import (
     REPLY_HEADER, STALE_TIMESTAMP, Mac, Signer, block_key, call_key, parse_authorization, reply_mac,

@@ -13,12 +13,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from seerd.cli.main import cli
+from seerd.scheduler.state import FIRST_CHUNK_SPREAD
 from seerd.sim.costs import InstanceCosts
 from seerd.sim.driver import SimResult, Simulation
 from seerd.sim.presets import PRESETS, get_preset
 from seerd.sim.report import SimSettings, run_comparison, summarize
 from seerd.sim.workload import SimGroup, TraceError, Workload, generate, load_trace, next_iteration
-from seerd.scheduler.state import FIRST_CHUNK_SPREAD
 from tests.unit.helpers import HAND_CHUNKS, hand_built_cache_run
 
 QWEN = get_preset("qwen2-vl-72b")

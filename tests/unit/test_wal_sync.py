@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 from sqlalchemy import text
 
-from seerd.coordinator.records import ReportCall
-from seerd.coordinator.control import CoordinatorControl
-from seerd.coordinator.records import BookBroken
+from seerd.book.records import ReportCall
+from seerd.book.records import BookBroken
 from seerd.db import make_engine
 from seerd.db.base import begin
 from seerd.db.wal_sync import WalSyncer
 from seerd.protocol import ChunkReport
+from seerd.server.control import CoordinatorControl
 from tests.unit.helpers import FakeClock, make_book, rows
 
 WAIT_S = 30  # only ever reached when something is broken

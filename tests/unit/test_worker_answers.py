@@ -11,13 +11,13 @@ import pytest
 from sqlalchemy import select
 
 from seerd import protocol
-from seerd.coordinator.api import CoordinatorControl, create_app
 from seerd.db import Chunk, ChunkStatus, Request, RequestStatus
 from seerd.db.codec import unpack_ints
 from seerd.protocol import ErrorReply, LeaseBody, RegisterBody
+from seerd.server.app import CoordinatorControl, create_app
+from seerd.signing import REPLY_HEADER, Mac, body_digest, call_key, parse_authorization, reply_mac
 from seerd.worker.client import CoordinatorClient, CoordinatorGone, CoordinatorRefused, NotRegistered
 from seerd.worker.main import Worker
-from seerd.signing import REPLY_HEADER, Mac, body_digest, call_key, parse_authorization, reply_mac
 from tests.unit.helpers import ScriptedEngine, loopback_socket, make_book, rows, scripted_tokens, served
 
 SECRET = "s3cret-token"

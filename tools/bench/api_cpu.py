@@ -1,5 +1,5 @@
 """CPU per API call of the coordinator's app on its event-loop thread, without the network: the
-ASGI app of `seerd.coordinator.api.create_app` called in-process with a heartbeat (the cheapest
+ASGI app of `seerd.server.app.create_app` called in-process with a heartbeat (the cheapest
 handler: the framework, the signature and body-limit middlewares, msgspec, the hop to the state
 thread) and with a report of one 16-token chunk followed by its lease (what a chunk costs).
 Each call is signed as a worker signs it and its answer's signature checked; that client-side
@@ -30,15 +30,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import msgspec  # noqa: E402
 
+from seerd.book.book import LeaseBook  # noqa: E402
 from seerd.config import RunConfig  # noqa: E402
-from seerd.coordinator.api import CoordinatorControl, create_app  # noqa: E402
-from seerd.coordinator.book import LeaseBook  # noqa: E402
 from seerd.coordinator.create import create_rollout  # noqa: E402
 from seerd.db import make_engine, make_sessionmaker  # noqa: E402
 from seerd.db.migrate import upgrade  # noqa: E402
 from seerd.io.prompts import PromptRow  # noqa: E402
 from seerd.protocol import HEARTBEAT, LEASE, REPORT, ChunkReport, HeartbeatBody, LeaseBody, ReportBody  # noqa: E402
 from seerd.scheduler import make_policy  # noqa: E402
+from seerd.server.app import CoordinatorControl, create_app  # noqa: E402
 
 try:  # signed calls (the security branch on); before it, the bearer secret
     from seerd.signing import REPLY_HEADER, Signer, call_key  # noqa: E402

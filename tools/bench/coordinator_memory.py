@@ -29,8 +29,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tools.bench.runner import print_json  # noqa: E402
 
+from seerd.book.book import LeaseBook  # noqa: E402
 from seerd.config import RunConfig  # noqa: E402
-from seerd.coordinator.book import LeaseBook  # noqa: E402
 from seerd.coordinator.create import create_rollout  # noqa: E402
 from seerd.db import make_engine, make_sessionmaker  # noqa: E402
 from seerd.db.migrate import upgrade  # noqa: E402

@@ -134,7 +134,7 @@ def finish(procs: list[subprocess.Popen], work: Path, tag: str) -> None:
 
 
 def run_direct(model: str, settings: Path, rows: list[dict], workload: Workload, work: Path, seed: int) -> dict:
-    from seerd.coordinator.records import chunk_seed
+    from seerd.book.records import chunk_seed
 
     half = (len(rows) + 1) // 2
     shards = []

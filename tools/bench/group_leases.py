@@ -24,8 +24,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tools.bench.coordinator_memory import run_database  # noqa: E402
-from seerd.coordinator.book import LeaseBook  # noqa: E402
-from seerd.coordinator.records import ReportCall  # noqa: E402
+from seerd.book.book import LeaseBook  # noqa: E402
+from seerd.book.records import ReportCall  # noqa: E402
 from seerd.protocol import ChunkReport  # noqa: E402
 from seerd.scheduler.registry import make_policy  # noqa: E402
 

@@ -45,7 +45,7 @@ async def bare(scope, receive, send):
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(REPLY)).encode())]})
     await send({"type": "http.response.body", "body": REPLY})
 try:  # seerd's clients sign their calls and check the answers' signatures: answer them as the coordinator
-    from seerd.coordinator.auth import SignedCalls
+    from seerd.server.auth import SignedCalls
     signed = SignedCalls(bare, "secret", SimpleNamespace(busy_s=0.0, calls=0, refused={}),
                          address=f"127.0.0.1:{sys.argv[1]}")
 except ImportError:  # a checkout before signed calls

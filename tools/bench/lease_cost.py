@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tools.bench.runner import print_json  # noqa: E402
 
 from tools.bench.coordinator_memory import run_database  # noqa: E402
-from seerd.coordinator.book import LeaseBook  # noqa: E402
+from seerd.book.book import LeaseBook  # noqa: E402
 from seerd.scheduler.registry import make_policy  # noqa: E402
 
 

@@ -87,8 +87,8 @@ class ProcessSampler(threading.Thread):
             coordinator = process_figures(self.pid)
             if coordinator is None:
                 return
-            # Its API fronts count as the coordinator (seerd/coordinator/front.py): their CPU, RSS and fds added.
-            fronts = [f for pid in processes_with(b"seerd.coordinator.front") if (f := process_figures(pid))]
+            # Its API fronts count as the coordinator (seerd/server/front.py): their CPU, RSS and fds added.
+            fronts = [f for pid in processes_with(b"seerd.server.front") if (f := process_figures(pid))]
             cpu_s, rss_kb, fds = (sum(figures) for figures in zip(coordinator, *fronts))
             hosts = {pid: figures[0] for pid in processes_with(b"seerd.worker.sim_host")
                      if (figures := process_figures(pid)) is not None}
@@ -275,7 +275,7 @@ def run(args: argparse.Namespace, work: Path) -> dict:
         "db_mb": (run_dir / "state.db").stat().st_size / 2**20,
         "coordinator_written_mb": max((s["written_mb"] for s in samples), default=None),
         **latency,
-        # The coordinator's own answer times (seerd/coordinator/latency.py): beside the workers'
+        # The coordinator's own answer times (seerd/server/latency.py): beside the workers'
         # figures, they tell its queueing from the simulated workers' processes' own delays.
         "server_calls": load.get("server_calls", {}),
         # The state thread's turns: the oldest call's wait for one, its run time, the largest.

@@ -7,10 +7,10 @@ import json
 from sqlalchemy import Connection, Row, select, update
 from sqlalchemy.orm import Session
 
-from seerd.db.rollout import Rollout
-from seerd.db.status import RolloutStatus
 from seerd.db.event import event_row
 from seerd.db.queries import events
+from seerd.db.rollout import Rollout
+from seerd.db.status import RolloutStatus
 from seerd.db.transitions import change_one, insert_with_status
 
 

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import NamedTuple, Protocol
 
-from seerd.coordinator.records import LeaseTerms, RequestProgress
+from seerd.book.records import LeaseTerms, RequestProgress
 from seerd.db import ChunkStatus, Connection, queries
 from seerd.db.codec import pack_floats, pack_ints
 from seerd.db.event import event_row

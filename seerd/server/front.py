@@ -12,7 +12,7 @@ of nonces seen (a replay may reach another front).
 
 A front holds no state worth keeping: it exits when the coordinator's end of its link closes
 (and on its parent's death), and the coordinator starts another if one dies. Run as
-`python -m seerd.coordinator.front LISTEN_FD LINK_FD`; the secret arrives over the link, never on
+`python -m seerd.server.front LISTEN_FD LINK_FD`; the secret arrives over the link, never on
 the command line (`ps` shows that to every user).
 """
 
@@ -31,9 +31,9 @@ from dataclasses import asdict
 import msgspec
 from starlette.requests import ClientDisconnect
 
-from seerd.coordinator.auth import NONCE_SCOPE_KEY, BodyDigestMismatch, SignedCalls
-from seerd.coordinator.guard import CONNECTION_SCOPE_KEY, BodyLimitMiddleware, ConnectionGuard, ConnectionLimits, api_server
 from seerd.protocol import ErrorReply
+from seerd.server.auth import NONCE_SCOPE_KEY, BodyDigestMismatch, SignedCalls
+from seerd.server.guard import CONNECTION_SCOPE_KEY, BodyLimitMiddleware, ConnectionGuard, ConnectionLimits, api_server
 
 log = logging.getLogger("seerd.front")
 

@@ -9,7 +9,7 @@ from collections.abc import Collection, Mapping, Sequence
 
 import msgspec
 
-from seerd.coordinator.records import LeaseTerms, RequestProgress, chunk_seed
+from seerd.book.records import LeaseTerms, RequestProgress, chunk_seed
 from seerd.db import Connection, queries
 from seerd.db.codec import unpack_ints
 from seerd.db.event import event_row

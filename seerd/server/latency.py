@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import heapq
 import math
-import time
 
 BUCKET_RATIO = 1.05
 FLOOR_S = 1e-5
@@ -87,22 +86,6 @@ def _turn(entry: tuple[float, float, int, dict[str, list]]) -> dict:
     ran, at, _, held = entry
     return {"at_s": round(at, 2), "ran_ms": round(1e3 * ran, 1),
             "held": {name: [count, round(1e3 * seconds, 1)] for name, (count, seconds) in held.items()}}
-
-
-class Laps:
-    """Time spent per named phase of one piece of work, into `held` (name -> [count, seconds]),
-    as `SlowTurns` keeps it: `lap(name)` charges the time since the previous lap to `name`."""
-
-    def __init__(self, held: dict[str, list]) -> None:
-        self.held = held
-        self._last = time.perf_counter()
-
-    def lap(self, name: str) -> None:
-        now = time.perf_counter()
-        spent = self.held.setdefault(name, [0, 0.0])
-        spent[0] += 1
-        spent[1] += now - self._last
-        self._last = now
 
 
 class PlansPerCall:

@@ -15,7 +15,7 @@ from dataclasses import asdict
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from seerd.coordinator.book import LeaseBook
+from seerd.book.book import LeaseBook
 from seerd.db.status import RequestStatus, WorkerStatus
 from seerd.tail import finishes_before_tail
 

@@ -24,17 +24,17 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from seerd.settings import EngineConfig
-from seerd.coordinator.auth import BodyDigestMismatch, SignedCalls, body_mismatch
-from seerd.coordinator.book import LeaseBook, RetiredWorker, UnknownWorker
-from seerd.coordinator.records import ReportCall
-from seerd.coordinator.control import CoordinatorControl
-from seerd.coordinator.drafts import DraftHost, append_items
-from seerd.coordinator.guard import BodyLimitMiddleware, body_limit
-from seerd.coordinator.latency import WAITED_SCOPE_KEY
-from seerd.coordinator.metrics import RefusalCollector, RolloutCollector, metrics_registry
+from seerd.book.book import LeaseBook, RetiredWorker, UnknownWorker
+from seerd.book.records import ReportCall
 from seerd.db.read import UnreadableDatabase
+from seerd.drafts.host import DraftHost, append_items
 from seerd.drafts.server import DraftError
+from seerd.server.auth import BodyDigestMismatch, SignedCalls, body_mismatch
+from seerd.server.control import CoordinatorControl
+from seerd.server.guard import BodyLimitMiddleware, body_limit
+from seerd.server.latency import WAITED_SCOPE_KEY
+from seerd.server.metrics import RefusalCollector, RolloutCollector, metrics_registry
+from seerd.settings import EngineConfig
 from seerd.protocol import (
     CONFIG, DRAFTS_APPEND, DRAFTS_FETCH, DRAFTS_STATS, HEARTBEAT, LEASE, LONG_POLL_MAX_S, MAX_SNAPSHOT_TAIL_ROWS,
     REGISTER, RELEASE, REPORT, SNAPSHOT_TAIL_ROWS, STATUS, STATUS_SNAPSHOT, UNKNOWN_WORKER, WEIGHTS_MISMATCH,

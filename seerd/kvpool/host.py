@@ -32,7 +32,7 @@ from pathlib import Path
 
 import msgspec
 
-from seerd.coordinator.records import WaitingRequest
+from seerd.book.records import WaitingRequest
 from seerd.kvpool.address import read_pool_address
 from seerd.kvpool.keys import batch_scope, group_pattern, request_pattern, run_pattern
 from seerd.kvpool.store import PoolUnavailable, close_quietly, open_store

@@ -25,7 +25,7 @@ from functools import partial
 from pathlib import Path
 
 
-from seerd.coordinator.leases import read_tokens
+from seerd.book.leases import read_tokens
 from seerd.db import Connection, queries, read
 from seerd.drafts.server import DraftError, DraftServer
 from seerd.ownership import Ownership

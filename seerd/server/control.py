@@ -21,15 +21,15 @@ from contextlib import AbstractContextManager as ContextManager
 from functools import partial
 from typing import NamedTuple
 
-from seerd.coordinator.book import LeaseBook, UnknownWorker
-from seerd.coordinator.records import ReportCall
-from seerd.coordinator.latency import CallLatencies, Laps, PlansPerCall, SlowTurns
-from seerd.coordinator.reports import ReportOutcome
-from seerd.coordinator.waiting import LeaseLine
-from seerd.cpu import ThreadClock
+from seerd.book.book import LeaseBook, UnknownWorker
+from seerd.book.records import ReportCall
+from seerd.book.report_rules import ReportOutcome
+from seerd.cpu import Laps, ThreadClock
 from seerd.db.base import CommitTimes
 from seerd.db.wal_sync import WalSyncer
 from seerd.protocol import ChunkGrant
+from seerd.server.latency import CallLatencies, PlansPerCall, SlowTurns
+from seerd.server.waiting import LeaseLine
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from seerd.coordinator.records import GroupInputs, RequestProgress
+from seerd.book.records import GroupInputs, RequestProgress
 from seerd.db import Connection, RequestStatus, queries
 from seerd.db.codec import unpack_ints
 from seerd.scheduler.state import GroupRecord, RequestRecord

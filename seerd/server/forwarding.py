@@ -27,13 +27,13 @@ from starlette.requests import Request
 from starlette.routing import Route
 
 from seerd import cpu
-from seerd.coordinator.auth import REPLAYED, SeenNonces
-from seerd.coordinator.front import (
+from seerd.server.auth import REPLAYED, SeenNonces
+from seerd.server.front import (
     FROM_FRONT, Answer, ForwardedCall, FrontReady, FrontSetup, FrontTally, Link, Stop,
 )
-from seerd.coordinator.guard import SHUTDOWN_GRACE_S, ConnectionLimits, GuardCounters
-from seerd.coordinator.latency import WAITED_SCOPE_KEY
 from seerd.protocol import ErrorReply
+from seerd.server.guard import SHUTDOWN_GRACE_S, ConnectionLimits, GuardCounters
+from seerd.server.latency import WAITED_SCOPE_KEY
 
 log = logging.getLogger("seerd.coordinator")
 
@@ -174,7 +174,7 @@ class ApiFronts:
 
     async def _start(self, index: int, sock: socket.socket) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        process = subprocess.Popen([sys.executable, "-m", "seerd.coordinator.front", str(sock.fileno()), str(theirs.fileno())],
+        process = subprocess.Popen([sys.executable, "-m", "seerd.server.front", str(sock.fileno()), str(theirs.fileno())],
                                    pass_fds=(sock.fileno(), theirs.fileno()), stdin=subprocess.DEVNULL)
         theirs.close()
         loop = asyncio.get_running_loop()

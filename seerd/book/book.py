@@ -28,13 +28,13 @@ import contextlib
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from seerd.coordinator.book_reports import BookReports
-from seerd.coordinator.leases import grant_leases, write_leases
-from seerd.coordinator.liveness import WorkerLiveness, chunk_failed
-from seerd.coordinator.records import (
+from seerd.book.leases import grant_leases, write_leases
+from seerd.book.liveness import WorkerLiveness, chunk_failed
+from seerd.book.report_calls import BookReports
+from seerd.book.records import (
     BookBroken, Failure, GroupInputs, LeaseTerms, RequestProgress, Requeue, RetiredWorker, UnknownWorker,
 )
-from seerd.coordinator.saved import read_saved_rollout
+from seerd.book.saved import read_saved_rollout
 from seerd.cpu import CpuSnapshot
 from seerd.db import ChunkStatus, Connection, Engine, RolloutStatus, Session, WorkerStatus, queries, sessionmaker
 from seerd.db.base import Writer

@@ -12,13 +12,12 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from typing import Union
 
-from seerd.coordinator.latency import Laps
-from seerd.coordinator.liveness import WorkerLiveness, chunk_done, refuted_reason
-from seerd.coordinator.records import ReportCall, UnknownWorker
-from seerd.coordinator.reports import (
+from seerd.book.liveness import WorkerLiveness, chunk_done, refuted_reason
+from seerd.book.records import ReportCall, UnknownWorker
+from seerd.book.report_rules import (
     ReportOutcome, judge_unleased, sort_reports, with_queued_contexts, write_results,
 )
-from seerd.cpu import CpuSnapshot
+from seerd.cpu import CpuSnapshot, Laps
 from seerd.protocol import ChunkGrant, ChunkReport, UnreadableReport
 
 # A report call's answer: its reports' outcomes and its new grants.

@@ -22,9 +22,9 @@ from collections.abc import Callable
 import msgspec
 from starlette.requests import ClientDisconnect
 
-from seerd.coordinator.guard import CONNECTION_SCOPE_KEY
-from seerd.coordinator.latency import WAITED_SCOPE_KEY
 from seerd.protocol import ErrorReply
+from seerd.server.guard import CONNECTION_SCOPE_KEY
+from seerd.server.latency import WAITED_SCOPE_KEY
 from seerd.signing import (
     MAX_SKEW_S, REPLY_HEADER, STALE_TIMESTAMP, Mac, call_key, parse_authorization, reply_mac, request_mac,
 )

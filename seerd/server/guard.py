@@ -30,8 +30,8 @@ import uvicorn
 from starlette.responses import Response
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from seerd.settings import EngineConfig
 from seerd.protocol import LONG_POLL_MAX_S, ErrorReply
+from seerd.settings import EngineConfig
 
 log = logging.getLogger("seerd.coordinator")
 
