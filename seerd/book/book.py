@@ -29,6 +29,7 @@ from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from seerd.book.leases import grant_leases, write_leases
+from seerd.book.listeners import BookListeners
 from seerd.book.liveness import WorkerLiveness, chunk_failed
 from seerd.book.report_calls import BookReports
 from seerd.book.records import (
@@ -87,11 +88,7 @@ class LeaseBook(BookReports):
         self.reports_synced_later = False  # True: the caller fsyncs reports before acknowledging (wal_sync)
         self.completed_at: float | None = None  # the report that finished the last request; generation ends
         self.completed_cpu: CpuSnapshot | None = None  # this process's CPU time then (the export comes after)
-        # Called on this (the state) thread after each commit: (group, request, offset, tokens) per
-        # accepted chunk, and a group's id once all its responses are done. The draft host listens.
-        self.on_committed_tokens: Callable[[int, int, int, Sequence[int]], None] | None = None
-        self.on_group_finished: Callable[[int], None] | None = None
-        self.on_request_finished: Callable[[int, int], None] | None = None  # (group, request), e.g. the KV pool
+        self.listeners = BookListeners()  # the draft server's, the KV pool's, a serve's dispatch
 
     def close(self) -> None:
         """Give back the connections the book keeps for its writes (`db.base.Writer`), its re-key thread."""
@@ -357,10 +354,9 @@ class LeaseBook(BookReports):
             return
         progress.tokens = None
         request = self.state.requests[lease.request_id]
-        if self.on_request_finished is not None:  # ended: listeners forget it, and its group once all ended
-            self.on_request_finished(request.group_id, request.id)
-        if request.group_id not in self.state.unfinished_groups and self.on_group_finished is not None:
-            self.on_group_finished(request.group_id)
+        self.listeners.request_done(request.group_id, request.id)  # ended: listeners forget it
+        if request.group_id not in self.state.unfinished_groups:  # and its group once all ended
+            self.listeners.group_done(request.group_id)
 
     # ----------------------------------------------------------------- expiry
     def expire(self, now: float) -> int:

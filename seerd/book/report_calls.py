@@ -90,19 +90,17 @@ class BookReports:
             refuted.update((w.id, w) for w in chunk_done(self.workers, entry.worker_id, request.id, request.failed_on))
             progress = self.progress[request.id]
             progress.num_chunks += 1
-            if self.on_committed_tokens is not None:  # e.g. the grouped draft server's copy
-                self.on_committed_tokens(request.group_id, request.id, request.generated - len(report.token_ids),
-                                         report.token_ids)
+            self.listeners.tokens_committed(request.group_id, request.id, request.generated - len(report.token_ids),
+                                            report.token_ids)  # e.g. the grouped draft server's copy
             if outcome.finished:
                 progress.tokens = None  # durable in the database; the coordinator needs them no more
-                if self.on_request_finished is not None:
-                    self.on_request_finished(request.group_id, request.id)
+                self.listeners.request_done(request.group_id, request.id)
             elif progress.tokens is not None:  # None: running in place, read back if it moves
                 progress.tokens.extend(report.token_ids)
             answers[entry.call][entry.position] = ReportOutcome(True, request_finished=outcome.finished)
         for group in prepared.groups:
-            if group.complete and self.on_group_finished is not None:
-                self.on_group_finished(group.group_id)
+            if group.complete:
+                self.listeners.group_done(group.group_id)
         for (c, i, problem), failure in zip(rejected, failures):
             again = "its request failed" if failure.fatal else "the chunk runs again"
             answers[c][i] = ReportOutcome(False, reason=f"rejected, {again}: {problem}", rerun=not failure.fatal)

@@ -148,13 +148,14 @@ class Coordinator:
         self.book = LeaseBook(self.sessions, rollout.id, make_policy(self.config.policy),
                               chunk_tokens=self.config.chunk_tokens, lease_ttl_s=self.config.lease_ttl_s,
                               seed=self.config.seed, vocab_size=vocab_size, in_place=self.config.in_place)
-        self.control = CoordinatorControl()
+        self.control = CoordinatorControl(self.book, clock=clock, scheduling_gate=self._gate)
         self.heap = heap or HeapKeeper()
         self._own_heap = heap is None
         # The job's grouped draft server (Seer's DGDS), only when workers draft from it.
         self.drafts = DraftHost() if self.config.spec.mode == "grouped" else None
         if self.drafts is not None:
-            self.book.on_committed_tokens = self.drafts.committed
+            self.book.listeners.committed_tokens.append(self.drafts.committed)
+            self.book.listeners.group_ended.append(self.drafts.group_finished)
         # The job's global KV pool (Mooncake master + metadata server), when workers use it.
         self._own_pool = pool is None
         if pool is None and self.config.kv_pool.mode == "mooncake":
@@ -162,10 +163,8 @@ class Coordinator:
                              model_path=self.config.model_path)
         self.pool = pool
         if self.pool is not None:
-            self.book.on_request_finished = self.pool.request_finished
-        listeners = [host.group_finished for host in (self.drafts, self.pool) if host is not None]
-        if listeners:
-            self.book.on_group_finished = lambda gid: [listener(gid) for listener in listeners]
+            self.book.listeners.request_ended.append(self.pool.request_finished)
+            self.book.listeners.group_ended.append(self.pool.group_finished)
         self._drafts_refreshed_at = 0.0
         self.started_at = clock()
         self.cpu_started = CpuSnapshot.now()
@@ -383,13 +382,12 @@ class Coordinator:
                                    {"master": address.master, "generation": address.generation})
 
     def create_app(self, secret: str, address: str, metrics_token: str | None, *, signed: bool = True) -> Starlette:
-        app = create_app(self.book, secret, self.control, self.clock, self.drafts,
+        app = create_app(self.control, secret, drafts=self.drafts,
                          max_body_bytes=body_limit(self.config.engine, self.config.chunk_tokens),
                          address=address, metrics_token=metrics_token, snapshot=self.status_snapshot,
                          signed=signed)
         app.state.engine_settings = self.engine_settings()
         app.state.kv_pool = self.pool
-        self.control.scheduling_gate = self._gate
         return app
 
     async def _end(self) -> None:

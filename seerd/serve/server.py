@@ -299,14 +299,8 @@ class Server:
         if self.stop_reason is not None:
             coordinator.request_stop(self.stop_reason)
         loop = asyncio.get_running_loop()
-        ended = coordinator.book.on_group_finished  # the draft server's and the pool's, if any
-
-        def group_ended(group_id: int) -> None:  # on the batch's state thread, after the commit
-            if ended is not None:
-                ended(group_id)
-            loop.call_soon_threadsafe(self.dispatch.notify)
-
-        coordinator.book.on_group_finished = group_ended
+        # A group ended (on the batch's state thread, after the commit): held group calls answer.
+        coordinator.book.listeners.group_ended.append(lambda _group_id: loop.call_soon_threadsafe(self.dispatch.notify))
         try:
             result = await coordinator.serve_batch(partial(self._mount, batch), secret, address,
                                                    on_tick=self._supervise)

@@ -12,9 +12,8 @@ the bulk of the traffic and pydantic's per-element validation cost more than the
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -39,7 +38,7 @@ from seerd.protocol import (
     CONFIG, DRAFTS_APPEND, DRAFTS_FETCH, DRAFTS_STATS, HEARTBEAT, LEASE, LONG_POLL_MAX_S, MAX_SNAPSHOT_TAIL_ROWS,
     REGISTER, RELEASE, REPORT, SNAPSHOT_TAIL_ROWS, STATUS, STATUS_SNAPSHOT, UNKNOWN_WORKER, WEIGHTS_MISMATCH,
     WORKER_RETIRED,
-    DraftAppendReply, DraftStats, ErrorReply, HeartbeatBody, HeartbeatReply, LeaseReply,
+    ChunkGrant, DraftAppendReply, DraftStats, ErrorReply, HeartbeatBody, HeartbeatReply, LeaseReply,
     RegisterReply, ReleaseReply, ReportBatch, ReportReply, ReportResult, StatusReply, StatusSnapshot,
     decode_report, heartbeat_interval,
 )
@@ -67,65 +66,60 @@ async def _decode(request: Request, body_type: type):  # noqa: ANN202
         raise ApiError(400, f"malformed JSON: {exc}") from None
 
 
-def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
-               clock: Callable[[], float] = time.time, drafts: DraftHost | None = None, *,
-               max_body_bytes: int | None = None, address: str = "",
-               metrics_token: str | None = None,
-               snapshot: Callable[[int, StatusReply], dict] | None = None, signed: bool = True) -> Starlette:
-    """The API; `max_body_bytes` defaults to the `body_limit` of default engines. Calls are signed
-    for `address` (the "host:port" clients reach it at); `metrics_token` opens `GET /metrics`.
-    `signed=False` leaves the signature check to whoever mounts the app (`seerd serve`'s listener).
-    `snapshot(tail_rows, status)` reads `seerd status`'s snapshot of the run on this host (the
-    daemon's; without it, `STATUS_SNAPSHOT` answers 404).
+class Api:
+    """The endpoints, one handler each, over the control's lease book and state thread. Every call
+    into the book is handed to the state thread (`CoordinatorControl`) and awaited."""
 
-    Plain Starlette routes: each handler takes the request and decodes its body itself, so
-    FastAPI's dependency solving and its extra middleware layer (~0.1 ms a call, every report and
-    lease) bought nothing here."""
-    routes: list[Route] = []
+    def __init__(self, control: CoordinatorControl, *, drafts: DraftHost | None = None,
+                 snapshot: Callable[[int, StatusReply], dict] | None = None) -> None:
+        if control.book is None:
+            raise ValueError("the API needs a control that holds the lease book")
+        self.control = control
+        self.book: LeaseBook = control.book
+        self.clock = control.clock
+        self.drafts = drafts
+        self.snapshot = snapshot
+        self.app: Starlette | None = None  # the app these handlers serve in (its state: settings, pool, guard)
+        self.registry = metrics_registry(
+            RolloutCollector(self.book, control.worker_stats, lambda: control.accepting, self.clock),
+            RefusalCollector(control.refused, lambda: getattr(self.app.state, "guard", None) if self.app else None))
 
-    def route(method: str, path: str) -> Callable:
-        def add(handler: Callable) -> Callable:
-            routes.append(Route(path, handler, methods=[method]))
-            return handler
-        return add
+    def routes(self) -> list[Route]:
+        return [Route(path, handler, methods=[method]) for method, path, handler in (
+            ("GET", CONFIG.path, self.engine_config), ("POST", REGISTER.path, self.register),
+            ("POST", LEASE.path, self.lease), ("POST", REPORT.path, self.report),
+            ("POST", RELEASE.path, self.release), ("POST", HEARTBEAT.path, self.heartbeat),
+            ("POST", DRAFTS_APPEND.path, self.drafts_append), ("POST", DRAFTS_FETCH.path, self.drafts_fetch),
+            ("GET", DRAFTS_STATS.path, self.drafts_stats), ("GET", "/metrics", self.metrics),
+            ("GET", STATUS.path, self.status), ("GET", STATUS_SNAPSHOT.path, self.status_snapshot))]
 
-    async def api_error(_request: Request, exc: ApiError) -> Response:
-        return _json(ErrorReply(exc.detail, exc.code), exc.status)
-
-    async def unknown_worker(_request: Request, exc: UnknownWorker) -> Response:  # retired after `known`
-        if isinstance(exc, RetiredWorker):
-            return _json(ErrorReply(f"worker {exc} was taken out: {exc.reason}; exit", WORKER_RETIRED), 410)
-        return _json(ErrorReply(f"unknown worker {exc}; register again", UNKNOWN_WORKER), 404)
-
-    control.line.room_for = book.state.room_for
-
-    @contextlib.contextmanager
-    def leasing_for_waiting() -> Iterator[Callable[[str, int], object]]:
-        with book.leasing(clock()) as lease:
-            yield lambda worker_id, wanted: (
-                lease(worker_id, wanted) if control.accepting and not book.is_complete() else [])
-
-    control.leasing_for_waiting = leasing_for_waiting
-
-    def known(worker_id: str) -> None:
-        if (reason := book.retired_reason(worker_id)) is not None:
+    # ------------------------------------------------------------------ what handlers share
+    def known(self, worker_id: str) -> None:
+        if (reason := self.book.retired_reason(worker_id)) is not None:
             raise ApiError(410, f"worker {worker_id} was taken out: {reason}; exit", WORKER_RETIRED)
-        if not book.known_worker(worker_id):
+        if not self.book.known_worker(worker_id):
             raise ApiError(404, f"unknown worker {worker_id}; register again", UNKNOWN_WORKER)
 
-    def done_for(worker_id: str) -> bool:
+    def done_for(self, worker_id: str) -> bool:
         """Whether the rollout is complete, noting that this worker has heard it."""
-        if book.is_complete():
-            control.told_done.add(worker_id)
+        if self.book.is_complete():
+            self.control.told_done.add(worker_id)
             return True
         return False
 
-    @route("GET", CONFIG.path)
-    async def engine_config(request: Request) -> Response:
+    def heartbeat_reply(self, body: HeartbeatBody, abort: list[int]) -> HeartbeatReply:
+        """The answer to a heartbeat applied by the book, on its own call or carried by a report."""
+        self.control.worker_stats[body.worker_id] = body.stats
+        if body.leaving:
+            self.control.left.add(body.worker_id)
+        return HeartbeatReply(abort, done=self.done_for(body.worker_id),
+                              interval_s=heartbeat_interval(self.book.lease_ttl_s, self.book.live_count))
+
+    # ------------------------------------------------------------------ workers
+    async def engine_config(self, request: Request) -> Response:
         return _json(request.app.state.engine_settings)
 
-    @route("POST", REGISTER.path)
-    async def register(request: Request) -> Response:
+    async def register(self, request: Request) -> Response:
         body = await _decode(request, REGISTER.body)
         settings = getattr(request.app.state, "engine_settings", None)  # the daemon's; tests' apps may have none
         weights = settings.weights_version if settings is not None else ""
@@ -137,63 +131,76 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
                 or not 1 <= body.kv_block_tokens <= body.kv_capacity_tokens):
             raise ApiError(422, "rank >= 0, max_chunks >= 1, kv_capacity_tokens >= 1, kv_block_tokens in "
                                 "1..kv_capacity_tokens and a worker_id are required")
-        worker = await control.join(book.register, rank=body.rank, address=body.address, max_chunks=body.max_chunks,
-                                    kv_capacity_tokens=body.kv_capacity_tokens, worker_id=body.worker_id[:100],
-                                    kv_block_tokens=body.kv_block_tokens, weights_version=body.weights_version,
-                                    weights_loaded_s=body.weights_loaded_s, dtype=body.dtype[:32], now=clock())
+        book = self.book
+        worker = await self.control.join(
+            book.register, rank=body.rank, address=body.address, max_chunks=body.max_chunks,
+            kv_capacity_tokens=body.kv_capacity_tokens, worker_id=body.worker_id[:100],
+            kv_block_tokens=body.kv_block_tokens, weights_version=body.weights_version,
+            weights_loaded_s=body.weights_loaded_s, dtype=body.dtype[:32], now=self.clock())
         return _json(RegisterReply(worker.id, book.lease_ttl_s, heartbeat_interval(book.lease_ttl_s, book.live_count)))
 
-    @route("POST", LEASE.path)
-    async def lease(request: Request) -> Response:
+    async def lease(self, request: Request) -> Response:
         body = await _decode(request, LEASE.body)
-        known(body.worker_id)
-        if done_for(body.worker_id):
+        control, book = self.control, self.book
+        self.known(body.worker_id)
+        if self.done_for(body.worker_id):
             return _json(LeaseReply([], done=True))
         if not control.accepting:
             return _json(LeaseReply([], done=False, retry_after_s=0.5))
         if not control.scheduling_gate():  # e.g. `group` waits for every worker: ask again soon
             return _json(LeaseReply([], done=False, retry_after_s=0.05))
+        wanted = max(0, body.wanted)
         # An empty queue needs no state-thread call (a hint read here; the state thread decides).
         plans = 1 if len(book.state.queue) else 0
-        grants = await control.lease(book, body.worker_id, max(0, body.wanted), clock()) if plans else []
+        grants = await control.lease(book, body.worker_id, wanted, self.clock()) if plans else []
         waited_s = 0.0
         if not grants and body.wait_s > 0 and not book.is_complete():
-            # Long poll: an idle worker hears of new work at once and costs nothing meanwhile. The
-            # state thread plans for it as work is queued and answers it when it gives it chunks
-            # (`LeaseLine.serve`); its wait for work ends when that work was queued, so that turn
-            # counts in its answer time. Woken because the rollout is over or the coordinator stops
-            # handing out work, it looks once more itself.
-            waiting = time.monotonic()
-            waited = await control.line.wait(min(body.wait_s, LONG_POLL_MAX_S), body.worker_id, max(0, body.wanted))
-            plans += waited.plans
-            waited_s = max(0.0, (waited.ready_at if waited.grants else time.monotonic()) - waiting)
-            request.scope[WAITED_SCOPE_KEY] = waited_s
-            if waited.grants:
-                grants = waited.grants
-            else:
-                known(body.worker_id)
-                if done_for(body.worker_id):
-                    return _json(LeaseReply([], done=True, waited_s=waited_s))
-                if waited.woken and control.accepting:
-                    grants = await control.lease(book, body.worker_id, max(0, body.wanted), clock())
-                    plans += 1
+            answer = await self._wait_for_work(request, body.worker_id, wanted, body.wait_s)
+            if isinstance(answer, Response):
+                return answer
+            grants, more_plans, waited_s = answer
+            plans += more_plans
         control.lease_plans.add(plans, bool(grants))
         return _json(LeaseReply(grants, done=False, retry_after_s=0.0 if grants else 0.05, waited_s=waited_s))
 
-    @route("POST", REPORT.path)
-    async def report(request: Request) -> Response:
+    async def _wait_for_work(self, request: Request, worker_id: str, wanted: int,
+                             wait_s: float) -> tuple[list[ChunkGrant], int, float] | Response:
+        """Long poll: an idle worker hears of new work at once and costs nothing meanwhile. The
+        state thread plans for it as work is queued and answers it when it gives it chunks
+        (`LeaseLine.serve`); its wait for work ends when that work was queued, so that turn counts
+        in its answer time. Woken because the rollout is over or the coordinator stops handing out
+        work, it looks once more itself. (grants, plans made, seconds waited), or the answer."""
+        control = self.control
+        waiting = time.monotonic()
+        waited = await control.line.wait(min(wait_s, LONG_POLL_MAX_S), worker_id, wanted)
+        plans = waited.plans
+        waited_s = max(0.0, (waited.ready_at if waited.grants else time.monotonic()) - waiting)
+        request.scope[WAITED_SCOPE_KEY] = waited_s
+        if waited.grants:
+            return waited.grants, plans, waited_s
+        self.known(worker_id)
+        if self.done_for(worker_id):
+            return _json(LeaseReply([], done=True, waited_s=waited_s))
+        grants = []
+        if waited.woken and control.accepting:
+            grants = await control.lease(self.book, worker_id, wanted, self.clock())
+            plans += 1
+        return grants, plans, waited_s
+
+    async def report(self, request: Request) -> Response:
         body = await _decode(request, ReportBatch)
+        control, book = self.control, self.book
         try:  # each report on its own: a malformed one is rejected alone (`book.report_many`)
             reports = [decode_report(raw) for raw in body.reports]
         except msgspec.ValidationError as exc:
             raise ApiError(422, f"invalid body: a report without an integer chunk_id and epoch ({exc})") from None
-        known(body.worker_id)
+        self.known(body.worker_id)
         beat = body.heartbeat
         if beat is not None and (beat.worker_id != body.worker_id or beat.leaving):
             raise ApiError(422, "a report carries its own worker's heartbeat, never a leaving one")
         outcomes, grants, abort = await control.report(book, ReportCall(
             body.worker_id, reports, may_lease=control.accepting and control.scheduling_gate(), wanted=body.wanted,
-            heartbeat=beat), clock)
+            heartbeat=beat), self.clock)
         # Work for lease calls waiting: a request to continue, a rejected chunk to run again, that
         # no lease of its group commit took (one continued in place never waited in the queue:
         # waking a worker for it made a plan in vain, most of the state thread's work at 512 workers).
@@ -203,66 +210,52 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
             control.work_queued(len(queued), min(queued))
         results = [ReportResult(r.chunk_id, o.accepted, o.duplicate, o.reason) for r, o in zip(reports, outcomes)]
         return _json(ReportReply(results, done=book.is_complete(), grants=grants,
-                                 heartbeat=None if abort is None else heartbeat_reply(beat, abort)))
+                                 heartbeat=None if abort is None else self.heartbeat_reply(beat, abort)))
 
-    @route("POST", RELEASE.path)
-    async def release(request: Request) -> Response:
+    async def release(self, request: Request) -> Response:
         body = await _decode(request, RELEASE.body)
-        known(body.worker_id)
-        released = await control.run(book.release, body.worker_id, body.chunk_id, body.epoch, body.reason, clock(),
-                                     failed=body.failed)
+        self.known(body.worker_id)
+        released = await self.control.run(self.book.release, body.worker_id, body.chunk_id, body.epoch, body.reason,
+                                          self.clock(), failed=body.failed)
         if released:
-            control.work_queued(1)
+            self.control.work_queued(1)
         return _json(ReleaseReply(released))
 
-    @route("POST", HEARTBEAT.path)
-    async def heartbeat(request: Request) -> Response:
+    async def heartbeat(self, request: Request) -> Response:
         body = await _decode(request, HEARTBEAT.body)
-        known(body.worker_id)
-        abort = await control.run(book.heartbeat, body.worker_id, body.running, clock(), body.stats, body.engine)
-        return _json(heartbeat_reply(body, abort))
+        self.known(body.worker_id)
+        abort = await self.control.run(self.book.heartbeat, body.worker_id, body.running, self.clock(), body.stats,
+                                       body.engine)
+        return _json(self.heartbeat_reply(body, abort))
 
-    def heartbeat_reply(body: HeartbeatBody, abort: list[int]) -> HeartbeatReply:
-        """The answer to a heartbeat applied by the book, on its own call or carried by a report."""
-        control.worker_stats[body.worker_id] = body.stats
-        if body.leaving:
-            control.left.add(body.worker_id)
-        return HeartbeatReply(abort, done=done_for(body.worker_id),
-                              interval_s=heartbeat_interval(book.lease_ttl_s, book.live_count))
-
-    def draft_host() -> DraftHost:
-        if drafts is None:
+    # ------------------------------------------------------------------ the grouped draft server
+    def draft_host(self) -> DraftHost:
+        if self.drafts is None:
             raise ApiError(404, "this run has no grouped draft server (its --spec is not grouped)")
-        return drafts
+        return self.drafts
 
-    @route("POST", DRAFTS_APPEND.path)
-    async def drafts_append(request: Request) -> Response:
-        host, body = draft_host(), await _decode(request, DRAFTS_APPEND.body)
+    async def drafts_append(self, request: Request) -> Response:
+        host, body = self.draft_host(), await _decode(request, DRAFTS_APPEND.body)
         return _json(DraftAppendReply(await host.run(append_items, host.server, body.items)))
 
-    @route("POST", DRAFTS_FETCH.path)
-    async def drafts_fetch(request: Request) -> Response:
-        host, body = draft_host(), await _decode(request, DRAFTS_FETCH.body)
+    async def drafts_fetch(self, request: Request) -> Response:
+        host, body = self.draft_host(), await _decode(request, DRAFTS_FETCH.body)
         try:
             return _json(await host.run(host.server.fetch, body.cursors))
         except DraftError as exc:
             raise ApiError(422, str(exc)) from None
 
-    @route("GET", DRAFTS_STATS.path)
-    async def drafts_stats(_request: Request) -> Response:
-        host = draft_host()
+    async def drafts_stats(self, _request: Request) -> Response:
+        host = self.draft_host()
         return _json(DraftStats(**await host.run(host.server.stats)))
 
-    rollout = RolloutCollector(book, control.worker_stats, lambda: control.accepting, clock)
-    refusals = RefusalCollector(control.refused, lambda: getattr(app.state, "guard", None))
-    registry = metrics_registry(rollout, refusals)
-
-    @route("GET", "/metrics")
-    async def metrics(_request: Request) -> Response:
+    # ------------------------------------------------------------------ monitors
+    async def metrics(self, _request: Request) -> Response:
         # Collected on the state thread: the book is read by its owner only.
-        return Response(await control.run(generate_latest, registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(await self.control.run(generate_latest, self.registry), media_type=CONTENT_TYPE_LATEST)
 
-    async def status_reply() -> StatusReply:
+    async def status_reply(self, app: Starlette) -> StatusReply:
+        control, book = self.control, self.book
         counts = await control.run(book.counts)
         pool = getattr(app.state, "kv_pool", None)
         return StatusReply(rollout_id=book.rollout_id, policy=book.policy.name, **counts,
@@ -270,28 +263,52 @@ def create_app(book: LeaseBook, secret: str, control: CoordinatorControl,
                            coordinator_busy_s=control.busy_s, api_calls=control.calls,
                            kv_pool=None if pool is None else pool.latest)
 
-    @route("GET", STATUS.path)
-    async def status(_request: Request) -> Response:
-        return _json(await status_reply())
+    async def status(self, request: Request) -> Response:
+        return _json(await self.status_reply(request.app))
 
-    @route("GET", STATUS_SNAPSHOT.path)
-    async def status_snapshot(request: Request) -> Response:
-        if snapshot is None:
+    async def status_snapshot(self, request: Request) -> Response:
+        if self.snapshot is None:
             raise ApiError(404, "this coordinator serves no status snapshot")
         tail_rows = request.query_params.get(SNAPSHOT_TAIL_ROWS, "15")
         if not (tail_rows.isascii() and tail_rows.isdigit()) or int(tail_rows) > MAX_SNAPSHOT_TAIL_ROWS:
             raise ApiError(422, f"{SNAPSHOT_TAIL_ROWS} must be an integer in 0..{MAX_SNAPSHOT_TAIL_ROWS}")
-        answer = await status_reply()
+        answer = await self.status_reply(request.app)
         try:
-            taken = await control.read(snapshot, int(tail_rows), answer)
+            taken = await self.control.read(self.snapshot, int(tail_rows), answer)
         except UnreadableDatabase as exc:  # locked past the reader's timeout, say
             raise ApiError(503, str(exc)) from None
         return _json(StatusSnapshot(taken))
 
+
+async def _api_error(_request: Request, exc: ApiError) -> Response:
+    return _json(ErrorReply(exc.detail, exc.code), exc.status)
+
+
+async def _unknown_worker(_request: Request, exc: UnknownWorker) -> Response:  # retired after `known`
+    if isinstance(exc, RetiredWorker):
+        return _json(ErrorReply(f"worker {exc} was taken out: {exc.reason}; exit", WORKER_RETIRED), 410)
+    return _json(ErrorReply(f"unknown worker {exc}; register again", UNKNOWN_WORKER), 404)
+
+
+def create_app(control: CoordinatorControl, secret: str, *, drafts: DraftHost | None = None,
+               max_body_bytes: int | None = None, address: str = "", metrics_token: str | None = None,
+               snapshot: Callable[[int, StatusReply], dict] | None = None, signed: bool = True) -> Starlette:
+    """The API over `control`'s lease book; `max_body_bytes` defaults to the `body_limit` of
+    default engines. Calls are signed for `address` (the "host:port" clients reach it at);
+    `metrics_token` opens `GET /metrics`. `signed=False` leaves the signature check to whoever
+    mounts the app (`seerd serve`'s listener). `snapshot(tail_rows, status)` reads `seerd
+    status`'s snapshot of the run on this host (the daemon's; without it, `STATUS_SNAPSHOT`
+    answers 404).
+
+    Plain Starlette routes: each handler takes the request and decodes its body itself, so
+    FastAPI's dependency solving and its extra middleware layer (~0.1 ms a call, every report and
+    lease) bought nothing here."""
+    api = Api(control, drafts=drafts, snapshot=snapshot)
     signing = [Middleware(SignedCalls, secret=secret, control=control, address=address,
                           metrics_token=metrics_token)] if signed else []  # outermost: 401 first
-    app = Starlette(routes=routes, exception_handlers={ApiError: api_error, UnknownWorker: unknown_worker,
-                                                       BodyDigestMismatch: body_mismatch},
-                    middleware=[*signing, Middleware(BodyLimitMiddleware, limit=max_body_bytes or body_limit(
-                        EngineConfig(), book.chunk_tokens))])
-    return app
+    limit = max_body_bytes or body_limit(EngineConfig(), api.book.chunk_tokens)
+    api.app = Starlette(routes=api.routes(),
+                        exception_handlers={ApiError: _api_error, UnknownWorker: _unknown_worker,
+                                            BodyDigestMismatch: body_mismatch},
+                        middleware=[*signing, Middleware(BodyLimitMiddleware, limit=limit)])
+    return api.app

@@ -15,9 +15,8 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager as ContextManager
 from functools import partial
 from typing import NamedTuple
 
@@ -44,7 +43,13 @@ class CoordinatorControl:
     calls queued together in one transaction (`lease`).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, book: LeaseBook | None = None, *, clock: Callable[[], float] = time.time,
+                 scheduling_gate: Callable[[], bool] = lambda: True) -> None:
+        """`book`: the lease book the API's calls go to (None: a control for the state thread alone,
+        as `seerd serve` keeps between batches); `scheduling_gate`: whether leases may be handed out
+        yet (e.g. `group` waits for every worker)."""
+        self.book = book
+        self.clock = clock
         self._state_clock: ThreadClock | None = None  # the state thread's CPU and run-queue wait
         self._state_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="seerd-state",
                                                 initializer=self._open_state_clock)
@@ -52,7 +57,7 @@ class CoordinatorControl:
         # never on the state thread, and one at a time however many watch.
         self._reader_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="seerd-reader")
         self.accepting = True  # false while draining (shutdown, preemption)
-        self.scheduling_gate: Callable[[], bool] = lambda: True  # e.g. wait for every worker
+        self.scheduling_gate = scheduling_gate
         self.worker_stats: dict[str, dict] = {}
         self.told_done: set[str] = set()  # workers that have heard the rollout is complete
         self.left: set[str] = set()  # workers that said goodbye (`HeartbeatBody.leaving`) with their final figures
@@ -71,15 +76,13 @@ class CoordinatorControl:
         self.lease_plans = PlansPerCall()  # plans made for each lease call (long polls planned for in vain)
         self._calls_since = self._reports_since = 0.0  # when the oldest queued call was queued
         self.refused: dict[str, int] = {}  # calls refused by the signature check (auth.py), by reason
-        self.line = LeaseLine()  # lease calls long-polling for work (`work_queued` serves them)
+        # Lease calls long-polling for work (`work_queued` serves them with the book's leases).
+        self.line = LeaseLine(book.state.room_for) if book is not None else LeaseLine()
         # Work queued since the state thread last served the line: how many requests, the
         # shortest context among them, and when the first of them was queued.
         self._owed = 0
         self._owed_context = NO_CONTEXT
         self._owed_since = 0.0
-        # The book's leases for waiting calls (`LeaseLine.serve`), set by `create_app`.
-        self.leasing_for_waiting: Callable[[], ContextManager[Callable[[str, int], object]]] = (
-            lambda: contextlib.nullcontext(lambda _worker_id, _wanted: []))
         # Waiting for the next group commit: each call, its answer, and when it was queued.
         self._reports: list[tuple[ReportCall, asyncio.Future, float]] = []
         self._reports_lock = threading.Lock()  # the loop appends, the state thread takes
@@ -94,6 +97,18 @@ class CoordinatorControl:
         # Set by the daemon (with `LeaseBook.reports_synced_later`): report answers wait for its
         # fsync of the WAL, which runs while the state thread goes on (`_commit_reports`).
         self.wal_syncer: WalSyncer | None = None
+
+    @contextlib.contextmanager
+    def _leasing_for_waiting(self) -> Iterator[Callable[[str, int], object]]:
+        """The book's leases of one transaction for the waiting calls (`LeaseLine.serve`), none
+        while the coordinator hands out no work or the rollout is complete."""
+        book = self.book
+        if book is None:
+            yield lambda _worker_id, _wanted: []
+            return
+        with book.leasing(self.clock()) as lease:
+            yield lambda worker_id, wanted: (
+                lease(worker_id, wanted) if self.accepting and not book.is_complete() else [])
 
     async def run(self, fn, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN201
         """Run `fn` on the state thread and wait for it without blocking the loop. Calls that
@@ -355,7 +370,7 @@ class CoordinatorControl:
         self._owed, self._owed_context = 0, NO_CONTEXT
         if not len(self.line) or not self.accepting:
             return
-        served = asyncio.ensure_future(self.run(self.line.serve, requests, context, since, self.leasing_for_waiting))
+        served = asyncio.ensure_future(self.run(self.line.serve, requests, context, since, self._leasing_for_waiting))
         served.add_done_callback(_log_failure)
 
     @property

@@ -59,12 +59,12 @@ class _Call:
 class LeaseLine:
     """The waiting lease calls, longest waiting first."""
 
-    def __init__(self) -> None:
+    def __init__(self, room_for: Callable[[str, int], int | None] = lambda _worker_id, _context: 0) -> None:
+        """`room_for(worker_id, context)`: a worker's KV room if it could take a request of that
+        context, else None (`SchedulerState.room_for`); read on the state thread."""
         self._calls: collections.deque[_Call] = collections.deque()
         self._lock = threading.Lock()
-        # A worker's KV room if it could take a request of a context, else None
-        # (`SchedulerState.room_for`); read on the state thread.
-        self.room_for: Callable[[str, int], int | None] = lambda _worker_id, _context: 0
+        self.room_for = room_for
 
     def __len__(self) -> int:
         return len(self._calls)

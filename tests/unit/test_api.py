@@ -40,7 +40,7 @@ ENDPOINTS = [
 def client(tmp_path):
     clock = FakeClock()
     book = make_book(tmp_path, prompt_rows=rows(groups=1, n=1, max_tokens=20), now=clock())
-    app = create_app(book, SECRET, CoordinatorControl(), clock)
+    app = create_app(CoordinatorControl(book, clock=clock), SECRET)
     app.state.engine_settings = EngineSettings("m", EngineConfig(), 0)
     with TestClient(app) as test_client:
         test_client.auth = signed_auth(SECRET)
@@ -118,8 +118,8 @@ def test_a_heartbeat_carried_by_a_report_renews_the_workers_leases_before_its_re
     # report's heartbeat runs first (the chunks it reports are still held: renewed, not aborted).
     clock = FakeClock()
     book = make_book(tmp_path, prompt_rows=rows(groups=1, n=2, max_tokens=20), now=clock())
-    control = CoordinatorControl()
-    with TestClient(create_app(book, SECRET, control, clock)) as client:
+    control = CoordinatorControl(book, clock=clock)
+    with TestClient(create_app(control, SECRET)) as client:
         client.auth = signed_auth(SECRET)
         worker = client.post("/v1/register", json={**REGISTER, "max_chunks": 2}).json()["worker_id"]
         first, second = client.post("/v1/lease", json={"worker_id": worker, "wanted": 2}).json()["chunks"]
@@ -161,7 +161,7 @@ def test_long_poll_lease_wakes_when_a_chunk_is_requeued(tmp_path):
 
     clock = FakeClock()
     book = make_book(tmp_path, prompt_rows=rows(groups=1, n=1, max_tokens=40), now=clock())
-    app = create_app(book, SECRET, CoordinatorControl(), clock)
+    app = create_app(CoordinatorControl(book, clock=clock), SECRET)
 
     async def scenario():
         transport = httpx.ASGITransport(app=app)
@@ -193,8 +193,8 @@ def test_a_long_poll_whose_worker_cannot_take_the_work_waits_on_to_its_deadline(
     # empty (which made the worker call again at once).
     clock = FakeClock()
     book = make_book(tmp_path, prompt_rows=rows(groups=1, n=1, max_tokens=40, prompt_len=5), now=clock())
-    control = CoordinatorControl()
-    app = create_app(book, SECRET, control, clock)
+    control = CoordinatorControl(book, clock=clock)
+    app = create_app(control, SECRET)
 
     async def scenario():
         transport = httpx.ASGITransport(app=app)
@@ -227,7 +227,7 @@ def test_the_worker_client_gets_typed_replies(tmp_path):
     clock = FakeClock()
     book = make_book(tmp_path, prompt_rows=rows(groups=1, n=1, max_tokens=20), now=clock())
     sock, address = loopback_socket()
-    app = create_app(book, SECRET, CoordinatorControl(), clock, address=address)
+    app = create_app(CoordinatorControl(book, clock=clock), SECRET, address=address)
     app.state.engine_settings = EngineSettings("m", EngineConfig(max_num_seqs=2), 0)
 
     async def scenario() -> None:
@@ -284,7 +284,7 @@ def drafts_app(tmp_path, address: str = ""):  # noqa: ANN201
     clock = FakeClock()
     book = make_book(tmp_path, prompt_rows=rows(groups=2, n=2, max_tokens=20), now=clock())
     host = DraftHost()
-    app = create_app(book, SECRET, CoordinatorControl(), clock, host, address=address)
+    app = create_app(CoordinatorControl(book, clock=clock), SECRET, drafts=host, address=address)
     host.register(list(book.state.groups))
     return app, book, host
 

@@ -40,8 +40,8 @@ async def fronted(tmp_path: Path, fronts: int = 2) -> AsyncIterator[tuple[str, s
     """An API on a real book served by `fronts` front processes: (url, address, fronts, book)."""
     sock, address = loopback_socket()
     book = make_book(tmp_path, prompt_rows=rows(groups=2, n=2, max_tokens=40), now=FakeClock()())
-    control = CoordinatorControl()
-    app = create_app(book, SECRET, control, time.time, address=address, metrics_token=METRICS_TOKEN,
+    control = CoordinatorControl(book)
+    app = create_app(control, SECRET, address=address, metrics_token=METRICS_TOKEN,
                      max_body_bytes=4096)
     app.state.engine_settings = EngineSettings("m", EngineConfig(), 0)
     server = ApiFronts(app, control, fronts, secret=SECRET, address=address, metrics_token=METRICS_TOKEN,

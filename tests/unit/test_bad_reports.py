@@ -92,7 +92,7 @@ def test_a_batch_with_bad_chunks_commits_the_rest_and_leases_the_bad_ones_again(
 def api(tmp_path):
     clock = FakeClock()
     book = make_book(tmp_path, chunk_tokens=4, prompt_rows=rows(groups=1, n=2, max_tokens=8), now=clock())
-    app = create_app(book, SECRET, CoordinatorControl(), clock, max_body_bytes=4096)
+    app = create_app(CoordinatorControl(book, clock=clock), SECRET, max_body_bytes=4096)
     with TestClient(app) as client:
         client.auth = signed_auth(SECRET)
         worker = client.post("/v1/register", json={"worker_id": "w", "rank": 0, "address": "x", "max_chunks": 2,

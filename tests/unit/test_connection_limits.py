@@ -45,7 +45,7 @@ def api(tmp_path: Path, limits: ConnectionLimits):  # noqa: ANN201
     """(app, guard, socket, address) of an API on a real book, behind a guard with `limits`."""
     sock, address = loopback_socket()
     book = make_book(tmp_path, prompt_rows=rows(groups=2, n=2, max_tokens=40), now=FakeClock()())
-    app = create_app(book, SECRET, CoordinatorControl(), time.time, address=address, max_body_bytes=4096)
+    app = create_app(CoordinatorControl(book), SECRET, address=address, max_body_bytes=4096)
     app.state.engine_settings = EngineSettings("m", EngineConfig(), 0)
     app.state.guard = ConnectionGuard(limits)  # as the daemon does: its counters on /metrics
     return app, app.state.guard, sock, address

@@ -14,8 +14,8 @@ from tests.unit.helpers import make_book, reopen, rows
 def wired(tmp_path, name: str = "state.db"):  # noqa: ANN001, ANN201
     book = make_book(tmp_path, prompt_rows=rows(groups=2, n=2, max_tokens=8), chunk_tokens=4, db_name=name)
     host = DraftHost()
-    book.on_committed_tokens = host.committed
-    book.on_group_finished = host.group_finished
+    book.listeners.committed_tokens.append(host.committed)
+    book.listeners.group_ended.append(host.group_finished)
     host.register(list(book.state.unfinished_groups))
     book.register(rank=0, address="x", max_chunks=8, kv_capacity_tokens=10_000, worker_id="w", now=1000.0)
     return book, host

@@ -30,9 +30,9 @@ def _served_book(tmp_path):  # noqa: ANN001, ANN202
     """A book of WORKERS groups of 2 under `divided`, its app and the socket it will serve on."""
     clock = FakeClock()
     book = make_book(tmp_path, policy="divided", prompt_rows=rows(groups=WORKERS, n=2, max_tokens=20), now=clock())
-    control = CoordinatorControl()
+    control = CoordinatorControl(book, clock=clock)
     sock, address = loopback_socket()
-    app = create_app(book, SECRET, control, clock, address=address)
+    app = create_app(control, SECRET, address=address)
     app.state.engine_settings = EngineSettings("m", EngineConfig(), 0)
     return book, control, app, sock
 

@@ -157,7 +157,7 @@ def run_worker(book, engine: ScriptedEngine, worker_type: type | None = None, cl
                control: CoordinatorControl | None = None) -> Worker:
     """A worker with `engine` against the real API over `book`, on a loopback socket, to the end."""
     sock, address = loopback_socket()
-    app = create_app(book, SECRET, control or CoordinatorControl(), time.time, address=address)
+    app = create_app(control or CoordinatorControl(book, clock=time.time), SECRET, address=address)
 
     async def scenario() -> Worker:
         async with served(app, sock) as url:
@@ -220,7 +220,7 @@ def test_a_heartbeat_due_rides_on_the_workers_next_report_instead_of_a_call_of_i
     book = make_book(tmp_path, chunk_tokens=8, lease_ttl_s=30.0, prompt_rows=rows(groups=2, n=2, max_tokens=32),
                      now=time.time(), in_place=True)
     engine = ScriptedEngine(length_of, max_chunks=4, pause_s=0.01, chunk_tokens=8)
-    control = CoordinatorControl()
+    control = CoordinatorControl(book)
     worker = run_worker(book, engine, BeatDue, RecordingClient, control)
     assert worker.fatal is None and book.is_complete()
     reports = [body for body in worker.client.bodies if isinstance(body, protocol.ReportBody)]

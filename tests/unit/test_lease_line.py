@@ -43,8 +43,7 @@ def test_work_goes_to_the_most_kv_room_first_and_of_equals_the_longest_waiting()
     rooms = {"small": 100, "big": 900, "mid": 500, "big2": 900, "none": None}
 
     async def scenario() -> tuple[list[str], list[str], list[str]]:
-        line = LeaseLine()
-        line.room_for = lambda worker, _context: rooms[worker]
+        line = LeaseLine(lambda worker, _context: rooms[worker])
         calls = await parked(line, list(rooms))
         asked: list[str] = []
         await serve(line, 2, lambda worker, wanted: asked.append(worker) or [f"chunk for {worker}"])
@@ -62,8 +61,7 @@ def test_work_goes_to_the_most_kv_room_first_and_of_equals_the_longest_waiting()
 
 def test_calls_planned_for_in_vain_wait_on_and_come_after_the_others():
     async def scenario() -> tuple[list[str], dict[str, Waited]]:
-        line = LeaseLine()
-        line.room_for = lambda worker, _context: {"roomy": 900, "a": 100, "b": 100}[worker]
+        line = LeaseLine(lambda worker, _context: {"roomy": 900, "a": 100, "b": 100}[worker])
         calls = await parked(line, ["roomy", "a", "b"])
         asked: list[str] = []
         # The roomy worker's plan gives it nothing (the work is another's): it waits on.
@@ -143,8 +141,7 @@ def test_wake_all_answers_every_waiting_call_as_woken():
 
 def test_a_lease_refused_for_one_worker_fails_that_waiting_call_alone():
     async def scenario() -> tuple[object, dict[str, Waited]]:
-        line = LeaseLine()
-        line.room_for = lambda worker, _context: {"gone": 900, "ok": 100}[worker]
+        line = LeaseLine(lambda worker, _context: {"gone": 900, "ok": 100}[worker])
         calls = await parked(line, ["gone", "ok"])
 
         def lease(worker: str, wanted: int) -> list[str] | KeyError:
@@ -176,8 +173,7 @@ def test_a_failed_lease_transaction_answers_every_call_it_planned_for_with_the_e
         raise DiskFull("the commit failed")
 
     async def scenario() -> tuple[dict[str, object], int, BaseException | None]:
-        line = LeaseLine()
-        line.room_for = lambda worker, _context: {"a": 900, "b": 500, "c": 100}[worker]
+        line = LeaseLine(lambda worker, _context: {"a": 900, "b": 500, "c": 100}[worker])
         calls = await parked(line, ["a", "b", "c"])
         raised = None
         try:

@@ -183,7 +183,7 @@ def test_the_api_tells_a_taken_out_worker_to_exit(tmp_path):
     beat(book, w, grants, 1001.0, steps=1)
     book.expire(1001.0 + TTL + 1.0)
     sock, address = loopback_socket()
-    app = create_app(book, SECRET, CoordinatorControl(), clock=lambda: 1013.0, address=address)
+    app = create_app(CoordinatorControl(book, clock=lambda: 1013.0), SECRET, address=address)
 
     async def scenario() -> None:
         async with served(app, sock) as url:

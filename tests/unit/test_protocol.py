@@ -103,7 +103,7 @@ def test_every_api_route_is_a_protocol_endpoint(tmp_path):
 
     from seerd.serve.server import Server
 
-    app = create_app(make_book(tmp_path, prompt_rows=rows(groups=1, n=1)), "s", CoordinatorControl())
+    app = create_app(CoordinatorControl(make_book(tmp_path, prompt_rows=rows(groups=1, n=1))), "s")
     routes = {(method, route.path) for route in app.routes for method in route.methods - {"HEAD"}}
     # `seerd serve`'s own routes (batches) sit beside a batch's API, behind the same signature check.
     serve_routes = {(method, route.path) for route in Server.batch_routes(None).routes

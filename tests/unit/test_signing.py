@@ -80,8 +80,8 @@ def test_seen_nonces_refuse_a_replay_and_forget_what_left_the_window():
 def api(tmp_path):
     clock = FakeClock()
     book = make_book(tmp_path, prompt_rows=rows(groups=1, n=1, max_tokens=20), now=clock())
-    control = CoordinatorControl()
-    app = create_app(book, SECRET, control, clock, metrics_token=METRICS_TOKEN)
+    control = CoordinatorControl(book, clock=clock)
+    app = create_app(control, SECRET, metrics_token=METRICS_TOKEN)
     app.state.engine_settings = EngineSettings("m", EngineConfig(), 0)
     with TestClient(app) as client:
         client.control = control

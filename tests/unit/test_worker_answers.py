@@ -64,9 +64,9 @@ def length_of(request_id: int) -> int:
 def test_a_worker_finishes_the_rollout_through_5xx_4xx_and_a_coordinator_that_forgot_it(tmp_path):
     book = make_book(tmp_path, chunk_tokens=4, lease_ttl_s=1.0, prompt_rows=rows(groups=3, n=2, max_tokens=16),
                      now=time.time())
-    control = CoordinatorControl()
+    control = CoordinatorControl(book, clock=time.time)
     sock, address = loopback_socket()
-    app = Faults(create_app(book, SECRET, control, time.time, address=address), {
+    app = Faults(create_app(control, SECRET, address=address), {
         protocol.REGISTER.path: [(503, "", "before")],
         protocol.LEASE.path: [(422, "", "before")],
         # A failed commit (the book never saw it), then a commit whose answer was lost: the
@@ -112,7 +112,7 @@ def test_a_worker_finishes_the_rollout_through_5xx_4xx_and_a_coordinator_that_fo
 def test_the_client_retries_5xx_and_raises_a_4xx_to_its_caller(tmp_path):
     book = make_book(tmp_path, prompt_rows=rows(groups=1, n=1))
     sock, address = loopback_socket()
-    app = Faults(create_app(book, SECRET, CoordinatorControl(), address=address), {
+    app = Faults(create_app(CoordinatorControl(book), SECRET, address=address), {
         protocol.REGISTER.path: [(500, "", "before"), (502, "", "before"), (413, "", "before")],
         protocol.LEASE.path: [(404, "", "before")],  # a 404 without the code: not "register again"
     }, address)

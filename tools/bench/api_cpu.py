@@ -62,7 +62,7 @@ def make_app(tmp: Path):  # noqa: ANN201
     book.load(time.time())
     worker = book.register(rank=0, address="bench", max_chunks=1, kv_capacity_tokens=10**9, worker_id="bench",
                            now=time.time()).id
-    return create_app(book, SECRET, CoordinatorControl(), time.time), worker, engine
+    return create_app(CoordinatorControl(book), SECRET), worker, engine
 
 
 SIGNER = Signer(call_key(SECRET, "")) if Signer is not None else None
