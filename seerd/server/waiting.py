@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import heapq
 import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager as ContextManager
 from typing import NamedTuple
+
+from seerd.scheduler.wake import WaitingCall, wake_order
 
 # How many plans in vain one batch of work may cost beyond one per request queued (`serve`).
 EXTRA_PLANS = 4
@@ -123,9 +124,9 @@ class LeaseLine:
                 if call.claimed or call.future.done():  # (done: its client went away)
                     continue
                 room = self.room_for(call.worker_id, context)
-                if room is not None:
-                    candidates.append((-call.vain, room, -place, call))
-            chosen = [call for *_, call in heapq.nlargest(requests + EXTRA_PLANS, candidates, key=lambda c: c[:3])]
+                if room is not None:  # (a worker without room is not planned for at all)
+                    candidates.append(WaitingCall(call, call.vain, room, place))
+            chosen = wake_order(candidates)[:requests + EXTRA_PLANS]
             for call in chosen:
                 call.claimed = True
         left = requests

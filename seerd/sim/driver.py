@@ -28,6 +28,7 @@ from seerd.scheduler import make_sim_policy
 from seerd.scheduler.forecast import GrowthTable
 from seerd.scheduler.state import FIRST_CHUNK_SPREAD, ChunkResult, GroupRecord, RequestRecord, SchedulerState
 from seerd.scheduler.views import Policy
+from seerd.scheduler.wake import WaitingCall, wake_order
 from seerd.sim.costs import InstanceCosts
 from seerd.sim.engine import WATERMARK_FRACTION, SimInstance, SimSeq
 from seerd.sim.spec import DepthPlanner, Speculation
@@ -321,18 +322,19 @@ class Simulation:
         self.waiting_since[i] = (now, self._asks) if self.running_chunks(i) < self.max_chunks else None
 
     def _waiting_in_wake_order(self, now: float) -> list[int]:
-        """The long-polling workers in about the order the coordinator plans for them as work is
-        queued (`LeaseLine.serve`): the most KV room first, then by when their current poll began.
-        The daemon puts first the calls planned for in vain the fewest times and stops after the
-        requests queued plus `waiting.EXTRA_PLANS` plans; this model plans for every waiting call
-        (the simulator beside the daemon: docs/benchmarks.md, "The daemon beside the simulator"). A poll times out after
-        LONG_POLL_S and the worker asks again (a new wait)."""
-        def wake_order(i: int) -> tuple[int, float, int]:
-            began, ask = self.waiting_since[i]
-            room = self.state.room_for(self.worker_ids[i], 0)
-            return -(-1 if room is None else room), began + LONG_POLL_S * math.floor((now - began) / LONG_POLL_S), ask
-
-        return sorted((i for i, since in enumerate(self.waiting_since) if since is not None), key=wake_order)
+        """The long-polling workers in the order the coordinator plans for them as work is queued
+        (`seerd.scheduler.wake.wake_order`, as `LeaseLine.serve` sorts them): the most KV room
+        first, then by when their current poll began. This model counts no plans in vain and plans
+        for every waiting call, where the daemon stops after the requests queued plus
+        `waiting.EXTRA_PLANS` plans (docs/benchmarks.md, "The daemon beside the simulator"). A
+        poll times out after LONG_POLL_S and the worker asks again (a new wait)."""
+        calls = []
+        for i, since in enumerate(self.waiting_since):
+            if since is not None:
+                began, ask = since
+                renewed = began + LONG_POLL_S * math.floor((now - began) / LONG_POLL_S)  # the current poll's start
+                calls.append(WaitingCall(i, 0, self.state.room_for(self.worker_ids[i], 0), (renewed, ask)))
+        return wake_order(calls)
 
     def run(self) -> SimResult:
         started = time.perf_counter()

@@ -20,6 +20,7 @@ from seerd.io.prompts import PromptRow
 from seerd.protocol import ChunkReport
 from seerd.scheduler import make_policy
 from seerd.scheduler.views import OpenWorkers
+from seerd.scheduler.wake import WaitingCall, wake_order
 from seerd.sim.driver import Simulation
 from seerd.sim.presets import get_preset
 from seerd.sim.workload import SimGroup, Workload
@@ -162,6 +163,14 @@ class Replay:
             snapshot, loads = side.snapshot(self.workers[0], 1, self.now), side.worker_loads()
             assert dict(snapshot.loads_by_id) == {load.worker_id: load for load in loads}, event
             assert snapshot.open_workers == OpenWorkers.of(loads, side.chunk_tokens), event
+        # Every worker long-polling since the same moment: the order work wakes them in. The
+        # simulator's model of the daemon's lease line, fed the same calls by its own driver code.
+        saved, self.sim.waiting_since = self.sim.waiting_since, [(0.0, i) for i in range(INSTANCES)]
+        sim_order = [self.workers[i] for i in self.sim._waiting_in_wake_order(self.now)]
+        self.sim.waiting_since = saved
+        book_order = wake_order([WaitingCall(w, 0, self.book.state.room_for(w, 0), i)
+                                 for i, w in enumerate(self.workers)])
+        assert sim_order == book_order, event
 
 
 @pytest.mark.parametrize("policy", ["seer", "divided", "group"])
