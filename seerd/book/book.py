@@ -33,7 +33,7 @@ from seerd.book.listeners import BookListeners
 from seerd.book.liveness import WorkerLiveness, chunk_failed
 from seerd.book.report_calls import BookReports
 from seerd.book.records import (
-    BookBroken, Failure, GroupInputs, LeaseTerms, RequestProgress, Requeue, RetiredWorker, UnknownWorker,
+    BookBroken, Failure, GroupInputs, RequestProgress, Requeue, RetiredWorker, UnknownWorker,
 )
 from seerd.book.saved import read_saved_rollout
 from seerd.cpu import CpuSnapshot
@@ -63,7 +63,6 @@ class LeaseBook(BookReports):
         self.writer = Writer(self.engine)  # every write transaction of the book, on a kept connection
         self.rollout_id = rollout_id
         self.policy = policy
-        self.chunk_tokens = chunk_tokens
         self.lease_ttl_s = lease_ttl_s
         self.seed = seed
         self.vocab_size = vocab_size  # the model's: a reported token id outside it is rejected
@@ -76,7 +75,6 @@ class LeaseBook(BookReports):
                                     rekey_aside=None if rekey_in_place else self._rekeys.submit)
         self.inputs: dict[int, GroupInputs] = {}  # group id ->
         self.progress: dict[int, RequestProgress] = {}  # request id ->
-        self.terms: dict[int, LeaseTerms] = {}  # chunk id -> (every lease in self.state.leases)
         self.workers: dict[str, WorkerLiveness] = {}
         self.unwritten_heartbeats: dict[str, dict] = {}  # worker id -> its last heartbeat (time, figures)
         self._revoked_unannounced = 0  # requests re-queued by taking workers out, until `expire` tells
@@ -89,6 +87,10 @@ class LeaseBook(BookReports):
         self.completed_at: float | None = None  # the report that finished the last request; generation ends
         self.completed_cpu: CpuSnapshot | None = None  # this process's CPU time then (the export comes after)
         self.listeners = BookListeners()  # the draft server's, the KV pool's, a serve's dispatch
+
+    @property
+    def chunk_tokens(self) -> int:
+        return self.state.chunk_tokens
 
     def close(self) -> None:
         """Give back the connections the book keeps for its writes (`db.base.Writer`), its re-key thread."""
@@ -169,7 +171,7 @@ class LeaseBook(BookReports):
         if worker.observe(engine, bool(held & running), now):
             deadline = now + worker.stall_bound(self.lease_ttl_s)
             for chunk_id in held & running:
-                self.terms[chunk_id].deadline = deadline
+                self.state.leases[chunk_id].deadline = deadline
         return sorted(running - held)
 
     def retire_workers(self) -> None:
@@ -309,8 +311,8 @@ class LeaseBook(BookReports):
                 *, failed: bool = False) -> bool:
         """A worker gives a chunk back: unrun (shutdown), it runs again elsewhere; `failed` by its
         engine, it is a failed chunk (`_write_failure`)."""
-        lease, terms = self.state.leases.get(chunk_id), self.terms.get(chunk_id)
-        if lease is None or terms.epoch != epoch or lease.worker_id != worker_id:
+        lease = self.state.leases.get(chunk_id)
+        if lease is None or lease.epoch != epoch or lease.worker_id != worker_id:
             return False
         if not failed:
             self._end_leases([chunk_id], now, kind="lease_released", reason=reason)
@@ -326,9 +328,9 @@ class LeaseBook(BookReports):
         caller's transaction. It counts toward its request's `MAX_FAILED_ATTEMPTS`: before that,
         the chunk goes back to be leased again, on another worker's engine where there is one
         (`base.failed_here`); at that, the request ends `failed` with `reason`."""
-        lease, terms = self.state.leases[chunk_id], self.terms[chunk_id]
+        lease = self.state.leases[chunk_id]
         attempts = self.progress[lease.request_id].failed_attempts + 1
-        failure = Failure(Requeue(chunk_id, lease.request_id, lease.worker_id, terms.epoch), attempts,
+        failure = Failure(Requeue(chunk_id, lease.request_id, lease.worker_id, lease.epoch), attempts,
                            attempts >= MAX_FAILED_ATTEMPTS)
         if failure.fatal:
             queries.chunks.fail(conn, chunk_id, now)
@@ -344,7 +346,6 @@ class LeaseBook(BookReports):
         """After the commit of `_write_failure`: the state and the book follow."""
         lease = failure.lease
         self.state.fail_chunk(lease.chunk_id, request_failed=failure.fatal)
-        del self.terms[lease.chunk_id]
         if lease.holder in self.workers:
             chunk_failed(self.workers[lease.holder], lease.request_id)
         progress = self.progress[lease.request_id]
@@ -371,7 +372,7 @@ class LeaseBook(BookReports):
                  if (why := w.stuck(bool(self.state.workers[w.id].chunks), now, self.lease_ttl_s))}
         if stuck:
             self._retire([self.workers[wid] for wid in stuck], now, lambda w: stuck[w.id])
-        expired = [chunk_id for chunk_id, terms in self.terms.items() if terms.deadline < now]
+        expired = [chunk_id for chunk_id, lease in self.state.leases.items() if lease.deadline < now]
         silent = [w for w in self.live_workers() if now - w.last_heartbeat > self.lease_ttl_s]
         if silent:
             with self.writer.begin(durable=False) as conn:
@@ -392,14 +393,13 @@ class LeaseBook(BookReports):
         self._forget_leases(ending)
 
     def _ending(self, chunk_ids: list[int]) -> list[Requeue]:
-        return [Requeue(cid, self.state.leases[cid].request_id, self.state.leases[cid].worker_id,
-                         self.terms[cid].epoch) for cid in chunk_ids]
+        leases = self.state.leases
+        return [Requeue(cid, leases[cid].request_id, leases[cid].worker_id, leases[cid].epoch) for cid in chunk_ids]
 
     def _forget_leases(self, ending: list[Requeue]) -> None:
         """After the commit of `_write_requeue`: the state and the book follow."""
         self.state.return_leases([lease.chunk_id for lease in ending])
         for lease in ending:
-            del self.terms[lease.chunk_id]
             self.progress[lease.request_id].open_chunk = (lease.chunk_id, lease.epoch)
 
     # ----------------------------------------------------------------- progress

@@ -9,7 +9,7 @@ from collections.abc import Collection, Mapping, Sequence
 
 import msgspec
 
-from seerd.book.records import LeaseTerms, RequestProgress, chunk_seed
+from seerd.book.records import RequestProgress, chunk_seed
 from seerd.db import Connection, queries
 from seerd.db.codec import unpack_ints
 from seerd.db.event import event_row
@@ -72,18 +72,18 @@ def chunk_grant(book, chunk_id: int, request_id: int, max_tokens: int, *,  # noq
     request = book.state.requests[request_id]
     group = book.state.groups[request.group_id]
     inputs = book.inputs[request.group_id]
-    terms = book.terms[chunk_id]
+    lease = book.state.leases[chunk_id]
     # A row's own seed still differs per response and chunk; otherwise the rollout's seed.
     base_seed = book.seed if inputs.sampling.seed is None else inputs.sampling.seed
     sampling = msgspec.structs.replace(
-        inputs.sampling, seed=chunk_seed(base_seed, group.index, request.response_index, terms.seq))
+        inputs.sampling, seed=chunk_seed(base_seed, group.index, request.response_index, lease.seq))
     context = []  # a continuation runs on in the engine request holding its context
     if not continues:
         context = inputs.prompt.tolist()
         context.extend(book.progress[request_id].tokens)
     target = book.worker_only_targets.get(request_id)
     remaining = request.max_tokens - request.generated
-    return ChunkGrant(chunk_id, terms.epoch, request_id, context, max_tokens, sampling, terms.deadline,
+    return ChunkGrant(chunk_id, lease.epoch, request_id, context, max_tokens, sampling, lease.deadline,
                       None if target is None else target - request.generated,
                       group_id=request.group_id, prompt_len=group.prompt_len, is_probe=request.is_probe,
                       run_on=book.in_place and max_tokens < remaining, response_remaining=remaining,
@@ -92,12 +92,12 @@ def chunk_grant(book, chunk_id: int, request_id: int, max_tokens: int, *,  # noq
 
 def grant_leases(book, leases: Sequence[LeaseRecord], epochs: Sequence[int], deadline: float,  # noqa: ANN001
                  continuing: Collection[int]) -> list[ChunkGrant]:
-    """The `LeaseBook`'s terms of leases just applied, and their grants."""
+    """The `LeaseBook`'s fencing and deadline of leases just applied, and their grants."""
     grants = []
     for lease, epoch in zip(leases, epochs):
         progress = book.progress[lease.request_id]
         progress.open_chunk = None
-        book.terms[lease.chunk_id] = LeaseTerms(epoch, progress.num_chunks, deadline)
+        lease.epoch, lease.seq, lease.deadline = epoch, progress.num_chunks, deadline
         grants.append(chunk_grant(book, lease.chunk_id, lease.request_id, lease.max_tokens,
                                   continues=lease.request_id in continuing))
         if lease.request_id in continuing:

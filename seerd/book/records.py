@@ -62,15 +62,6 @@ class RequestProgress:
     tokens: array | None = None
 
 
-@dataclass
-class LeaseTerms:
-    """A lease's fencing and liveness (the scheduler's side is a `LeaseRecord`)."""
-
-    epoch: int
-    seq: int
-    deadline: float
-
-
 class WaitingRequest(NamedTuple):
     """A queued request as `kvpool.queued_longest` names it (for the KV pool's trimming)."""
 

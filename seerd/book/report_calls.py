@@ -63,7 +63,7 @@ class BookReports:
             except UnknownWorker as exc:
                 answers.append(exc)
         known = [(c, *call) for c, call in enumerate(calls) if not isinstance(answers[c], UnknownWorker)]
-        accepted, results, rejected = sort_reports(known, self.state, self.terms, self.progress,
+        accepted, results, rejected = sort_reports(known, self.state, self.progress,
                                                    self.worker_only_targets, self.vocab_size)
         prepared = self.state.prepare_results(results, now)
         laps.lap("sort and prepare")
@@ -85,7 +85,6 @@ class BookReports:
         refuted: dict[str, WorkerLiveness] = {}
         for entry, outcome in zip(accepted, prepared.requests):
             report = entry.report
-            del self.terms[report.chunk_id]
             request = self.state.requests[outcome.request_id]
             refuted.update((w.id, w) for w in chunk_done(self.workers, entry.worker_id, request.id, request.failed_on))
             progress = self.progress[request.id]

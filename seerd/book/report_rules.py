@@ -14,13 +14,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import NamedTuple, Protocol
 
-from seerd.book.records import LeaseTerms, RequestProgress
+from seerd.book.records import RequestProgress
 from seerd.db import ChunkStatus, Connection, queries
 from seerd.db.codec import pack_floats, pack_ints
 from seerd.db.event import event_row
 from seerd.db.transitions import ROW_EPOCH, ROW_ID
 from seerd.protocol import ChunkReport, UnreadableReport
 from seerd.scheduler.state import ChunkResult, ResultsUpdate, SchedulerState
+from seerd.scheduler.views import response_ended
 
 
 # "length_target": the worker ended the response at its target length (benchmark rows).
@@ -104,14 +105,14 @@ def judge(report: Report, budget: int, generated: int, max_tokens: int, target: 
     n_tokens = len(report.token_ids)
     total = generated + n_tokens
     at_target = total == target
-    finished = (report.finish_reason in ("stop", "length_target") or total >= max_tokens
-                or n_tokens < budget or at_target)
+    finished = response_ended(total, max_tokens, stopped=report.finish_reason in ("stop", "length_target")
+                              or n_tokens < budget or at_target)
     reason = "length_target" if at_target and report.finish_reason == "length" else report.finish_reason
     return Verdict(finished, reason)
 
 
 def sort_reports(calls: Sequence[tuple[int, str, Sequence[ChunkReport | UnreadableReport]]], state: SchedulerState,
-                 terms: Mapping[int, LeaseTerms], progress: Mapping[int, RequestProgress],
+                 progress: Mapping[int, RequestProgress],
                  targets: Mapping[int, int], vocab_size: int
                  ) -> tuple[list[AcceptedReport], list[ChunkResult], list[tuple[int, int, str]]]:
     """The reports of known workers' calls ((call index, worker, reports)) sorted against their
@@ -122,8 +123,8 @@ def sort_reports(calls: Sequence[tuple[int, str, Sequence[ChunkReport | Unreadab
     seen: set[int] = set()
     for c, worker_id, reports in calls:
         for i, report in enumerate(reports):
-            lease, lease_terms = state.leases.get(report.chunk_id), terms.get(report.chunk_id)
-            if (lease is None or lease_terms.epoch != report.epoch or lease.worker_id != worker_id
+            lease = state.leases.get(report.chunk_id)
+            if (lease is None or lease.epoch != report.epoch or lease.worker_id != worker_id
                     or report.chunk_id in seen):
                 continue
             seen.add(report.chunk_id)

@@ -149,6 +149,7 @@ class Coordinator:
                               chunk_tokens=self.config.chunk_tokens, lease_ttl_s=self.config.lease_ttl_s,
                               seed=self.config.seed, vocab_size=vocab_size, in_place=self.config.in_place)
         self.control = CoordinatorControl(self.book, clock=clock, scheduling_gate=self._gate)
+        self.max_body_bytes = body_limit(self.config.engine, self.config.chunk_tokens)  # the largest call
         self.heap = heap or HeapKeeper()
         self._own_heap = heap is None
         # The job's grouped draft server (Seer's DGDS), only when workers draft from it.
@@ -295,7 +296,7 @@ class Coordinator:
         if self.api_processes:
             self._server = ApiFronts(app, self.control, self.api_processes, secret=secret, address=f"{host}:{port}",
                                      metrics_token=metrics_token, limits=guard.limits,
-                                     max_body_bytes=body_limit(self.config.engine, self.config.chunk_tokens))
+                                     max_body_bytes=self.max_body_bytes)
             self.guard = self._server.guard
         else:
             self._server = api_server(app, guard)  # signal handlers are ours, below, in one place
@@ -383,7 +384,7 @@ class Coordinator:
 
     def create_app(self, secret: str, address: str, metrics_token: str | None, *, signed: bool = True) -> Starlette:
         app = create_app(self.control, secret, drafts=self.drafts,
-                         max_body_bytes=body_limit(self.config.engine, self.config.chunk_tokens),
+                         max_body_bytes=self.max_body_bytes,
                          address=address, metrics_token=metrics_token, snapshot=self.status_snapshot,
                          signed=signed)
         app.state.engine_settings = self.engine_settings()

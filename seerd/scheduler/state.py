@@ -79,14 +79,20 @@ class WorkerRecord:
     has_leased: bool = False  # its first lease (`first_chunk_tokens`) is behind it
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False, slots=True)
 class LeaseRecord:
+    """A chunk leased to a worker: what the scheduler reserved for it, and the daemon's fencing
+    and liveness of it (the lease book sets them as it grants; the simulator has no use for them)."""
+
     chunk_id: int
     request_id: int
     worker_id: str
     max_tokens: int
     kv_reserved: int
     previous_worker: str | None  # where the request's previous chunk ran (None: its first chunk)
+    epoch: int = 1  # the chunk row's lease epoch: a report of another epoch is stale
+    seq: int = 0  # the chunk's index in its request
+    deadline: float = 0.0  # when the lease expires unless a heartbeat shows its engine stepping
 
 
 @dataclass(frozen=True)

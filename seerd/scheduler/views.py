@@ -203,3 +203,11 @@ class Policy(Protocol):
     name: str
 
     def plan(self, snapshot: Snapshot) -> Plan: ...
+
+
+def response_ended(total: int, max_tokens: int, *, stopped: bool) -> bool:
+    """Whether a response is complete after a chunk brought it to `total` tokens: it `stopped`
+    (EOS or a stop token, its target length, a chunk cut short by the model's context), or it
+    reached its `max_tokens`. The lease book judges a worker's report by it, the simulator a
+    modelled chunk."""
+    return stopped or total >= max_tokens

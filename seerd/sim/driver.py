@@ -27,7 +27,7 @@ from seerd.protocol import LEASE_LONG_POLL_S, LONG_POLL_MAX_S
 from seerd.scheduler import make_sim_policy
 from seerd.scheduler.forecast import GrowthTable
 from seerd.scheduler.state import FIRST_CHUNK_SPREAD, ChunkResult, GroupRecord, RequestRecord, SchedulerState
-from seerd.scheduler.views import Policy
+from seerd.scheduler.views import Policy, response_ended
 from seerd.scheduler.wake import WaitingCall, wake_order
 from seerd.sim.costs import InstanceCosts
 from seerd.sim.engine import WATERMARK_FRACTION, SimInstance, SimSeq
@@ -212,7 +212,8 @@ class Simulation:
         for seq in finished:
             r, request = self.requests[seq.request_id], self.state.requests[seq.request_id]
             total = request.generated + seq.target
-            results.append(ChunkResult(seq.chunk_id, seq.target, total >= r.true_length or total >= request.max_tokens))
+            results.append(ChunkResult(seq.chunk_id, seq.target,
+                                       response_ended(total, request.max_tokens, stopped=total >= r.true_length)))
         applied = self.state.update_from_results(results, now)
         finishes: dict[int, int] = {}  # group -> responses finished by this report
         for outcome in applied.requests:

@@ -123,7 +123,7 @@ def test_a_heartbeat_carried_by_a_report_renews_the_workers_leases_before_its_re
         client.auth = signed_auth(SECRET)
         worker = client.post("/v1/register", json={**REGISTER, "max_chunks": 2}).json()["worker_id"]
         first, second = client.post("/v1/lease", json={"worker_id": worker, "wanted": 2}).json()["chunks"]
-        deadline = book.terms[second["chunk_id"]].deadline
+        deadline = book.state.leases[second["chunk_id"]].deadline
         clock.advance(10.0)
         report = {"chunk_id": first["chunk_id"], "epoch": first["epoch"], "token_ids": [5] * 3,
                   "logprobs": [-0.1] * 3, "finish_reason": "stop"}
@@ -134,7 +134,7 @@ def test_a_heartbeat_carried_by_a_report_renews_the_workers_leases_before_its_re
         answer = reply.json()
         assert answer["heartbeat"]["abort"] == [999] and answer["heartbeat"]["interval_s"] > 0
         assert answer["results"][0]["accepted"]
-        assert book.terms[second["chunk_id"]].deadline == deadline + 10.0
+        assert book.state.leases[second["chunk_id"]].deadline == deadline + 10.0
         assert control.worker_stats[worker] == {"tokens_per_s_recent": 7.0}
         plain = client.post("/v1/report", json={"worker_id": worker, "reports": []}).json()
         assert plain["heartbeat"] is None

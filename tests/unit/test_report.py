@@ -103,7 +103,7 @@ class SyntheticEngine:
                 outcomes = self.book.report_many(worker, [self._report(g) for g in grants], self.clock.now)
                 assert all(o.accepted for o in outcomes)
             running = [c for c in self.book.state.workers[worker].chunks
-                       if (c, self.book.terms[c].epoch) not in self.hung]
+                       if (c, self.book.state.leases[c].epoch) not in self.hung]
             self.book.heartbeat(worker, running, self.clock.now)
             self.book.expire(self.clock.now)
             state = self.book.state.workers[worker]
