@@ -61,7 +61,7 @@ def outputs(run_dir: Path) -> dict:
 
 
 def check_pool(out: Path, model: Path, gpu: bool) -> dict:
-    from seerd.report.metrics import continuation_cache_figures
+    from seerd.report.cache import continuation_cache_figures
     from seerd.report.source import load_run
 
     prompts = write_prompts(out / "prompts.jsonl")

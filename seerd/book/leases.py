@@ -15,7 +15,7 @@ from seerd.db.codec import unpack_ints
 from seerd.db.event import event_row
 from seerd.db.transitions import ROW_EPOCH, ROW_ID
 from seerd.protocol import ChunkGrant
-from seerd.scheduler.state import LeaseRecord
+from seerd.scheduler.records import LeaseRecord
 from seerd.scheduler.views import Plan
 
 

@@ -20,7 +20,8 @@ from seerd.db.codec import pack_floats, pack_ints
 from seerd.db.event import event_row
 from seerd.db.transitions import ROW_EPOCH, ROW_ID
 from seerd.protocol import ChunkReport, UnreadableReport
-from seerd.scheduler.state import ChunkResult, ResultsUpdate, SchedulerState
+from seerd.scheduler.state import SchedulerState
+from seerd.scheduler.records import ChunkResult, ResultsUpdate
 from seerd.scheduler.views import response_ended
 
 

@@ -17,7 +17,7 @@ import msgspec
 from seerd.book.records import GroupInputs, RequestProgress
 from seerd.db import Connection, RequestStatus, queries
 from seerd.db.codec import unpack_ints
-from seerd.scheduler.state import GroupRecord, RequestRecord
+from seerd.scheduler.records import GroupRecord, RequestRecord
 from seerd.settings import Sampling
 
 

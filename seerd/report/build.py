@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from seerd.report import cache as kv_cache
 from seerd.report import metrics, summary
-from seerd.report.metrics import KV_BLOCK_SIZE, ContinuationCache
+from seerd.report.cache import KV_BLOCK_SIZE, ContinuationCache
 from seerd.report.source import ReportError, RunData, load_run
 from seerd.rundir import RunDir
 
@@ -45,7 +46,7 @@ def write_report(run_dir: Path, out_dir: Path) -> ReportFiles:
     tracking = metrics.estimate_tracking(run)
     lengths = metrics.response_length_matrix(run)
     unfinished, probe = metrics.request_cell_masks(run)
-    continuation = metrics.continuation_cache_figures(run)
+    continuation = kv_cache.continuation_cache_figures(run)
 
     out_dir.mkdir(parents=True, exist_ok=True)
     figures = {
@@ -58,7 +59,7 @@ def write_report(run_dir: Path, out_dir: Path) -> ReportFiles:
                                              timing.downtime),
         "estimate_tracking.png": lambda: draw.plot_estimate_tracking(tracking),
         "prefill_avoided.png":
-            lambda: draw.plot_prefill_avoided(metrics.prefill_avoided_over_time(run), timing.downtime, t0),
+            lambda: draw.plot_prefill_avoided(kv_cache.prefill_avoided_over_time(run), timing.downtime, t0),
     }
     written = tuple(draw.save(figures[name](), out_dir / name) for name in PLOT_FILES)
     text = summary.render(rundir.path, run, timing, counts, tracking, list(PLOT_FILES.items()), continuation)
@@ -97,7 +98,7 @@ def measured_pool_hit_rate(run_dir: Path, block_size: int = KV_BLOCK_SIZE) -> Me
     if not rundir.exists():
         raise ReportError(f"no run at {run_dir} (no {rundir.db_path.name})")
     run = load_run(rundir.db_path)
-    cache = metrics.continuation_cache_figures(run, block_size)
+    cache = kv_cache.continuation_cache_figures(run, block_size)
     moved = cache.moved
     if not moved.chunks:
         raise ReportError(f"the run at {run_dir} has no continued chunk that moved to another worker (with "

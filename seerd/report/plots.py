@@ -17,9 +17,8 @@ import numpy as np  # noqa: E402
 from matplotlib.collections import PolyCollection  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-from seerd.report.metrics import (  # noqa: E402
-    CompletionCurve, EstimateTracking, Leases, PrefillOverTime, WorkerLoadSeries,
-)
+from seerd.report.cache import PrefillOverTime  # noqa: E402
+from seerd.report.metrics import CompletionCurve, EstimateTracking, Leases, WorkerLoadSeries  # noqa: E402
 
 DPI = 100
 MAX_LEGEND = 16  # workers named in a legend; more would hide the plot

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from seerd.report.metrics import CacheFigures, ContinuationCache, EstimateTracking, LeaseCounts, Timing
+from seerd.report.cache import CacheFigures, ContinuationCache
+from seerd.report.metrics import EstimateTracking, LeaseCounts, Timing
 from seerd.report.source import RunData
 from seerd.scheduler.registry import DAEMON_POLICIES, daemon_policies_where
 

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from seerd.protocol import LEASE_LONG_POLL_S, LONG_POLL_MAX_S
 from seerd.scheduler import make_sim_policy
 from seerd.scheduler.forecast import GrowthTable
-from seerd.scheduler.state import FIRST_CHUNK_SPREAD, ChunkResult, GroupRecord, RequestRecord, SchedulerState
+from seerd.scheduler.state import FIRST_CHUNK_SPREAD, SchedulerState
+from seerd.scheduler.records import ChunkResult, GroupRecord, RequestRecord
 from seerd.scheduler.views import Policy, response_ended
 from seerd.scheduler.wake import WaitingCall, wake_order
 from seerd.sim.costs import InstanceCosts

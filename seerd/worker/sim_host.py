@@ -1,7 +1,7 @@
 """Many simulated workers in one process: `python -m seerd.worker.sim_host --run-dir D --rank R
 --count K` runs workers R..R+K-1 of a run on `--engine-api sim`.
 
-Each is a `seerd.worker.main.Worker`, exactly as a vLLM worker runs: its own HTTP client and
+Each is a `seerd.worker.worker.Worker`, exactly as a vLLM worker runs: its own HTTP client and
 connections, registration, leases, reports, heartbeats, in-place continuations. Only its engine
 is the simulator's model of one (`seerd.worker.sim_engine.SimEngine`). The local launcher starts
 one such process per `SIM_WORKERS_PER_PROCESS` workers (seerd/launch/local.py).
@@ -25,7 +25,7 @@ from seerd.event_loop import run_event_loop
 from seerd.protocol import CONFIG
 from seerd.rundir import RunDir, write_private
 from seerd.worker.client import CallTimings, CoordinatorClient, CoordinatorGone, Retired
-from seerd.worker.main import LoadedWeights, Worker
+from seerd.worker.worker import LoadedWeights, Worker
 from seerd.worker.sim_engine import start_sim_engine
 
 log = logging.getLogger("seerd.worker.sim")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from tests.fixtures.perturb import perturbed_copy
 
-from seerd.report.metrics import continuation_cache_figures
+from seerd.report.cache import continuation_cache_figures
 from seerd.report.source import load_run
 from seerd.serve.client import Client
 from tests.integration.harness import (

@@ -32,7 +32,7 @@ from seerd.coordinator.model_identity import weight_version
 from seerd.db import Rollout
 from seerd.settings import Sampling
 from seerd.worker.engine import ChunkResult, StepClock, Stream, run_whole
-from seerd.worker.main import LoadedWeights
+from seerd.worker.worker import LoadedWeights
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -167,7 +167,7 @@ def scripted_tokens(request_id: int, start: int, count: int) -> list[int]:
 
 
 class ScriptedEngine:
-    """A worker's engine without vLLM (what `seerd.worker.main.Worker` drives): each response is
+    """A worker's engine without vLLM (what `seerd.worker.worker.Worker` drives): each response is
     `length_of(request id)` tokens long, `scripted_tokens`, each chunk's worth after a short pause.
     A request opened to run on past its chunk (`stream`) keeps producing a chunk's worth
     (`chunk_tokens`) per pause until its limit or its end, as a real engine keeps decoding."""

@@ -30,7 +30,7 @@ from seerd.protocol import EngineSettings, HeartbeatBody, LeaseBody, RegisterBod
 from seerd.settings import EngineConfig
 from seerd.signing import Signer, call_key
 from seerd.worker.client import CoordinatorClient
-from seerd.worker.main import Worker
+from seerd.worker.worker import Worker
 from tests.unit.helpers import (
     rollout_weights,
     REPO, FakeClock, ScriptedEngine, loopback_socket, make_book, rows, served, signed_auth,

@@ -24,7 +24,7 @@ from seerd.launch.prepare import read_rollout
 from seerd.ownership import take_ownership
 from seerd.rundir import RunDir
 from seerd.worker.client import CoordinatorClient
-from seerd.worker.main import Worker
+from seerd.worker.worker import Worker
 from tests.unit.helpers import VOCAB_SIZE, ScriptedEngine, rows, rollout_weights
 
 GROUPS, N, MAX_TOKENS = 8, 2, 64

@@ -18,7 +18,7 @@ from seerd.db.codec import unpack_ints
 from seerd.protocol import ChunkReport
 from seerd.server.app import CoordinatorControl, create_app
 from seerd.worker.client import CoordinatorClient
-from seerd.worker.main import Worker
+from seerd.worker.worker import Worker
 from tests.unit.helpers import ScriptedEngine, loopback_socket, make_book, rows, scripted_tokens, served
 from tests.unit.test_worker_answers import SECRET
 

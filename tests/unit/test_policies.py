@@ -550,7 +550,8 @@ def test_a_worker_that_could_not_take_a_request_is_never_given_it():
     # every chunking policy's admission: a worker it says no to gets no chunk of that request,
     # whatever else holds its slots and KV.
     from seerd.scheduler import make_policy
-    from seerd.scheduler.state import GroupRecord, RequestRecord, SchedulerState
+    from seerd.scheduler.state import SchedulerState
+    from seerd.scheduler.records import GroupRecord, RequestRecord
 
     rng = random.Random(7)
     refused = 0
@@ -621,7 +622,8 @@ def test_workers_that_join_after_the_loads_were_built_are_appended_as_a_rebuild_
     # millisecond per lease at 512 workers while they joined): the loads, their index and the
     # open-workers summary are those of a state that rebuilt them all, with leases held meanwhile.
     from seerd.scheduler import make_policy
-    from seerd.scheduler.state import GroupRecord, RequestRecord, SchedulerState
+    from seerd.scheduler.state import SchedulerState
+    from seerd.scheduler.records import GroupRecord, RequestRecord
     from seerd.scheduler.views import OpenWorkers
 
     state = SchedulerState(chunk_tokens=16, first_chunk_spread=0.0)

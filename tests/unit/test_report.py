@@ -30,6 +30,7 @@ from seerd.db import RolloutStatus, add_event
 from seerd.io.prompts import PromptRow
 from seerd.protocol import ChunkReport
 from seerd.report import PLOT_FILES, ReportError, load_run, write_report
+from seerd.report import cache as kv_cache
 from seerd.report import metrics
 from seerd.report.plots import (
     AVOIDED_LABEL, RECOMPUTED_LABEL, TAIL_LABEL, plot_completion_cdf, plot_length_heatmap,
@@ -453,10 +454,10 @@ def test_report_cli_writes_into_run_dir_report_by_default(finished_run, tmp_path
 #                128 (the prompt's block only); (0,1,1) L 300 cacheable 256 cached 128; (1,0,1) L 110
 #                cacheable 0 cached 0
 #   left out:    (1,0,2) (cached tokens not reported); (1,0,3) and (1,1,0) are still leased.
-HAND_SAME = metrics.CacheFigures(chunks=2, cacheable_tokens=640, cached_tokens=512,
+HAND_SAME = kv_cache.CacheFigures(chunks=2, cacheable_tokens=640, cached_tokens=512,
                                  response_cacheable_tokens=56 + 184, response_cached_tokens=56 + 56,
                                  near_full=2)
-HAND_MOVED = metrics.CacheFigures(chunks=4, cacheable_tokens=1024, cached_tokens=640,
+HAND_MOVED = kv_cache.CacheFigures(chunks=4, cacheable_tokens=1024, cached_tokens=640,
                                   response_cacheable_tokens=184 + 184 + 56, response_cached_tokens=184,
                                   near_full=3)
 
@@ -467,33 +468,33 @@ def hand_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_max_cacheable_is_whole_blocks_short_of_the_last_token() -> None:
-    cacheable = [metrics.max_cacheable(n) for n in (0, 1, 128, 129, 256, 257, 300)]
+    cacheable = [kv_cache.max_cacheable(n) for n in (0, 1, 128, 129, 256, 257, 300)]
     assert cacheable == [0, 0, 0, 128, 128, 256, 256]
-    assert metrics.max_cacheable(300, block_size=16) == 288
+    assert kv_cache.max_cacheable(300, block_size=16) == 288
 
 
 def test_continuation_cache_figures_of_hand_built_chunks(hand_run) -> None:
-    cache = metrics.continuation_cache_figures(load_run(hand_run / "state.db"))
+    cache = kv_cache.continuation_cache_figures(load_run(hand_run / "state.db"))
     assert (cache.same, cache.moved, cache.left_out, cache.block_size) == (HAND_SAME, HAND_MOVED, 1, 128)
     assert cache.returned == 1  # (0,0,3) went back to w0, which ran (0,0,0) and (0,0,1)
     assert cache.same.hit_rate == 512 / 640 and cache.same.response_hit_rate == 112 / 240
     assert cache.pool_hit_rate == 640 / 1024 and cache.pool_hit_rate_response == 184 / 424
     assert cache.moved.near_full_fraction == 3 / 4  # (0,0,3) missed: 128 < 384 - 128
     # Another block size changes what could be cached: 16-token blocks, L 300 -> 288.
-    small = metrics.continuation_cache_figures(load_run(hand_run / "state.db"), block_size=16)
+    small = kv_cache.continuation_cache_figures(load_run(hand_run / "state.db"), block_size=16)
     assert small.same.cacheable_tokens == 288 + 384 and small.moved.cacheable_tokens == 384 + 496 + 288 + 96
 
 
 def test_continuation_cache_figures_without_continued_chunks(tmp_path) -> None:
     run = load_run(hand_built_cache_run(tmp_path, tuple(c for c in HAND_CHUNKS if c[2] == 0)) / "state.db")
-    cache = metrics.continuation_cache_figures(run)
+    cache = kv_cache.continuation_cache_figures(run)
     assert cache.same.chunks == cache.moved.chunks == cache.left_out == 0
     assert cache.pool_hit_rate is None and cache.pool_hit_rate_response is None
     assert cache.moved.near_full_fraction is None
 
 
 def test_prefill_avoided_over_time_of_hand_built_chunks(hand_run) -> None:
-    series = metrics.prefill_avoided_over_time(load_run(hand_run / "state.db"))
+    series = kv_cache.prefill_avoided_over_time(load_run(hand_run / "state.db"))
     # By finish: (0,0,0) (1,0,0) (0,1,0) (0,0,1) (0,1,1) (1,0,1) (0,0,2) (0,1,2) [(1,0,2) left out] (0,0,3)
     np.testing.assert_array_equal(series.times, [1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 10.0])
     np.testing.assert_array_equal(series.avoided, [0, 0, 0, 256, 384, 384, 768, 1024, 1152])
@@ -518,7 +519,7 @@ def test_report_of_hand_built_chunks_plots_and_states_the_cache_figures(hand_run
             in summary)
     assert "Left out: 1 finished continued chunk(s)" in summary
     assert "Of the moved chunks, 1 went back to a worker that had run an earlier chunk" in summary
-    series = metrics.prefill_avoided_over_time(written.run)
+    series = kv_cache.prefill_avoided_over_time(written.run)
     fig = plot_prefill_avoided(series, (), metrics.time_origin(written.run))
     lines = {line.get_label(): line for line in fig.axes[0].get_lines()}
     np.testing.assert_array_equal(lines[AVOIDED_LABEL].get_ydata(), np.r_[0, series.avoided])
@@ -532,9 +533,9 @@ def test_report_without_reported_cached_tokens_says_so(finished_run) -> None:
     """The synthetic engine reports no cached tokens (as an older worker): nothing to count, no error."""
     run_dir, out, _ = finished_run
     run = load_run(run_dir / "state.db")
-    cache = metrics.continuation_cache_figures(run)
+    cache = kv_cache.continuation_cache_figures(run)
     continued = int((run.chunks.done & (run.chunks.seq >= 1)).sum())
     assert cache.same.chunks == cache.moved.chunks == 0 and cache.left_out == continued > 0
-    assert len(metrics.prefill_avoided_over_time(run).times) == 0
+    assert len(kv_cache.prefill_avoided_over_time(run).times) == 0
     assert "No continued chunk (seq >= 1) with reported cached tokens has finished yet." in (
         out / "summary.md").read_text()

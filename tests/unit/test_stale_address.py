@@ -21,7 +21,7 @@ from seerd.ownership import take_ownership
 from seerd.settings import EngineConfig
 from seerd.status.locate import ask_coordinator
 from seerd.worker.client import CoordinatorClient, CoordinatorGone
-from seerd.worker.main import Worker
+from seerd.worker.worker import Worker
 from tests.unit.helpers import ScriptedEngine, scripted_tokens, rollout_weights
 from tests.unit.test_export_live import GROUPS, N, build_run
 

@@ -14,9 +14,9 @@ from seerd.io.export import collect_rows
 from seerd.io.prompts import PromptRow
 from seerd.protocol import ChunkGrant, ChunkReport
 from seerd.scheduler import Plan, QueuedRequest, Snapshot, WorkerLoad, make_policy
-from seerd.scheduler.state import GroupRecord, LeaseRecord, RequestRecord, WorkerRecord
+from seerd.scheduler.records import GroupRecord, LeaseRecord, RequestRecord, WorkerRecord
 from seerd.settings import Sampling
-from seerd.worker.main import generation_budget, reported_finish_reason
+from seerd.worker.worker import generation_budget, reported_finish_reason
 from tests.unit.helpers import make_book
 
 TARGETS = {0: (5, 40, 17), 1: (33, 32, 1), 2: (16, 16, 40)}

@@ -17,7 +17,7 @@ from seerd.protocol import ErrorReply, LeaseBody, RegisterBody
 from seerd.server.app import CoordinatorControl, create_app
 from seerd.signing import REPLY_HEADER, Mac, body_digest, call_key, parse_authorization, reply_mac
 from seerd.worker.client import CoordinatorClient, CoordinatorGone, CoordinatorRefused, NotRegistered
-from seerd.worker.main import Worker
+from seerd.worker.worker import Worker
 from tests.unit.helpers import ScriptedEngine, loopback_socket, make_book, rows, scripted_tokens, served
 
 SECRET = "s3cret-token"

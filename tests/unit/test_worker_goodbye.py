@@ -13,7 +13,7 @@ from seerd.db import RolloutStatus
 from seerd.ownership import take_ownership
 from seerd.status.snapshot import read_snapshot
 from seerd.worker.client import CoordinatorClient
-from seerd.worker.main import Worker
+from seerd.worker.worker import Worker
 from tests.unit.helpers import ScriptedEngine, rollout_weights
 from tests.unit.test_export_live import build_run
 

@@ -168,7 +168,7 @@ def fit_pool_load(args: argparse.Namespace, medians: dict[int, float]) -> None:
 
 def rollout_figures(run_dir: Path) -> dict:
     from seerd.db import ChunkStatus
-    from seerd.report.metrics import continuation_cache_figures, prefill_avoided_over_time
+    from seerd.report.cache import continuation_cache_figures, prefill_avoided_over_time
     from seerd.report.source import load_run
 
     import sqlite3
