@@ -12,7 +12,6 @@ import asyncio
 import logging
 import os
 import signal
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,10 +25,10 @@ from seerd.book.book import FORECASTS_PER_TICK, LeaseBook
 from seerd.config import RunConfig
 from seerd.coordinator.footprint import check_footprint, mem_available_bytes, run_footprint
 from seerd.coordinator.heap import HeapKeeper
+from seerd.coordinator.load import coordinator_load
 from seerd.coordinator.model_identity import verify_model, weight_version
 from seerd.cpu import CpuSnapshot
 from seerd.db import Engine, Rollout, RolloutStatus, WorkerStatus, add_event, make_engine, make_sessionmaker, queries
-from seerd.db.base import CommitTimes
 from seerd.db.migrate import upgrade_run_database
 from seerd.db.read import UnreadableDatabase
 from seerd.db.sharing import warn_if_shared
@@ -45,7 +44,9 @@ from seerd.scheduler import make_policy
 from seerd.scheduler.registry import policy_traits
 from seerd.server.app import CoordinatorControl, create_app
 from seerd.server.forwarding import ApiFronts, FrontsGuard, api_processes_for
-from seerd.server.guard import ConnectionGuard, api_server, body_limit, limits_for, raise_open_files_limit
+from seerd.server.guard import (
+    ConnectionGuard, api_server, body_limit, limits_for, listening_socket, raise_open_files_limit,
+)
 from seerd.server.latency import watch_loop_lag
 from seerd.status.snapshot import read_snapshot
 
@@ -60,15 +61,6 @@ DONE_LINGER_S = 5.0
 HISTORY_BATCHES = 2
 
 
-def listening_socket(host: str, port: int) -> socket.socket:
-    # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets that name it, and without
-    # it every response waited ~40 ms for the client's delayed ACK (Nagle).
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    return sock
-
-
 class RunNotFound(RuntimeError):
     """No run (database or rollout) where one was expected."""
 
@@ -78,7 +70,7 @@ class CoordinatorResult:
     status: RolloutStatus
     export: ExportResult | None
     reason: str | None = None
-    load: dict | None = None  # where the coordinator's time went (see `_load_figures`)
+    load: dict | None = None  # where the coordinator's time went (`coordinator.load`)
 
 
 def open_database(run_dir: RunDir, *, synchronous: str = "FULL") -> Engine:
@@ -122,22 +114,7 @@ class Coordinator:
         self.run_dir = run_dir
         self.clock = clock
         self.host, self.port = host, port
-        self.engine = open_database(run_dir)
-        rollout = load_rollout(self.engine, rollout_id)
-        self.config = RunConfig.from_json(rollout.config_json)
-        if self.config.sqlite_synchronous != "FULL":  # pragmas are set per connection: reopen
-            self.engine.dispose()
-            self.engine = make_engine(run_dir.db_path, synchronous=self.config.sqlite_synchronous)
-        self.sessions = make_sessionmaker(self.engine)
-        try:
-            verify_model(self.sessions, rollout, allow_change=allow_model_change, now=clock())
-            rollout = load_rollout(self.engine, rollout.id)  # with the fingerprint it now runs under
-            # Before the book is loaded: a run that cannot fit is refused with what it needs (footprint.py).
-            check_footprint(run_footprint(self.engine, rollout.id, expected_workers or self.config.workers),
-                            mem_available_bytes())
-        except BaseException:
-            self.engine.dispose()
-            raise
+        rollout = self._open_run(rollout_id, allow_model_change, expected_workers)
         self.rollout_id = rollout.id
         self.weights_version = weight_version(rollout.model_path, rollout.model_fingerprint)
         self.outputs = outputs or run_dir
@@ -152,20 +129,8 @@ class Coordinator:
         self.max_body_bytes = body_limit(self.config.engine, self.config.chunk_tokens)  # the largest call
         self.heap = heap or HeapKeeper()
         self._own_heap = heap is None
-        # The job's grouped draft server (Seer's DGDS), only when workers draft from it.
-        self.drafts = DraftHost() if self.config.spec.mode == "grouped" else None
-        if self.drafts is not None:
-            self.book.listeners.committed_tokens.append(self.drafts.committed)
-            self.book.listeners.group_ended.append(self.drafts.group_finished)
-        # The job's global KV pool (Mooncake master + metadata server), when workers use it.
         self._own_pool = pool is None
-        if pool is None and self.config.kv_pool.mode == "mooncake":
-            pool = host_pool(run_dir, self.config.kv_pool, host=host, tag=run_tag(run_dir.path, rollout.created_at),
-                             model_path=self.config.model_path)
-        self.pool = pool
-        if self.pool is not None:
-            self.book.listeners.request_ended.append(self.pool.request_finished)
-            self.book.listeners.group_ended.append(self.pool.group_finished)
+        self.drafts, self.pool = self._hosts(pool, rollout.created_at)
         self._drafts_refreshed_at = 0.0
         self.started_at = clock()
         self.cpu_started = CpuSnapshot.now()
@@ -186,6 +151,43 @@ class Coordinator:
         self.drained = False  # the run stopped after a drain: the caller requeues the job
         self.drain_recorded = False
         self._noted_events: list[tuple[float, str, dict]] = []  # `note_event`'s, written at the next tick
+
+    def _open_run(self, rollout_id: int | None, allow_model_change: bool, expected_workers: int | None) -> Rollout:
+        """The run's database open, its config read, the model checked against the fingerprint it
+        was created with, the run's footprint against this machine's memory; the rollout row."""
+        self.engine = open_database(self.run_dir)
+        rollout = load_rollout(self.engine, rollout_id)
+        self.config = RunConfig.from_json(rollout.config_json)
+        if self.config.sqlite_synchronous != "FULL":  # pragmas are set per connection: reopen
+            self.engine.dispose()
+            self.engine = make_engine(self.run_dir.db_path, synchronous=self.config.sqlite_synchronous)
+        self.sessions = make_sessionmaker(self.engine)
+        try:
+            verify_model(self.sessions, rollout, allow_change=allow_model_change, now=self.clock())
+            rollout = load_rollout(self.engine, rollout.id)  # with the fingerprint it now runs under
+            # Before the book is loaded: a run that cannot fit is refused with what it needs (footprint.py).
+            check_footprint(run_footprint(self.engine, rollout.id, expected_workers or self.config.workers),
+                            mem_available_bytes())
+        except BaseException:
+            self.engine.dispose()
+            raise
+        return rollout
+
+    def _hosts(self, pool: PoolHost | None, created_at: float) -> tuple[DraftHost | None, PoolHost | None]:
+        """The job's grouped draft server (Seer's DGDS), only when workers draft from it, and its
+        global KV pool (Mooncake master + metadata server) when workers use it (`pool`: the
+        serve's), each listening to the book."""
+        drafts = DraftHost() if self.config.spec.mode == "grouped" else None
+        if drafts is not None:
+            self.book.listeners.committed_tokens.append(drafts.committed)
+            self.book.listeners.group_ended.append(drafts.group_finished)
+        if pool is None and self.config.kv_pool.mode == "mooncake":
+            pool = host_pool(self.run_dir, self.config.kv_pool, host=self.host,
+                             tag=run_tag(self.run_dir.path, created_at), model_path=self.config.model_path)
+        if pool is not None:
+            self.book.listeners.request_ended.append(pool.request_finished)
+            self.book.listeners.group_ended.append(pool.group_finished)
+        return drafts, pool
 
     @property
     def _owns_run(self) -> bool:
@@ -459,49 +461,14 @@ class Coordinator:
         export_started = time.perf_counter()
         with self.sessions.begin() as session:
             export = export_run(session, self.rollout_id, self.outputs)
-        self.load = self._load_figures(export_s=time.perf_counter() - export_started)
+        self.load = coordinator_load(self.book, self.control, self.heap, started_at=self.started_at,
+                                     cpu_started=self.cpu_started, now=self.clock(),
+                                     export_s=time.perf_counter() - export_started)
         with self.sessions.begin() as session:
             add_event(session, self.rollout_id, self.clock(), "coordinator_load", data=self.load)
         # Outputs are on disk before the run is marked finished: a crash in between re-exports.
         self.book.set_rollout_status(RolloutStatus.FINISHED, self.clock())
         return export
-
-    def _load_figures(self, export_s: float) -> dict:
-        """The coordinator's share of the generation phase, in CPU time of this process."""
-        now, cpu_now = self.clock(), CpuSnapshot.now()
-        wall = max(now - self.started_at, 1e-9)
-        # Engines take tens of seconds to start; the share that matters is of the generation phase,
-        # from the first lease to the report that finished the last request: CPU time of this
-        # process (API, scheduling, commits) then, while the engines generate. The export after it
-        # runs alone and is `cpu_s` minus that. Handler wall times would overlap under concurrency.
-        started = self.book.first_lease_cpu or self.cpu_started
-        ended_at, ended = self.book.completed_at or now, self.book.completed_cpu or cpu_now
-        generating = max(ended_at - (self.book.first_lease_at or self.started_at), 1e-9)
-        generation_cpu = ended.process_s - started.process_s
-        cpu = cpu_now.process_s - started.process_s
-        return {"wall_s": wall, "generation_s": generating, "cpu_s": cpu, "generation_cpu_s": generation_cpu,
-                "generation_cpu_by_thread_s": ended.since(started),
-                "api_wall_s": self.control.busy_s, "export_s": export_s, "api_calls": self.control.calls,
-                "cpu_share": generation_cpu / generating,
-                "longest_commit_s": CommitTimes.longest_s, "slow_commits": CommitTimes.slow,
-                "durable_commits": CommitTimes.durable, "relaxed_commits": CommitTimes.relaxed,
-                **self._wal_sync_figures(),
-                "report_commits": self.control.report_commits, "reports_committed": self.control.reports_committed,
-                "server_calls": self.control.latencies.figures(), "state_turns": self.control.turns.figures(),
-                "largest_state_turn": self.control.largest_turn,
-                "state_turn_seconds": {kind: dict(zip(("wall", "cpu", "run_queue", "slices"),
-                                                      (round(v, 2) for v in seconds)))
-                                       for kind, seconds in self.control.turn_seconds.items()},
-                "slowest_state_turns": self.control.slow_turns.figures(),
-                "slow_checkpoints": [{"at_s": round(self.control.slow_turns.since_first(at), 2), "ms": round(1e3 * s, 1)}
-                                     for at, s in self.book.writer.slow_checkpoints],
-                "lease_plans": self.control.lease_plans.figures(), **self.heap.figures()}
-
-    def _wal_sync_figures(self) -> dict:
-        syncer = self.control.wal_syncer
-        if syncer is None:
-            return {}
-        return {"wal_syncs": syncer.syncs, "wal_sync_s": syncer.sync_s, "longest_wal_sync_s": syncer.longest_sync_s}
 
     def record_event(self, kind: str, data: dict, ts: float | None = None) -> None:
         """One event in its own transaction (outside the state thread only before or after `serve`)."""

@@ -30,7 +30,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from seerd.config import RunConfig
-from seerd.coordinator.daemon import Coordinator, CoordinatorResult, listening_socket, open_database
+from seerd.coordinator.daemon import Coordinator, CoordinatorResult, open_database
 from seerd.coordinator.heap import HeapKeeper
 from seerd.coordinator.model_identity import ModelChanged, fingerprint_json, model_fingerprint, weight_version
 from seerd.db import Engine, queries
@@ -38,15 +38,16 @@ from seerd.db.read import UnreadableDatabase, reading
 from seerd.kvpool.host import host_pool, run_tag
 from seerd.launch.local import WorkerPool
 from seerd.ownership import Ownership
-from seerd.server.app import CoordinatorControl
-from seerd.server.auth import BodyDigestMismatch, SignedCalls, body_mismatch
-from seerd.server.guard import BodyLimitMiddleware
-from seerd.server.guard import ConnectionGuard, api_server, limits_for, raise_open_files_limit
 from seerd.protocol import (
     BATCH_GROUPS_AFTER, BATCH_GROUPS_WAIT, BATCH_WAIT_MAX_S, BATCHES, CONFIG, CONFIG_AFTER_BATCH, BatchBody,
     EngineSettings, ErrorReply, GroupsReply,
 )
 from seerd.rundir import RunDir
+from seerd.server.auth import BodyDigestMismatch, SignedCalls, body_mismatch
+from seerd.server.control import CoordinatorControl
+from seerd.server.guard import (
+    BodyLimitMiddleware, ConnectionGuard, api_server, limits_for, listening_socket, raise_open_files_limit,
+)
 from seerd.serve.batches import BatchRefused, batch_dir, batch_state, create_batch, ended_groups, next_batch
 
 log = logging.getLogger("seerd.serve")

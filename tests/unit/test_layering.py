@@ -264,3 +264,28 @@ def test_only_the_db_package_imports_sqlalchemy_or_sqlite3():
                     found.append(f"  {module} -> {name} ({path.relative_to(REPO)}:{node.lineno}{', ' + where if where else ''})")
     if found:
         pytest.fail("modules outside seerd.db import SQL libraries:\n" + "\n".join(found), pytrace=False)
+
+
+MAX_MODULE_LINES = 500  # ../shared/DESIGN.md: small modules
+MAX_FUNCTION_LINES = 80  # in the daemon's own packages, whose middle is the hardest to read
+
+
+def test_modules_stay_small():
+    big = [f"  {path.relative_to(REPO)}: {lines} lines" for path in sorted(set(module_files().values()))
+           if (lines := len(path.read_text().splitlines())) > MAX_MODULE_LINES]
+    if big:
+        pytest.fail(f"modules over {MAX_MODULE_LINES} lines (split them along a noun or a step):\n" + "\n".join(big),
+                    pytrace=False)
+
+
+def test_the_daemons_functions_stay_short():
+    long = []
+    for module, path in sorted(module_files().items()):
+        if not any(in_package(module, package) for package in ("seerd.coordinator", "seerd.server", "seerd.book")):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and \
+                    (lines := node.end_lineno - node.lineno + 1) > MAX_FUNCTION_LINES:
+                long.append(f"  {module}.{node.name} ({path.relative_to(REPO)}:{node.lineno}): {lines} lines")
+    if long:
+        pytest.fail(f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(long), pytrace=False)
