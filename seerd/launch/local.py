@@ -164,6 +164,7 @@ class WorkerPool:
         """Restart workers that died; return a reason to stop when none can run any more, or when a
         worker failed the same way twice with no `progress` (the run's output tokens) in between."""
         if rollout_complete:
+            self._note_late_exits()
             return None
         for name, holder in list(self.holders.items()):
             if holder.poll() is not None:  # the pool lost this node's memory: workers recompute meanwhile
@@ -209,6 +210,20 @@ class WorkerPool:
                     RESTARTS_PER_WORKER, ended.log_lines())
         self._spawn(rank)
         return None
+
+    def _note_late_exits(self) -> None:
+        """Workers that failed as the rollout completed: said and recorded, not started again."""
+        for rank, proc in list(self.procs.items()):
+            code = proc.poll()
+            if not code:  # running, or done: heard the rollout is complete
+                continue
+            _kill_group(proc)
+            del self.procs[rank]
+            ended = EndedWorker(rank, describe_exit(code), self.log_path(rank),
+                                log_tail(self.log_path(rank), since=self.log_starts.get(rank, 0)), None)
+            self.ended.append(ended)
+            log.warning("worker %d %s; not started again: the rollout is complete; %s", rank, ended.exit.summary(),
+                        ended.log_lines())
 
     def _last_of_each_rank(self) -> list[EndedWorker]:
         last = {e.rank: e for e in self.ended}

@@ -104,3 +104,28 @@ def test_a_worker_that_dies_again_after_the_run_progressed_keeps_its_restarts(ru
     assert pool.restarts[0] == RESTARTS_PER_WORKER
     assert reason.startswith(f"every worker exited {RESTARTS_PER_WORKER + 1} times (worker 0: killed by SIGKILL")
     assert len(pool.take_ended()) == RESTARTS_PER_WORKER + 1
+
+
+def test_a_worker_that_fails_as_the_rollout_completes_is_said_and_not_started_again(run_dir):
+    pool = SignalPool(run_dir, 1, signal.SIGSEGV)
+    pool.start()
+    try:
+        pool.procs[0].wait(timeout=60)
+        assert pool.supervise(True) is None  # the rollout is complete
+        assert pool.supervise(True) is None  # seen once
+    finally:
+        pool.stop(complete=True, grace_s=0)
+    (ended,) = pool.take_ended()
+    assert ended.exit.signal == "SIGSEGV" and ended.restart is None and pool.restarts[0] == 0
+
+
+def test_a_worker_done_with_the_rollout_is_no_exit_to_record(run_dir):
+    pool = SignalPool(run_dir, 1, 0)  # a process that ends on its own, code 0
+    pool.code = "print('done')"
+    pool.start()
+    try:
+        pool.procs[0].wait(timeout=60)
+        assert pool.supervise(True) is None
+    finally:
+        pool.stop(complete=True, grace_s=0)
+    assert pool.take_ended() == []
